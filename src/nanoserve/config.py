@@ -1,0 +1,145 @@
+"""Engine and model configuration: validated user arguments and a normalised model description."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    """The `LLM(...)` arguments, validated; shared by the offline API, the CLI and the server."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError("dtype must be one of auto, float32, float16, bfloat16, "
+                             f"got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    """What the runtime needs to know about a model, read from a Hugging Face config.
+
+    Normalises the differences between config layouts: ``rope_parameters`` (transformers 5)
+    versus ``rope_theta`` + ``rope_scaling``, a missing ``head_dim``, and EOS ids spread over
+    config.json and generation_config.json.
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> "ModelConfig":
+        arch = (getattr(hf_config, "architectures", None) or [_arch_from_type(hf_config)])[0]
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        theta, scaling = _rope_of(hf_config)
+        eos = _as_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        return cls(
+            architecture=arch,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=hf_config.vocab_size,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf_config, "attention_bias", False))
+            or arch == "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=str(dtype).replace("torch.", "") if dtype else "float32",
+            eos_token_ids=sorted(set(eos)),
+        )
+
+
+def _arch_from_type(hf_config: Any) -> str:
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "mistral": "LlamaForCausalLM"}
+    return names.get(getattr(hf_config, "model_type", ""), str(getattr(hf_config, "model_type")))
+
+
+def _rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The local model folder or .gguf file; ``None`` means the packaged default model."""
+    if model is None:
+        from nanoserve.models.gguf import default_model_path
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (nanoserve loads "
+                                "local Hugging Face folders or .gguf files)")
+    return path

@@ -1,0 +1,136 @@
+"""The KV cache's control plane: which fixed-size blocks hold which tokens, shared or not."""
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chain hash of a full block: depends on every token before it through ``parent_hash``."""
+    h = xxhash.xxh64()
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(8, "little"))
+    h.update(array("I", token_ids).tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    """One cache block: its reference count and, once full and computed, its prefix hash."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out cache blocks, shares full blocks between requests with the same prefix.
+
+    A full block is registered under the chain hash of its tokens once its K/V are computed.
+    Freed blocks keep their hash and go to the back of an LRU free list, so a later request
+    with the same prefix can take them back until they are reused for something else.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding a prefix of ``token_ids``, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        parent: int | None = None
+        usable = (len(token_ids) - 1) // self.block_size
+        for i in range(usable):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash_block(parent, chunk)
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            matched.append(block_id)
+        return matched
+
+    def count_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_queries += num_queried
+        self.prefix_hits += num_hit
+
+    def num_idle(self, block_ids: list[int]) -> int:
+        """How many of these blocks sit on the free list (taking them shrinks it)."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def take_cached(self, block_ids: list[int]) -> None:
+        """Add a reference to each matched block, pulling it off the free list if idle."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+
+    def can_allocate(self, num_new_blocks: int) -> bool:
+        return num_new_blocks <= len(self.free)
+
+    def allocate(self, num_new_blocks: int) -> list[int]:
+        """Fresh blocks from the LRU end of the free list; their old cache entries are dropped."""
+        if num_new_blocks > len(self.free):
+            raise RuntimeError(f"asked for {num_new_blocks} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(num_new_blocks):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            out.append(block_id)
+        return out
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference from each; tail blocks first so they are evicted before heads."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+
+    def register_full_blocks(self, block_table: list[int], token_ids: list[int],
+                             num_computed: int, num_registered: int) -> int:
+        """Hash every newly full, computed block of a sequence; returns how many are registered."""
+        if not self.enable_prefix_caching:
+            return num_registered
+        num_full = num_computed // self.block_size
+        parent = self.blocks[block_table[num_registered - 1]].hash if num_registered else None
+        for i in range(num_registered, num_full):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash_block(parent, chunk)
+            block = self.blocks[block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = parent, chunk
+                self.cached.setdefault(parent, block.block_id)
+        return max(num_full, num_registered)

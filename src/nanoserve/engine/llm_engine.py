@@ -1,0 +1,254 @@
+"""LLMEngine: validates and tokenizes requests, runs scheduler steps, turns tokens into outputs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol
+
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nanoserve.engine.request import FinishReason, Request
+from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
+from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.runner.inputs import SequenceChunk, StepInput, StepOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+class Executor(Protocol):
+    """Runs model steps on some device(s); the engine only sees this."""
+
+    num_kv_blocks: int
+
+    def execute(self, step: StepInput) -> StepOutput: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_partial_prefills: int  # prefill chunks that stopped short of the prompt's end
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    """Tokenizes, validates, schedules and runs requests, one ``step()`` at a time.
+
+    Not thread-safe: one caller (the offline LLM, or the async engine's thread) drives it.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any,
+                 executor: Executor, model_name: str):
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.model_name = model_name
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.aborted: list[Request] = []
+        self.finished_ids: list[str] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from nanoserve.config import resolve_model_path
+        from nanoserve.models.loader import load_model_assets
+        from nanoserve.runner.executor import make_executor
+
+        path = resolve_model_path(config.model)
+        hf_config, tokenizer, extra_eos = load_model_assets(path)
+        model_config = ModelConfig.from_hf(hf_config, extra_eos)
+        executor = make_executor(config, model_config, path)
+        return cls(config, model_config, tokenizer, executor, str(path))
+
+    # ---- requests in ----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if len(ids) + (params.max_tokens or 1) > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})")
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        blocks = self.block_manager.blocks_needed(len(ids) + max_tokens)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV cache blocks for {len(ids)} prompt + {max_tokens} "
+                f"new tokens but the whole cache has {self.block_manager.num_blocks}; "
+                "lower max_tokens or give the cache more memory")
+        eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
+        req = Request(request_id, text, ids, params, max_tokens, eos,
+                      arrival_time=arrival_time or time.time())
+        self.requests[request_id] = req
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.skip_special_tokens)
+        self.scheduler.add(req)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})"
+                                 f", got {bad[:5]}")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return text, ids
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
+            self.scheduler.finish(req)
+            req.finish(FinishReason.ABORT)
+            self.aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.aborted)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._finalize(req) for req in self.aborted]
+        self.aborted = []
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return outputs
+        step_out = self.executor.execute(self._step_input(sched.chunks))
+        self.finished_ids = []
+        for chunk in sched.chunks:
+            self.scheduler.advance(chunk)
+        now = time.time()
+        sampling = [c for c in sched.chunks if c.samples]
+        logprobs = step_out.logprobs or [None] * len(sampling)
+        for chunk, token, token_logprobs in zip(sampling, step_out.token_ids, logprobs):
+            req = chunk.request
+            if req.first_token_time is None:
+                self.prompt_tokens += req.num_prompt_tokens
+            if token_logprobs is not None:
+                req.logprobs = req.logprobs if req.logprobs is not None else []
+                req.logprobs.append(token_logprobs)
+            self._append_token(req, token, now)
+            if req.finished:
+                self.scheduler.finish(req)
+                outputs.append(self._finalize(req))
+            else:
+                outputs.append(self._output(req))
+        return outputs
+
+    def _step_input(self, chunks: list[ScheduledChunk]) -> StepInput:
+        seqs = []
+        for c in chunks:
+            req, params = c.request, c.request.params
+            banned = []
+            if req.num_output_tokens < params.min_tokens:
+                banned = list(req.eos_token_ids) + list(params.stop_token_ids)
+            seqs.append(SequenceChunk(
+                request_id=req.request_id,
+                token_ids=req.token_ids[c.start:c.start + c.num_tokens],
+                start=c.start, block_table=req.block_table, sample=c.samples, params=params,
+                prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+                banned_token_ids=banned))
+        return StepInput(seqs, self.finished_ids)
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.token_ids.append(token)
+        self.generation_tokens += 1
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+        params = req.params
+        past_min = req.num_output_tokens > params.min_tokens
+        if past_min and token in req.eos_token_ids:
+            req.finish(FinishReason.STOP)
+        elif past_min and token in params.stop_token_ids:
+            if params.include_stop_str_in_output:
+                req.output_text += self.detokenizers[req.request_id].push(token)
+            req.finish(FinishReason.STOP, token)
+        else:
+            delta = self.detokenizers[req.request_id].push(token)
+            req.output_text += delta
+            if past_min and params.stop_strings and delta:
+                self._check_stop_strings(req, len(delta))
+        if not req.finished and (req.num_output_tokens >= req.max_tokens
+                                 or req.num_tokens >= self.max_model_len):
+            req.finish(FinishReason.LENGTH)
+
+    def _check_stop_strings(self, req: Request, num_new_chars: int) -> None:
+        hit = find_stop(req.output_text, num_new_chars, req.params.stop_strings)
+        if hit is None:
+            return
+        idx, stop = hit
+        end = idx + len(stop) if req.params.include_stop_str_in_output else idx
+        req.output_text = req.output_text[:end]
+        req.finish(FinishReason.STOP, stop)
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def _visible_text(self, req: Request) -> str:
+        """Running text minus a tail that might still become a stop string."""
+        stops = req.params.stop_strings
+        if req.finished or not stops or req.params.include_stop_str_in_output:
+            return req.output_text
+        hold = max(len(s) for s in stops) - 1
+        return req.output_text[:len(req.output_text) - hold] if hold else req.output_text
+
+    def _output(self, req: Request) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=self._visible_text(req), token_ids=req.output_token_ids,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason, logprobs=req.logprobs)
+        metrics = {k: v for k, v in (
+            ("arrival_time", req.arrival_time), ("first_scheduled_time", req.first_scheduled_time),
+            ("first_token_time", req.first_token_time), ("last_token_time", req.last_token_time),
+            ("finished_time", req.finished_time)) if v is not None}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                             req.finished, req.num_cached_tokens, metrics)
+
+    def _finalize(self, req: Request) -> RequestOutput:
+        del self.requests[req.request_id]
+        del self.detokenizers[req.request_id]
+        self.finished_ids.append(req.request_id)
+        return self._output(req)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage(), num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_partial_prefills=self.scheduler.num_partial_prefills,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+
+    def close(self) -> None:
+        self.executor.close()

@@ -1,0 +1,82 @@
+"""A request's life in the engine: its tokens, progress, blocks and how it finished."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    """One generation request: prompt + output tokens and how far the KV cache covers them.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache; a request samples a token
+    in a step that brings it up to ``num_tokens``. Preemption resets it to 0 and the request
+    recomputes prompt and output so far, so nothing it produced is lost.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.time)
+    token_ids: list[int] = field(init=False)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finished_time = time.time()

@@ -1,0 +1,132 @@
+"""Continuous batching: which requests run this step, with how many tokens each."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at position ``start`` go into this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens, so a token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Mixes decodes and (chunked) prefills under a per-step token budget.
+
+    Running requests go first, oldest first; when blocks run out the newest running request
+    is preempted (its blocks freed, its progress reset so it is recomputed later). Waiting
+    requests are admitted in FIFO order while blocks and the budget last, reusing cached
+    prefix blocks.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_partial_prefills = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
+            while not self.bm.can_allocate(need) and self.running[-1] is not req:
+                out.preempted.append(self._preempt(self.running.pop()))
+            if not self.bm.can_allocate(need):
+                out.preempted.append(self._preempt(self.running.pop()))
+                break
+            req.block_table += self.bm.allocate(need)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.bm.match_prefix(req.token_ids)
+            computed = len(hits) * self.bm.block_size
+            n = min(req.num_tokens - computed, budget)
+            need = self.bm.blocks_needed(computed + n) - len(hits)
+            if not self.bm.can_allocate(need + self.bm.num_idle(hits)):
+                break
+            self.waiting.popleft()
+            self.bm.count_prefix_lookup(req.num_tokens, computed)
+            self.bm.take_cached(hits)
+            req.block_table = hits + self.bm.allocate(need)
+            req.num_computed_tokens = computed
+            req.num_registered_blocks = len(hits)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+                req.num_cached_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, computed, n))
+            budget -= n
+        return out
+
+    def advance(self, chunk: ScheduledChunk) -> None:
+        """Record that the chunk's K/V are now in the cache; publish newly full blocks."""
+        req = chunk.request
+        if not chunk.samples:
+            self.num_partial_prefills += 1
+        req.num_computed_tokens = chunk.start + chunk.num_tokens
+        req.num_registered_blocks = self.bm.register_full_blocks(
+            req.block_table, req.token_ids, req.num_computed_tokens, req.num_registered_blocks)
+
+    def finish(self, req: Request) -> None:
+        """Release a finished or aborted request's blocks, wherever it is queued."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def _preempt(self, req: Request) -> Request:
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        return req
+
+    def _release(self, req: Request) -> None:
+        self.bm.free_blocks(req.block_table)
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0

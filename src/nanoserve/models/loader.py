@@ -1,0 +1,65 @@
+"""Reads a model from disk: a Hugging Face folder (safetensors) or a GGUF file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from nanoserve.models import gguf
+
+
+def load_model_assets(path: Path) -> tuple[Any, Any, list[int]]:
+    """(transformers config, tokenizer, extra EOS ids from generation_config) for a model path."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from nanoserve.models.registry import check_architecture
+
+    if gguf.is_gguf(path):
+        config = gguf.load_gguf_config(path)
+        if not getattr(config, "architectures", None):
+            config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                     "qwen3": "Qwen3ForCausalLM"}.get(config.model_type,
+                                                                       config.model_type)]
+        check_architecture(config)
+        return config, gguf.load_gguf_tokenizer(path), gguf.load_gguf_eos_token_ids(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder "
+                                "(nanoserve loads HF folders with safetensors, or .gguf files)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    check_architecture(config)
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights "
+                                "(pickle checkpoints are not loaded, by design)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return config, tokenizer, _generation_eos_ids(path)
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return []
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor under its Hugging Face name, one at a time."""
+    if gguf.is_gguf(path):
+        yield from gguf.iter_gguf_weights(path, dtype)
+        return
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).to(dtype)
+        except SafetensorError as exc:
+            raise ValueError(f"cannot read weights from {file}: {exc}") from exc

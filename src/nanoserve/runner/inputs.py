@@ -1,0 +1,35 @@
+"""What the engine asks the model runner to compute in one step (plain Python, no tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceChunk:
+    """New tokens of one sequence for this step, with where they go in its paged cache."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # position of token_ids[0] in the sequence
+    block_table: list[int]
+    sample: bool  # the chunk ends the sequence's known tokens: sample the next one
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: list[int]  # not to be sampled now (EOS and stops before min_tokens)
+
+
+@dataclass
+class StepInput:
+    chunks: list[SequenceChunk]
+    finished_request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """Sampled token per sampling chunk, in order; optional logprobs alongside."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None

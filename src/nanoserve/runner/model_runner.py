@@ -1,0 +1,203 @@
+"""ModelRunner: owns the model, its KV cache and the sampler; turns a StepInput into tokens."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanoserve.attention.backend import select_backend
+from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.models.loader import iter_weights
+from nanoserve.models.registry import build_model
+from nanoserve.runner.inputs import SequenceChunk, StepInput, StepOutput
+from nanoserve.runner.sampler import Sampler, SamplingTensors
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and lossy
+    return torch.float16 if model_dtype == "float16" else torch.bfloat16
+
+
+class ModelRunner:
+    """Runs one tensor-parallel rank's share of the model for a step on one device."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path,
+                 device: torch.device | None = None):
+        self.config = config
+        self.model_config = model_config
+        self.device = device or resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        torch.manual_seed(config.seed)
+        self.backend = select_backend(self.device)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(model_config, self.backend)
+        finally:
+            torch.set_default_dtype(previous)
+        self.model.load_weights(iter_weights(path, self.dtype))
+        self.model.eval()
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.num_kv_blocks = self._decide_num_blocks()
+        self._allocate_kv_cache()
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    def _attention_layers(self) -> list[torch.nn.Module]:
+        return [layer.self_attn for layer in self.model.model.layers]
+
+    def _bytes_per_block(self) -> int:
+        attn = self._attention_layers()[0]
+        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+        return per_layer * len(self._attention_layers()) * self.dtype.itemsize
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_memory or self._default_kv_budget()
+        num = budget // self._bytes_per_block()
+        # Never more than every admitted sequence could fill at full length.
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        num = min(num, self.config.max_num_seqs * blocks_per_seq)
+        if num < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+                             f"{self._bytes_per_block()} bytes")
+        return int(num)
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        in_use_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        return int(total * self.config.gpu_memory_utilization - peak - max(in_use_by_others, 0))
+
+    def _allocate_kv_cache(self) -> None:
+        attn = self._attention_layers()[0]
+        shape = (self.num_kv_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        for layer in self._attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward over the largest batch the scheduler may build, to measure peak memory."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        q_lens = [num_tokens // num_seqs] * num_seqs
+        q_lens[-1] += num_tokens - sum(q_lens)
+        chunks = [SequenceChunk(str(i), [0] * n, 0, [], True, None, [], [], [])
+                  for i, n in enumerate(q_lens)]
+        ids, positions, meta, last = self._prepare(chunks, dummy=True)
+        with attention_metadata(meta):
+            hidden = self.model(ids, positions)
+        self.model.compute_logits(hidden[last])
+        torch.cuda.synchronize(self.device)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _prepare(self, chunks: list[SequenceChunk], dummy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        q_lens, seq_lens, last = [], [], []
+        for c in chunks:
+            n = len(c.token_ids)
+            ids += c.token_ids
+            positions += range(c.start, c.start + n)
+            q_lens.append(n)
+            seq_lens.append(c.start + n)
+            if c.sample:
+                last.append(len(ids) - 1)
+        width = max(1, max(len(c.block_table) for c in chunks))
+        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+        pin = self.device.type == "cuda"
+        host = {
+            "ids": torch.tensor(ids, dtype=torch.int64),
+            "positions": torch.tensor(positions, dtype=torch.int64),
+            "q_lens": torch.tensor(q_lens, dtype=torch.int32),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "tables": torch.tensor(tables, dtype=torch.int32),
+            "last": torch.tensor(last, dtype=torch.int64),
+        }
+        dev = {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
+               for k, v in host.items()}
+        query_start = torch.zeros(len(chunks) + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(dev["q_lens"], 0, out=query_start[1:])
+        if dummy:
+            slots = torch.full_like(dev["positions"], -1)
+        else:
+            seq_of_token = torch.repeat_interleave(
+                torch.arange(len(chunks), device=self.device), dev["q_lens"].long(),
+                output_size=len(ids))
+            pos = dev["positions"]
+            blocks = dev["tables"].long()[seq_of_token, pos // self.block_size]
+            slots = blocks * self.block_size + pos % self.block_size
+        meta = AttentionMetadata(query_start_loc=query_start, seq_lens=dev["seq_lens"],
+                                 slot_mapping=slots, block_tables=dev["tables"],
+                                 max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        return dev["ids"], dev["positions"], meta, dev["last"]
+
+    def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
+        if chunk.params.seed is None:
+            return None
+        gen = self.generators.get(chunk.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(chunk.params.seed)
+            self.generators[chunk.request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        for rid in step.finished_request_ids:
+            self.generators.pop(rid, None)
+        ids, positions, meta, last = self._prepare(step.chunks)
+        with attention_metadata(meta):
+            hidden = self.model(ids, positions)
+        sampling = [c for c in step.chunks if c.sample]
+        if not sampling:
+            return StepOutput([])
+        logits = self.model.compute_logits(hidden[last]).float()
+        tensors = SamplingTensors.build(
+            [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
+            [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],
+            [self._generator(c) for c in sampling], self.model_config.vocab_size, self.device)
+        out = self.sampler(logits, tensors)
+        if out.logprobs is None:
+            return StepOutput(out.token_ids.tolist())
+        return StepOutput(out.token_ids.tolist(), _logprob_dicts(sampling, out))
+
+    def close(self) -> None:
+        self.generators.clear()
+
+
+def _logprob_dicts(chunks: list[SequenceChunk], out) -> list[dict[int, float] | None]:
+    """Per sampled row: {token id: logprob} for the sampled token and the row's top-k."""
+    values, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
+    result: list[dict[int, float] | None] = []
+    for chunk, row_values, row_ids in zip(chunks, values, ids):
+        k = chunk.params.logprobs
+        result.append(None if k is None else dict(zip(row_ids[:k + 1], row_values[:k + 1])))
+    return result

@@ -1,0 +1,108 @@
+"""Per-request sampling parameters, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop; mirrors vLLM's SamplingParams.
+
+    Every field is checked in ``__post_init__``: an invalid value raises ValueError naming the
+    field and the allowed range, so bad input is refused before it reaches the engine.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_number("temperature", self.temperature, low=0.0, high=None, rule=">= 0")
+        _check_number("top_p", self.top_p, low=0.0, high=1.0, rule="in (0, 1]", low_open=True)
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disable) or >= 1, got {self.top_k}")
+        _check_number("min_p", self.min_p, low=0.0, high=1.0, rule="in [0, 1]")
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=None,
+                      rule="> 0", low_open=True)
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0,
+                      rule="in [-2, 2]")
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0,
+                      rule="in [-2, 2]")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= 20:
+                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        self.stop_strings = self._normalise_stop(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers, "
+                             f"got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @staticmethod
+    def _normalise_stop(stop: str | list[str] | None) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain empty strings")
+        return list(stop)
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_number(name: str, value: object, *, low: float | None, high: float | None,
+                  rule: str, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number {rule}, got {value!r}")
+    if value != value:  # NaN compares unequal to itself
+        raise ValueError(f"{name} must be a number {rule}, got NaN")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        raise ValueError(f"{name} must be {rule}, got {value}")

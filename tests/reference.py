@@ -1,0 +1,32 @@
+"""transformers as the reference: greedy continuations computed by `generate`."""
+from __future__ import annotations
+
+import torch
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3, 4,",
+    "The meaning of life is",
+    "Translate to French: good morning, how are you today? I hope you slept well.",
+    "Q: What is 2+2?\nA:",
+    "Hi",
+]
+
+
+def hf_greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of exactly ``max_new_tokens`` (EOS suppressed, as min_tokens does)."""
+    outs = []
+    for ids in prompt_ids:
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(seq[0, len(ids):].tolist())
+    return outs
+
+
+def greedy_params(max_tokens: int = 32):
+    from nanoserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)

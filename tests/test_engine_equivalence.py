@@ -1,0 +1,75 @@
+"""Greedy outputs equal transformers' token for token, under every scheduling regime."""
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import PROMPTS, greedy_params, hf_greedy
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanoserve import LLM
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = [tok.encode(p) for p in PROMPTS]
+    return ids, hf_greedy(model, ids, NEW_TOKENS)
+
+
+def _generate(path, ids, **engine_args):
+    llm = LLM(str(path), device="cpu", dtype="float32", **engine_args)
+    outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+def test_default_engine_matches_transformers(tiny_model, expected):
+    ids, want = expected
+    got, stats = _generate(tiny_model, ids)
+    assert got == want
+    assert stats.num_preemptions == 0
+
+
+def test_preemption_keeps_outputs_exact(tiny_model, expected):
+    ids, want = expected
+    got, stats = _generate(tiny_model, ids, num_kv_blocks=12, block_size=8)
+    assert stats.num_preemptions > 0
+    assert got == want
+
+
+def test_chunked_prefill_keeps_outputs_exact(tiny_model, expected):
+    ids, want = expected
+    got, stats = _generate(tiny_model, ids, max_num_batched_tokens=7)
+    assert stats.num_partial_prefills > 0
+    assert got == want
+
+
+def test_prefix_cache_hits_keep_outputs_exact(tiny_llama):
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    shared = tok.encode("You are a helpful assistant. Answer briefly and truthfully. " * 4)
+    ids = [shared + tok.encode(q, add_special_tokens=False)
+           for q in (" Who?", " What is the sea?", " When", " Where is it?")]
+    want = hf_greedy(model, ids, NEW_TOKENS)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", block_size=8)
+    first = llm.generate(ids[:1], greedy_params(NEW_TOKENS), use_tqdm=False)
+    rest = llm.generate(ids[1:], greedy_params(NEW_TOKENS), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits >= 3 * (len(shared) // 8) * 8
+    assert all(o.num_cached_tokens > 0 for o in rest)
+    assert [o.outputs[0].token_ids for o in first + rest] == want
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_path):
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    llm = LLM(str(smollm2_path), device="cpu", dtype="float32")
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    want = hf_greedy(model, ids, NEW_TOKENS)
+    outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert "Paris" in outs[0].outputs[0].text
