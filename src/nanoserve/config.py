@@ -24,6 +24,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     seed: int = 0
+    load_format: str = "auto"  # "dummy": random weights, for benchmarks of a config's shape
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
@@ -41,6 +42,8 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError("dtype must be one of auto, float32, float16, bfloat16, "
                              f"got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")

@@ -73,7 +73,8 @@ class LLMEngine:
         from nanoserve.runner.executor import make_executor
 
         path = resolve_model_path(config.model)
-        hf_config, tokenizer, extra_eos = load_model_assets(path)
+        hf_config, tokenizer, extra_eos = load_model_assets(
+            path, require_weights=config.load_format != "dummy")
         model_config = ModelConfig.from_hf(hf_config, extra_eos)
         executor = make_executor(config, model_config, path)
         return cls(config, model_config, tokenizer, executor, str(path))

@@ -12,7 +12,6 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -112,6 +111,7 @@ def _resolve_gguf_file(path: str | os.PathLike) -> Path:
 
 
 def _open_reader(file: Path) -> gguf.GGUFReader:
+    import gguf  # lazily: the package is only needed for GGUF files
     try:
         return gguf.GGUFReader(file)
     except _PARSE_ERRORS as e:
@@ -142,6 +142,7 @@ def load_gguf_eos_token_ids(path: str | os.PathLike) -> list[int]:
     Chat models often mark turn ends with a token other than EOS (``eot``/``eom``); the
     config keeps only EOS, so the engine adds these to its stop set.
     """
+    import gguf  # lazily: the package is only needed for GGUF files
     reader = _open_reader(_resolve_gguf_file(path))
     ids: list[int] = []
     for key in (gguf.Keys.Tokenizer.EOS_ID, gguf.Keys.Tokenizer.EOT_ID, gguf.Keys.Tokenizer.EOM_ID):
@@ -178,6 +179,7 @@ def iter_gguf_weights(path: str | os.PathLike,
     beyond what the caller keeps. ``lm_head.weight`` is yielded only when the
     file stores an output matrix; without one, the embeddings are tied.
     """
+    import gguf  # lazily: the package is only needed for GGUF files
     file = _resolve_gguf_file(path)
     reader = _open_reader(file)
     arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)

@@ -10,7 +10,7 @@ import torch
 from nanoserve.models import gguf
 
 
-def load_model_assets(path: Path) -> tuple[Any, Any, list[int]]:
+def load_model_assets(path: Path, require_weights: bool = True) -> tuple[Any, Any, list[int]]:
     """(transformers config, tokenizer, extra EOS ids from generation_config) for a model path."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -32,7 +32,7 @@ def load_model_assets(path: Path) -> tuple[Any, Any, list[int]]:
     except (ValueError, OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
     check_architecture(config)
-    if not list(path.glob("*.safetensors")):
+    if require_weights and not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} holds no *.safetensors weights "
                                 "(pickle checkpoints are not loaded, by design)")
     tokenizer = AutoTokenizer.from_pretrained(path)

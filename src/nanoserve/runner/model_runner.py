@@ -10,6 +10,7 @@ from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.models.loader import iter_weights
 from nanoserve.models.registry import build_model
+from nanoserve.runner.cuda_graph import DecodeGraphs
 from nanoserve.runner.inputs import SequenceChunk, StepInput, StepOutput
 from nanoserve.runner.sampler import Sampler, SamplingTensors
 
@@ -54,12 +55,20 @@ class ModelRunner:
                 self.model = build_model(model_config, self.backend)
         finally:
             torch.set_default_dtype(previous)
-        self.model.load_weights(iter_weights(path, self.dtype))
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            self.model.load_weights(iter_weights(path, self.dtype))
         self.model.eval()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, min(config.max_num_seqs, 512), self._blocks_per_seq(),
+                self.max_model_len, self.device)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -77,25 +86,35 @@ class ModelRunner:
         budget = self.config.kv_cache_memory or self._default_kv_budget()
         num = budget // self._bytes_per_block()
         # Never more than every admitted sequence could fill at full length.
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        num = min(num, self.config.max_num_seqs * blocks_per_seq)
+        num = min(num, self.config.max_num_seqs * self._blocks_per_seq())
         if num < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
                              f"{self._bytes_per_block()} bytes")
         return int(num)
 
+    def _blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
             return CPU_KV_CACHE_BYTES
         free, total = torch.cuda.mem_get_info(self.device)
+        in_use_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        self._allocate_kv_cache(num_blocks=1)  # the profile pass reads through block 0
+        torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
         peak = torch.cuda.max_memory_allocated(self.device)
-        in_use_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        return int(total * self.config.gpu_memory_utilization - peak - max(in_use_by_others, 0))
+        self._allocate_kv_cache(num_blocks=0)
+        torch.cuda.empty_cache()
+        # The sampler's float32 working copies of the logits come on top of the forward's peak.
+        sampler_bytes = 4 * self.config.max_num_seqs * self.model_config.vocab_size * 4
+        return int(total * self.config.gpu_memory_utilization - peak - sampler_bytes
+                   - max(in_use_by_others, 0))
 
-    def _allocate_kv_cache(self) -> None:
+    def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         attn = self._attention_layers()[0]
-        shape = (self.num_kv_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
+        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         for layer in self._attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -174,8 +193,11 @@ class ModelRunner:
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
         ids, positions, meta, last = self._prepare(step.chunks)
-        with attention_metadata(meta):
-            hidden = self.model(ids, positions)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(ids, positions, meta)
+        else:
+            with attention_metadata(meta):
+                hidden = self.model(ids, positions)
         sampling = [c for c in step.chunks if c.sample]
         if not sampling:
             return StepOutput([])
@@ -191,6 +213,17 @@ class ModelRunner:
 
     def close(self) -> None:
         self.generators.clear()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights of the right shapes, for benchmarking architectures without a checkpoint."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=gen)
 
 
 def _logprob_dicts(chunks: list[SequenceChunk], out) -> list[dict[int, float] | None]:

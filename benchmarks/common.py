@@ -1,0 +1,98 @@
+"""Shared benchmark helpers: model folders of real shapes, device bandwidth, JSON output."""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+# Qwen3-0.6B and Qwen3-8B shapes (config.json fields), random weights.
+SHAPES = {
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                       max_position_embeddings=40960, torch_dtype="bfloat16",
+                       eos_token_id=151645, bos_token_id=151643, hidden_act="silu"),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                     max_position_embeddings=40960, torch_dtype="bfloat16",
+                     eos_token_id=151645, bos_token_id=151643, hidden_act="silu"),
+    # Llama-3.2-1B's shape: head_dim 64, llama3 rope scaling.
+    "llama-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=64, intermediate_size=8192, vocab_size=128256,
+                     tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=131072, torch_dtype="bfloat16",
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192},
+                     eos_token_id=128001, bos_token_id=128000, hidden_act="silu"),
+}
+
+QWEN3_TOKENIZER_DIR = Path(".cache/qwen3-tokenizer")
+
+
+def make_model_dir(shape: str, out: Path, tokenizer_dir: Path = QWEN3_TOKENIZER_DIR) -> Path:
+    """A model folder with config.json and a tokenizer, for `load_format="dummy"`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def save_random_hf_model(shape: str, out: Path, seed: int = 0) -> Path:
+    """Random bf16 weights saved by transformers, so both engines load the very same tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    make_model_dir(shape, out)
+    config = AutoConfig.from_pretrained(out)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device memory bandwidth measured as bytes read + written by a large copy."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / iters
+    return 2 * nbytes / elapsed / 1e9
+
+
+def environment() -> dict[str, str]:
+    import triton
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = ""
+    return {"device": gpu, "driver": driver, "torch": torch.__version__,
+            "cuda": str(torch.version.cuda), "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)

@@ -1,0 +1,66 @@
+"""Batch-1 decode latency (ms per output token) against the weight-read floor. One JSON line."""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir
+
+from nanoserve import LLM, SamplingParams
+
+
+def weight_bytes(shape: dict) -> int:
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    return 2 * (layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + shape["vocab_size"] * h)
+
+
+def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    random.seed(0)
+    prompt = [random.randint(0, 10000) for _ in range(args.prompt_len)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
+        llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
+                  enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+        time_generate(llm, prompt, 8, 1)  # warm-up
+        full = time_generate(llm, prompt, args.new_tokens, args.repeats)
+        first = time_generate(llm, prompt, 1, args.repeats)
+        llm.close()
+    bandwidth = copy_bandwidth_gbs()
+    per_token_ms = (full - first) / (args.new_tokens - 1) * 1e3
+    floor_ms = weight_bytes(shape) / (bandwidth * 1e9) * 1e3
+    emit({"bench": "latency", "shape": args.shape, "prompt_len": args.prompt_len,
+          "new_tokens": args.new_tokens, "ms_per_token": round(per_token_ms, 3),
+          "ttft_ms": round(first * 1e3, 2), "floor_ms_per_token": round(floor_ms, 3),
+          "fraction_of_floor": round(floor_ms / per_token_ms, 3),
+          "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
+          **environment()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Offline throughput on nano-vLLM's workload, against the memory-traffic floor and transformers.
+
+256 requests, prompts of randint(100, 1024) random ids, max_tokens randint(100, 1024),
+ignore_eos, temperature 0.6, on a Qwen3-0.6B-shaped model with random bf16 weights.
+Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir
+
+from nanoserve import LLM, SamplingParams
+
+
+def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed: int = 0
+             ) -> tuple[list[list[int]], list[int]]:
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_in))]
+               for _ in range(num_seqs)]
+    max_tokens = [random.randint(100, max_out) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def floor_seconds(shape: dict, prompts: list[list[int]], max_tokens: list[int],
+                  bandwidth_gbs: float) -> float:
+    """Bytes the decode steps must read (all KV + weights once per step) / bandwidth."""
+    kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
+                    * shape["head_dim"] * 2)
+    kv_tokens = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    weights = 2 * (layers * per_layer + shape["vocab_size"] * h)  # LM head read every step
+    return (kv_tokens * kv_per_token + max(max_tokens) * weights) / (bandwidth_gbs * 1e9)
+
+
+def run_transformers(model_dir: Path, prompts: list[list[int]], max_new: int) -> float:
+    """Output tok/s of transformers' batched generate (left padding), capped at max_new tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                   min_new_tokens=max_new, do_sample=True, temperature=0.6, top_k=0)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return len(prompts) * max_new / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--hf-max-new", type=int, default=0,
+                        help="also time transformers' generate, capped at this many tokens")
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+
+    prompts, max_tokens = workload(args.num_seqs)
+    shape = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
+        bandwidth = copy_bandwidth_gbs()
+        t0 = time.perf_counter()
+        llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
+                  max_num_seqs=max(args.num_seqs, 1))
+        load_s = time.perf_counter() - t0
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+                  for n in max_tokens]
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert produced == sum(max_tokens), "every request must run to its max_tokens"
+        floor = floor_seconds(shape, prompts, max_tokens, bandwidth)
+        record = {"bench": "throughput", "shape": args.shape, "num_seqs": args.num_seqs,
+                  "output_tokens": produced, "seconds": round(elapsed, 3),
+                  "output_tok_s": round(produced / elapsed, 1),
+                  "floor_seconds": round(floor, 3), "floor_tok_s": round(produced / floor, 1),
+                  "fraction_of_floor": round(floor / elapsed, 3),
+                  "bandwidth_gbs": round(bandwidth, 1), "num_kv_blocks": llm.engine.stats().num_total_blocks,
+                  "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
+                  "cuda_graphs": not args.enforce_eager}
+        llm.close()
+        del llm
+        torch.cuda.empty_cache()
+        if args.hf_max_new:
+            hf = run_transformers(model_dir, prompts, args.hf_max_new)
+            record.update(hf_tok_s=round(hf, 1), hf_max_new=args.hf_max_new,
+                          speedup_vs_hf=round(produced / elapsed / hf, 1))
+    emit({**record, **environment()})
+
+
+if __name__ == "__main__":
+    main()

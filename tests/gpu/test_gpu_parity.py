@@ -1,0 +1,72 @@
+"""On a CUDA device: the engine in bf16 against transformers in bf16 on the same random weights.
+
+Greedy, 32 tokens, 8 prompts; outputs must be equal, or at the first divergence each side's
+token must be in the other's top-5 (vLLM's logprobs-close rule). Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+NEW_TOKENS = 32
+
+
+def _hf_greedy_with_top5(model, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    top5 = [set(step[0].float().topk(5).indices.tolist()) for step in out.logits]
+    return tokens, top5
+
+
+def assert_logprobs_close(ours: list[int], our_top5: list[set[int]], theirs: list[int],
+                          their_top5: list[set[int]]) -> None:
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            assert a in their_top5[i] and b in our_top5[i], (
+                f"diverged at token {i}: ours {a} (not in their top-5 {their_top5[i]}) "
+                f"or theirs {b} (not in our top-5 {our_top5[i]})")
+            return
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factory):
+    from common import save_random_hf_model
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve import LLM, SamplingParams
+
+    model_dir = tmp_path_factory.getbasetemp() / f"hf-{shape}"
+    if not (model_dir / "config.json").exists() or not list(model_dir.glob("*.safetensors")):
+        save_random_hf_model(shape, model_dir)
+    random.seed(1)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 300))]
+               for _ in range(8)]
+    llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=enforce_eager, max_num_seqs=16,
+              gpu_memory_utilization=0.5)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
+                            logprobs=5)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    exact = 0
+    for prompt, out in zip(prompts, outs):
+        theirs, their_top5 = _hf_greedy_with_top5(model, prompt)
+        ours = out.outputs[0].token_ids
+        our_top5 = [set(sorted(d, key=d.get, reverse=True)[:5]) if len(d) > 5 else set(d)
+                    for d in out.outputs[0].logprobs]
+        exact += ours == theirs
+        assert_logprobs_close(ours, our_top5, theirs, their_top5)
+    print(f"{shape} eager={enforce_eager}: {exact}/8 identical")
