@@ -51,11 +51,12 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     q_abs = (seq_lens - q_lens)[:, None] + q_pos[None, :]
     mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
 
-    qh = q_pad.permute(0, 2, 1, 3).float()  # [B, H, max_q, D]
-    kh = k_pad.permute(0, 2, 1, 3).float().repeat_interleave(group, dim=1)
-    vh = v_pad.permute(0, 2, 1, 3).float().repeat_interleave(group, dim=1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
+    qh = q_pad.permute(0, 2, 1, 3).to(acc)  # [B, H, max_q, D]
+    kh = k_pad.permute(0, 2, 1, 3).to(acc).repeat_interleave(group, dim=1)
+    vh = v_pad.permute(0, 2, 1, 3).to(acc).repeat_interleave(group, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows have no keys
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length sequence has no keys
     out = torch.matmul(probs, vh).permute(0, 2, 1, 3)  # [B, max_q, H, D]
     return out[q_valid].to(q.dtype)

@@ -40,7 +40,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--repetition-penalty", type=float, default=1.0)
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
-    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--sampling-seed", type=int, default=None,
+                       help="per-request sampling seed (--seed seeds the engine)")
     group.add_argument("--max-tokens", type=int, default=128)
     group.add_argument("--stop", action="append", default=None)
     group.add_argument("--ignore-eos", action="store_true")
@@ -50,7 +51,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        frequency_penalty=args.frequency_penalty, seed=args.sampling_seed, max_tokens=args.max_tokens,
         stop=args.stop, ignore_eos=args.ignore_eos)
 
 

@@ -1,0 +1,273 @@
+"""AsyncLLMEngine: one thread owns an LLMEngine and steps it; asyncio callers stream outputs.
+
+Why a thread: a model step takes milliseconds to seconds and must never block the event loop,
+while the LLMEngine itself is not thread-safe. So exactly one thread touches it. Callers talk
+to that thread through a thread-safe command queue (add / abort / stop), drained between
+steps, and get outputs back on per-request asyncio queues via ``call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from nanoserve.engine.request_stream import RequestStream, call_in_loop, deliver, resolve_future
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine.llm_engine import EngineStats, LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is stopped or shutting down: it takes no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request ended by a failure inside the engine rather than by its own input."""
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float | None
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str] | None  # None: every request in flight
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    """Serves many concurrent asyncio requests from one LLMEngine running in its own thread."""
+
+    def __init__(self, make_engine: Callable[[], "LLMEngine"]):
+        self._make_engine = make_engine
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._accepting = True
+        self._live: dict[str, RequestStream] = {}  # touched by the engine thread only
+        self._listeners: list[Callable[[RequestOutput], None]] = []
+        self._engine: LLMEngine | None = None  # stepped by its own thread only
+        self.stats: EngineStats | None = None  # snapshot after the latest step
+
+    @classmethod
+    def from_config(cls, config: "EngineConfig") -> "AsyncLLMEngine":
+        from nanoserve.engine.llm_engine import LLMEngine
+
+        return cls(lambda: LLMEngine.from_config(config))
+
+    # ---- caller side (any thread / the event loop) -------------------------------------------
+
+    def start(self) -> None:
+        """Build the engine inside its thread (so one thread owns every device resource)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._require_engine().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._require_engine().max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self._require_engine().model_name
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._accepting
+
+    def add_output_listener(self, listener: Callable[[RequestOutput], None]) -> None:
+        """Call ``listener`` on the engine thread with every output (metrics use this)."""
+        self._listeners.append(listener)
+
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns once the engine accepted it.
+
+        Raises ValueError for input the engine refuses (it names the field), EngineDeadError
+        when the engine no longer takes requests.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is shutting down")
+        stream = RequestStream(request_id, self.abort)
+        accepted = stream.loop.create_future()
+        self._commands.put(_Add(stream, prompt, params, arrival_time, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.cancel()  # queued after the add, so the engine drops what it just took
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort one request; thread-safe and a no-op for unknown or finished requests."""
+        self._commands.put(_Abort([request_id]))
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort those in flight so their streams end now.
+
+        Safe to call from a signal handler: it only sets a flag and uses SimpleQueue.put,
+        which is reentrant.
+        """
+        self._accepting = False
+        self._commands.put(_Abort(None))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (ending any stream still open) and release the engine."""
+        self._accepting = False
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    def _require_engine(self) -> "LLMEngine":
+        if self._engine is None:
+            raise EngineDeadError("the engine is not started")
+        return self._engine
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._engine = self._make_engine()
+            self.stats = self._engine.stats()
+        except BaseException as exc:  # reported to start()'s caller
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._serve(self._engine)
+        except BaseException:
+            logger.exception("the engine loop crashed")
+        finally:
+            self._accepting = False
+            self._fail_live(EngineDeadError("the engine stopped"))
+            self._refuse_pending()
+            try:
+                self._engine.close()
+            except Exception:
+                logger.exception("closing the engine failed")
+
+    def _serve(self, engine: "LLMEngine") -> None:
+        while True:
+            # Block while idle; between steps, take whatever has arrived without waiting.
+            commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            stop = self._apply(engine, commands)
+            if engine.has_unfinished_requests():
+                self._step(engine)
+            if stop:
+                return
+
+    def _apply(self, engine: "LLMEngine", commands: list[Any]) -> bool:
+        stop = False
+        for cmd in commands:
+            try:
+                if isinstance(cmd, _Add):
+                    self._add(engine, cmd)
+                elif isinstance(cmd, _Abort):
+                    engine.abort_request(list(self._live) if cmd.request_ids is None
+                                         else cmd.request_ids)
+                elif cmd is _STOP:
+                    engine.abort_request(list(self._live))  # the last step reports them
+                    stop = True
+            except Exception:  # a bug handling one command must not stop the engine loop
+                logger.exception("engine command %r failed", cmd)
+        return stop
+
+    def _add(self, engine: "LLMEngine", cmd: _Add) -> None:
+        error: BaseException | None = None
+        if not self._accepting:
+            error = EngineDeadError("the engine is shutting down")
+        else:
+            try:
+                engine.add_request(cmd.stream.request_id, cmd.prompt, cmd.params,
+                                   cmd.arrival_time)
+                self._live[cmd.stream.request_id] = cmd.stream
+            except Exception as exc:  # bad input (ValueError) or a bug: only this request fails
+                error = exc
+        answered = call_in_loop(cmd.stream.loop, resolve_future, cmd.accepted, error)
+        if not answered and error is None:  # the caller's loop is gone: nobody wants it
+            self._live.pop(cmd.stream.request_id)
+            engine.abort_request(cmd.stream.request_id)
+
+    def _step(self, engine: "LLMEngine") -> None:
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            # One batch ran every request together, so the culprit is unknown: end all of
+            # them with an error, keep the engine (and the server) serving new requests.
+            logger.exception("engine step failed; failing the requests in flight")
+            failed = list(self._live)
+            self._fail_live(RequestFailedError(f"the engine failed: {exc!r}"))
+            try:
+                engine.abort_request(failed)
+            except Exception:
+                logger.exception("aborting the failed requests failed")
+            return
+        finally:
+            self.stats = engine.stats()
+        self._dispatch(engine, outputs)
+
+    def _dispatch(self, engine: "LLMEngine", outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for out in outputs:
+            for listener in self._listeners:
+                try:
+                    listener(out)
+                except Exception:
+                    logger.exception("output listener failed")
+            stream = self._live.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its consumer, which no longer listens
+            if out.finished:
+                del self._live[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream, out))
+        # One wake-up per event loop per step, not one per request.
+        for loop, items in batches.items():
+            if not call_in_loop(loop, deliver, items):  # its requests have no consumer
+                ids = [stream.request_id for stream, _ in items]
+                for rid in ids:
+                    self._live.pop(rid, None)
+                engine.abort_request(ids)
+
+    def _fail_live(self, error: BaseException) -> None:
+        streams, self._live = list(self._live.values()), {}
+        for stream in streams:
+            call_in_loop(stream.loop, stream.put, error)
+
+    def _refuse_pending(self) -> None:
+        """Answer adds that raced with the stop, so their callers do not wait forever."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                call_in_loop(cmd.stream.loop, resolve_future, cmd.accepted,
+                             EngineDeadError("the engine stopped"))

@@ -1,0 +1,61 @@
+"""OpenAI's error body, and turning invalid request JSON into a 400 that names the field."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI's ``{"error": {...}}`` body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = (
+            message, status, param, type, code)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def parse_json(raw: bytes) -> Any:
+    """Decode a request body; anything but strict JSON is a 400."""
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, NaN, nesting
+        raise APIError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} (NaN / Infinity) is not valid JSON")
+
+
+def parse_request(model: type[BaseModel], data: Any) -> Any:
+    """Validate decoded JSON against ``model``; a failure becomes a 400 naming the field."""
+    if not isinstance(data, dict):
+        raise APIError("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        # A union reports one error per member; the deepest one is the most specific.
+        err = max(exc.errors(), key=lambda e: len(e["loc"]))
+        param = _field_path(data, err["loc"], missing=err["type"] == "missing")
+        where = f"{param}: " if param else ""
+        raise APIError(f"{where}{err['msg']}", param=param) from None
+
+
+def _field_path(data: Any, loc: tuple[Any, ...], missing: bool) -> str | None:
+    """``messages[0].content`` from a pydantic loc, skipping the union tags it interleaves."""
+    path, node = "", data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            path, node = f"{path}.{part}" if path else part, node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path, node = f"{path}[{part}]", node[part]
+        elif missing and i == len(loc) - 1:  # a required field that is absent
+            path = f"{path}.{part}" if path else str(part)
+        # anything else is a union member tag such as "list[str]": not part of the path
+    return path or None

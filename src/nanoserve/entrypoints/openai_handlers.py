@@ -1,0 +1,205 @@
+"""The OpenAI endpoints' logic: requests in, engine requests out, and back as OpenAI bodies.
+
+Imported lazily by the server (it needs starlette), never by the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Awaitable
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.engine.request_stream import RequestStream
+from nanoserve.entrypoints.errors import APIError, parse_request
+from nanoserve.entrypoints.protocol import (
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatMessageOut,
+    CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
+    UsageInfo, value_error_to_api)
+from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+class OpenAIServing:
+    """Serves completions, chat completions, tokenize and detokenize for one model."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str):
+        self.engine = engine
+        self.served_model_name = served_model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
+                           code="model_not_found")
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    async def completions(self, body: Any, request: Request) -> Response:
+        arrival = time.time()
+        req: CompletionRequest = parse_request(CompletionRequest, body)
+        self.check_model(req.model)
+        req.check_supported()
+        prompts = [self._token_ids(p) for p in _as_prompt_list(req.prompt)]
+        if not prompts:
+            raise APIError("prompt must not be empty", param="prompt")
+        params = self._params(req, req.max_tokens, prompts, "prompt", "max_tokens")
+        return await self._generate(f"cmpl-{uuid.uuid4().hex}", prompts, params, req, arrival,
+                                    request, chat=False)
+
+    async def chat(self, body: Any, request: Request) -> Response:
+        arrival = time.time()
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
+        self.check_model(req.model)
+        req.check_supported()
+        prompt = self._render_chat(req.messages, bool(req.add_generation_prompt))
+        max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        params = self._params(req, req.max_new_tokens(), [prompt], "messages", max_field)
+        return await self._generate(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req,
+                                    arrival, request, chat=True)
+
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        req: TokenizeRequest = parse_request(TokenizeRequest, body)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            tokens = self._render_chat(req.messages, bool(req.add_generation_prompt))
+        else:
+            tokens = self.engine.tokenizer.encode(
+                req.prompt, add_special_tokens=bool(req.add_special_tokens))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, body)
+        self.check_model(req.model)
+        vocab = len(self.engine.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": self.engine.tokenizer.decode(req.tokens)}
+
+    # ---- input preparation -------------------------------------------------------------------
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        # Tokenized here rather than in the engine so length errors can name the field.
+        return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template; use /v1/completions",
+                           param="messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                [m.as_template_dict() for m in messages], tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # templates reject bad conversations by raising
+            raise APIError(f"the chat template rejected the messages: {exc}",
+                           param="messages") from None
+        # The rendered template already holds BOS and friends: add none twice.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                prompts: list[list[int]], prompt_field: str, max_field: str) -> SamplingParams:
+        try:
+            params = req.sampling_params(max_tokens)
+        except APIError as error:
+            if error.param == "max_tokens" and max_field != "max_tokens":
+                raise APIError(error.message.replace("max_tokens", max_field, 1),
+                               param=max_field) from None
+            raise
+        limit = self.engine.max_model_len
+        for ids in prompts:
+            if not ids:
+                raise APIError(f"{prompt_field} must not be empty", param=prompt_field)
+            if len(ids) + (max_tokens or 1) > limit:
+                too_long = len(ids) >= limit
+                raise APIError(
+                    f"This model's maximum context length is {limit} tokens, but the request "
+                    f"has {len(ids)} prompt tokens and asks for {max_tokens or 1} more; "
+                    f"shorten the {prompt_field} or lower {max_field}.",
+                    param=prompt_field if too_long else max_field)
+        return params
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def _generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                        req: CompletionRequest | ChatCompletionRequest, arrival: float,
+                        request: Request, chat: bool) -> Response:
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, ids, params, arrival))
+        except ValueError as exc:
+            cancel_all(streams)
+            raise value_error_to_api(exc, "messages" if chat else "prompt") from None
+        except BaseException:
+            cancel_all(streams)
+            raise
+        if req.stream:
+            events = ChunkWriter(request_id, self.served_model_name, chat,
+                                 req.include_usage()).events(streams)
+            return ClosingStreamingResponse(events, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
+        finals = await _unless_disconnected(request, _collect(streams))
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        body = _full_response(request_id, self.served_model_name, chat, finals)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _as_prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput] = []
+    try:
+        for stream in streams:
+            async for out in stream:
+                if out.finished:
+                    finals.append(out)
+    finally:
+        cancel_all(streams)  # no-op for finished ones; aborts the rest on error or cancel
+    return finals
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``, cancelling it if the client disconnects first (then return None)."""
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op when done; else its streams get aborted as it unwinds
+    return task.result() if task in done else None
+
+
+def _full_response(request_id: str, model: str, chat: bool,
+                   finals: list[RequestOutput]) -> BaseModel:
+    outs = [o.outputs[0] for o in finals]
+    if chat:
+        return ChatCompletionResponse(
+            id=request_id, model=model, usage=UsageInfo.from_outputs(finals),
+            choices=[ChatChoice(index=0, message=ChatMessageOut(content=outs[0].text),
+                                finish_reason=outs[0].finish_reason,
+                                stop_reason=outs[0].stop_reason)])
+    return CompletionResponse(
+        id=request_id, model=model, usage=UsageInfo.from_outputs(finals),
+        choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason,
+                                  stop_reason=o.stop_reason) for i, o in enumerate(outs)])

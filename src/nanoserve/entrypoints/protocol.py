@@ -1,0 +1,244 @@
+"""OpenAI API request and response bodies as pydantic models.
+
+Requests are parsed in strict mode so that wrong JSON types ("0.5" for a float, 1.0 for an
+int) are refused rather than coerced; range checks are left to SamplingParams, which names
+the offending field. Unknown fields are ignored, as OpenAI-compatible tools often send extras.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanoserve.entrypoints.errors import APIError
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions; None means the default."""
+
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n is not None and self.n != 1:
+            if self.n < 1:
+                raise APIError(f"n must be >= 1, got {self.n}", param="n")
+            raise APIError("n > 1 is not supported (no parallel sampling yet)", param="n")
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams for this request; a bad value raises a 400 APIError naming it."""
+        given = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, **kwargs)
+        except ValueError as exc:
+            raise value_error_to_api(exc) from None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        unsupported = {"echo": bool(self.echo), "logprobs": self.logprobs is not None,
+                       "suffix": bool(self.suffix), "best_of": (self.best_of or 1) != 1}
+        for name, used in unsupported.items():
+            if used:
+                raise APIError(f"{name} is not supported", param=name)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls etc. reach the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message for a chat template: content parts joined into one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    add_generation_prompt: bool | None = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError("logprobs is not supported", param="logprobs")
+
+    def max_new_tokens(self) -> int | None:
+        # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted.
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+def value_error_to_api(exc: ValueError, prompt_field: str = "prompt") -> APIError:
+    """A 400 for a ValueError from SamplingParams or the engine, whose messages start with
+    the field at fault; ``prompt_field`` renames "prompt" for chat, where it is "messages"."""
+    message = str(exc)
+    field = message.split(" ", 1)[0]
+    field = prompt_field if field == "prompt" else field
+    known = CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys()
+    return APIError(message, param=field if field in known else None)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+def _unset_if_none() -> Any:
+    return Field(default=None, exclude_if=lambda v: v is None)
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def from_outputs(cls, finals: list[RequestOutput]) -> "UsageInfo":
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = sum(len(o.outputs[0].token_ids) for o in finals)
+        return cls(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = _unset_if_none()
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = _unset_if_none()
+    content: str | None = _unset_if_none()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = _unset_if_none()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nanoserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app, the `serve` command, clean shutdown.
+
+Only the standard library is imported at the top: the CLI imports this module to register
+`serve`, and `generate` / `chat` must keep working where fastapi, uvicorn or prometheus_client
+are not installed.
+"""
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime,
+# and `Request` is imported inside build_app, out of reach of string annotations.
+import argparse
+import logging
+import os
+import secrets
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+
+def nanoserve_version() -> str:
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
+              api_key: str | None = None) -> "FastAPI":
+    """The FastAPI app serving ``engine`` (already started) under ``served_model_name``.
+
+    With ``api_key`` set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``;
+    /health, /version and /metrics stay open for probes and scrapers.
+    """
+    from fastapi import APIRouter, Depends, FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException
+
+    from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError
+    from nanoserve.engine.metrics import ServerMetrics
+    from nanoserve.entrypoints.errors import APIError, parse_json
+    from nanoserve.entrypoints.openai_handlers import OpenAIServing
+    from nanoserve.entrypoints.protocol import ModelCard, ModelList
+
+    name = served_model_name or engine.model_name
+    serving = OpenAIServing(engine, name)
+    metrics = ServerMetrics(name, lambda: engine.stats)
+    engine.add_output_listener(metrics.observe)
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(),
+                                                                    api_key.encode()):
+            raise APIError("invalid or missing API key", status=401,
+                           type="authentication_error", code="invalid_api_key")
+
+    app = FastAPI(title="nanoserve", version=nanoserve_version())
+    api = APIRouter(dependencies=[Depends(require_key)])
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(str(exc.detail), exc.status_code, type=kind).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_down(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(APIError(str(exc), 503, type="service_unavailable").body(),
+                            status_code=503)
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        # The engine thread logged the cause; only this request's client hears about it.
+        return JSONResponse(APIError(str(exc), 500, type="internal_server_error").body(),
+                            status_code=500)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # A bug: starlette logs the traceback after this answer is sent.
+        return JSONResponse(APIError(str(exc), 500, type="internal_server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": nanoserve_version()}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(parse_json(await request.body()), request)
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await serving.chat(parse_json(await request.body()), request)
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return serving.tokenize(parse_json(await request.body()))
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return serving.detokenize(parse_json(await request.body()))
+
+    app.include_router(api)
+    return app
+
+
+# ---- the `serve` command -----------------------------------------------------------------------
+
+def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Register `nanoserve serve [MODEL] ...` with the shared engine flags."""
+    from nanoserve.entrypoints.cli import add_engine_args
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="local HF folder or .gguf file (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                       help="require this bearer token on the API (default: $NANOSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: the model path)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(serve)
+    serve.set_defaults(func=run_server)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, then end in-flight requests and exit 0."""
+    import uvicorn
+
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+    from nanoserve.entrypoints.cli import engine_config_from_args
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"MODEL ({args.model_tag}) and --model ({args.model}) disagree")
+        args.model = args.model_tag
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncLLMEngine.from_config(engine_config_from_args(args))
+    engine.start()
+    try:
+        app = build_app(engine, args.served_model_name, args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=10)
+        _graceful_server(config, engine).run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _graceful_server(config: Any, engine: "AsyncLLMEngine") -> Any:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """A uvicorn server whose first SIGINT/SIGTERM aborts in-flight requests and exits 0.
+
+        uvicorn would otherwise wait for every open stream to finish generating, and re-raise
+        the signal after shutting down, killing the process before the engine is closed.
+        """
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.begin_shutdown()  # signal-safe: a flag and a SimpleQueue.put
+            if self.should_exit:
+                self.force_exit = True  # a second signal: stop waiting for connections
+            self.should_exit = True
+
+    return GracefulServer(config)

@@ -1,0 +1,121 @@
+"""Streaming answers: engine outputs of one HTTP request as OpenAI server-sent events."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any, AsyncIterator
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from nanoserve.engine.request_stream import RequestStream
+from nanoserve.entrypoints.errors import APIError
+from nanoserve.entrypoints.protocol import (
+    ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
+    UsageInfo)
+from nanoserve.outputs import RequestOutput
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator when it ends.
+
+    On a client disconnect starlette cancels the sending task, which may leave the generator
+    suspended at a ``yield`` and its ``finally`` (where requests are aborted) pending until
+    garbage collection. Closing it explicitly frees the request's KV blocks at once.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def cancel_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.cancel()
+
+
+class ChunkWriter:
+    """Turns the cumulative outputs of a request's streams into OpenAI SSE chunks."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool):
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.include_usage = include_usage
+        self.created = int(time.time())
+
+    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        sent = [""] * len(streams)
+        finals: list[RequestOutput] = []
+        try:
+            if self.chat:
+                yield sse(self._chat_chunk(0, DeltaMessage(role="assistant", content=""), None))
+            async with contextlib.aclosing(merge_streams(streams)) as outputs:
+                async for i, out in outputs:
+                    completion = out.outputs[0]
+                    delta = completion.text[len(sent[i]):]
+                    sent[i] = completion.text
+                    if delta or completion.finish_reason:
+                        yield sse(self._chunk(i, delta, completion.finish_reason))
+                    if out.finished:
+                        finals.append(out)
+            if self.include_usage:
+                yield sse(self._usage_chunk(UsageInfo.from_outputs(finals)))
+            yield SSE_DONE
+        except Exception as exc:  # a failed request ends its stream with an error event
+            yield sse(APIError(str(exc), status=500, type="internal_server_error").body())
+            yield SSE_DONE
+        finally:
+            cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
+
+    def _chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        if self.chat:
+            return self._chat_chunk(index, DeltaMessage(content=text or None), finish_reason)
+        return CompletionResponse(id=self.request_id, model=self.model, created=self.created,
+                                  choices=[CompletionChoice(index=index, text=text,
+                                                            finish_reason=finish_reason)])
+
+    def _chat_chunk(self, index: int, delta: DeltaMessage,
+                    finish_reason: str | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id, model=self.model, created=self.created,
+            choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+
+    def _usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        """The extra last chunk of ``stream_options.include_usage``: no choices, only usage."""
+        kind = ChatCompletionChunk if self.chat else CompletionResponse
+        return kind(id=self.request_id, model=self.model, created=self.created, choices=[],
+                    usage=usage)
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(streams[i].__anext__()): i for i in range(len(streams))}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for task in pending:
+            task.cancel()

@@ -1,0 +1,31 @@
+"""Helpers shared by the Triton attention kernels' host-side wrappers."""
+from __future__ import annotations
+
+import torch
+import triton
+
+LOG2E = 1.4426950408889634  # kernels work in base 2 so the softmax can use exp2
+
+
+def interpreted(device: torch.device) -> bool:
+    """True when kernels run on CPU tensors, which only Triton's interpreter can execute."""
+    return device.type != "cuda"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision for ``dtype``: fp32 inputs would otherwise go through TF32 on GPU."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Assert the shape, dtype and layout contract the attention kernels rely on."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    assert q.dim() == 3 and k_cache.dim() == 4, "q is [T, H, D], caches [blocks, block_size, Hkv, D]"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the KV cache must share a dtype"
+    assert triton.next_power_of_2(k_cache.shape[1]) == k_cache.shape[1], \
+        "block_size must be a power of two"
+    for t in (q, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"

@@ -1,0 +1,211 @@
+"""Paged decode attention (one query token per sequence), split along the context.
+
+Flash-decoding: the grid is (sequence, KV head, split). Each program attends the whole query
+group of one KV head (all query heads that share it, so each K/V tile is read once per group)
+to one contiguous slice of the sequence's context and writes an fp32 partial result: running
+max, running sum of exponentials and unnormalised accumulator. A second small kernel merges
+the splits. With one split the first kernel writes the normalised output directly.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.common import LOG2E, check_attention_inputs, dot_precision, interpreted
+
+# Tuning (see docs/kernels.md): keys per inner-loop tile, and the split heuristic's knobs.
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+MIN_TOKENS_PER_SPLIT = 64
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 4
+# Under TRITON_INTERPRET the "device" is the CPU; small tiles keep the interpreter fast and
+# make short test sequences span several tiles and splits.
+INTERPRETER_BLOCK_N = 16
+INTERPRETER_SMS = 4
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    scale_log2,
+    num_heads,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The split's slice comes from the on-device length, not the host's max_seq_len, so a
+    # CUDA graph captured once stays correct for any context length it is replayed with.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    token = tl.load(query_start_loc_ptr + seq)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # Every tile holds at least one valid key, so m_new is finite and exp2 never sees inf-inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # Empty sequences (seq_len 0, e.g. graph padding) have l_i == 0: write zeros, not NaN.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (seq * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_max_ptr, part_sum_ptr, part_acc_ptr, query_start_loc_ptr, out_ptr,
+    num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    part = (seq * num_heads + head) * NUM_SPLITS + s
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    # Empty splits carry max -inf (weight 0); if all are empty, keep exp2 away from -inf - -inf.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    token = tl.load(query_start_loc_ptr + seq)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def device_sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a nominal few under the CPU interpreter), cached per device."""
+    if interpreted(device):
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many context splits a decode launch uses, from host-side ints only (no device sync).
+
+    Aim at ``PROGRAMS_PER_SM`` programs per SM: split only while the (sequence, KV head)
+    programs alone fall short of that, and never into slices shorter than
+    ``MIN_TOKENS_PER_SPLIT`` keys, where the partial-result traffic and the extra reduce launch
+    would cost more than the added parallelism gains.
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = PROGRAMS_PER_SM * num_sms // programs
+    by_length = max(max_seq_len // MIN_TOKENS_PER_SPLIT, 1)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
+
+    ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
+    are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]``.
+    ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it.
+    Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    check_attention_inputs(q, k_cache, v_cache)
+    group = num_heads // num_kv_heads
+    device = q.device
+    if num_splits is None:
+        num_splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
+    block_n = INTERPRETER_BLOCK_N if interpreted(device) else BLOCK_N
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=device)
+    else:  # the partial buffers are never touched: pass the output as a typed placeholder
+        part_max = part_sum = part_acc = out
+
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        out, part_max, part_sum, part_acc,
+        scale * LOG2E, num_heads,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_max, part_sum, part_acc, query_start_loc, out,
+            num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+

@@ -1,0 +1,164 @@
+"""Variable-length causal attention over a paged cache: prefill, chunked prefill, mixed batches.
+
+The grid is (query tile, sequence, KV head). A program takes ``BLOCK_Q`` consecutive new tokens
+of one sequence together with every query head of one KV head's group, flattened into
+``BLOCK_Q * GROUP`` rows, so each K/V tile read through the block table serves the whole
+group. Keys are the sequence's cached prefix plus its new tokens; the online softmax runs in
+fp32, in base 2.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.common import LOG2E, check_attention_inputs, dot_precision, interpreted
+
+# Tuning (see docs/kernels.md): query rows (tokens x group heads) and keys per tile.
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+# Small tiles under TRITON_INTERPRET: faster on CPU, and short test sequences span many tiles.
+INTERPRETER_BLOCK_M = 16
+INTERPRETER_BLOCK_N = 16
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, q_pos, tile_start, kv_end,
+    block_row, k_cache_ptr, v_cache_ptr, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    scale_log2, d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of a query tile against keys ``tile_start : tile_start+BLOCK_N``."""
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    if CAUSAL_MASK:
+        valid = pos < kv_end
+        block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_mask = valid[:, None] & d_mask[None, :]
+    else:  # tiles wholly before the first query: every key is in range and visible to all rows
+        block = tl.load(block_row + pos // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    offset = pos % BLOCK_SIZE
+    k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None]
+                + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None]
+                + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if CAUSAL_MASK:
+        # Keys past kv_end sit past every valid row's position, so this also hides them.
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Later tiles see more keys: launching them first shortens the tail of the grid.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # keys already cached before this step's tokens
+
+    # Row r is token (tile * BLOCK_Q + r // GROUP_P) of the sequence, head r % GROUP_P of the group.
+    r = tl.arange(0, BLOCK_Q * GROUP_P)
+    t = tile * BLOCK_Q + r // GROUP_P
+    g = r % GROUP_P
+    head = kv_head * GROUP + g
+    row_mask = (t < q_len) & (g < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + (q_start + t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=io_mask, other=0.0)
+    q_pos = ctx_len + t
+
+    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
+    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    first_q_pos = ctx_len + tile * BLOCK_Q
+    kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)  # causal: nothing past the last row
+    unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
+    # Key 0 is in the first tile and visible to every row, so m_i is finite after it and the
+    # online softmax never computes exp2(-inf - -inf).
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, q_pos, tile_start, kv_end, block_row, k_cache_ptr, v_cache_ptr,
+            kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            scale_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+    for tile_start in range(unmasked_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, q_pos, tile_start, kv_end, block_row, k_cache_ptr, v_cache_ptr,
+            kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            scale_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, max_query_len: int,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' paged keys; ``[T, H, D]``.
+
+    Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` and its keys
+    are the first ``seq_lens[i]`` cache entries (cached prefix, then the new tokens, already
+    stored). Any query length works, 1 included, so it serves chunked prefill and mixed
+    batches. Rows of ``q`` past ``query_start_loc[-1]`` belong to no sequence and are left
+    unwritten.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    check_attention_inputs(q, k_cache, v_cache)
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    on_cpu = interpreted(q.device)
+    block_m = INTERPRETER_BLOCK_M if on_cpu else BLOCK_M
+    # tl.dot needs at least 16 rows; large groups shrink the token count of a tile instead.
+    block_q = max(block_m // group_p, 1)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        BLOCK_SIZE=block_size, BLOCK_N=INTERPRETER_BLOCK_N if on_cpu else BLOCK_N,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out

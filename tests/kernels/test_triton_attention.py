@@ -1,0 +1,190 @@
+"""Triton KV-store, decode and prefill kernels against the PyTorch reference, on the CPU interpreter."""
+import os
+
+# Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.attention.torch_backend import (  # noqa: E402
+    TorchAttentionBackend,
+    paged_attention_reference,
+)
+from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from nanoserve.kernels.decode_attention import (  # noqa: E402
+    MAX_SPLITS,
+    MIN_TOKENS_PER_SPLIT,
+    decode_attention,
+    num_decode_splits,
+)
+from nanoserve.kernels.kv_store import store_kv  # noqa: E402
+from nanoserve.kernels.prefill_attention import prefill_attention  # noqa: E402
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+GARBAGE = 1e3  # cache slots no sequence owns: a kernel reading them gets far off the reference
+
+
+def make_batch(seq_lens: list[int], q_lens: list[int], *, num_heads: int, num_kv_heads: int,
+               head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q and a random paged cache whose blocks are handed out in shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay garbage
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq, default=0) + 1  # one column of table padding
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, GARBAGE)
+    v_cache = torch.full(shape, GARBAGE)
+    slots = []
+    for i, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
+        ids = order[:blocks_per_seq[i]]
+        order = order[blocks_per_seq[i]:]
+        block_tables[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        for pos in range(n):
+            block, offset = ids[pos // block_size], pos % block_size
+            k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            if pos >= n - q_len:
+                slots.append(block * block_size + offset)
+        slots += [-1] * max(q_len - n, 0)  # a padding sequence with no context owns no slot
+    # Scaled queries give peaked softmaxes, which exercise the running-max rescaling.
+    q = 2 * torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables,
+        max_query_len=max(q_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+    )
+    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), meta
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
+    return paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     q.shape[-1] ** -0.5)
+
+
+def assert_matches_reference(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, meta),
+                               **TOLERANCE[q.dtype])
+
+
+def run_decode(q, k_cache, v_cache, meta, num_splits=None):
+    return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, meta.max_seq_len, q.shape[-1] ** -0.5,
+                            num_splits=num_splits)
+
+
+def run_prefill(q, k_cache, v_cache, meta):
+    return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                             meta.query_start_loc, meta.max_query_len, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_writes_slots_and_skips_padding(dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
+    k_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # k and v as strided views of one fused projection output, as a model produces them.
+    kv = torch.randn(num_tokens, num_kv_heads, 2 * head_dim, generator=gen).to(dtype)
+    k, v = kv[..., :head_dim], kv[..., head_dim:]
+    slots = torch.randperm(5 * block_size, generator=gen)[:num_tokens]
+    slots[[1, 4]] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    TorchAttentionBackend().store_kv(k, v, expected_k, expected_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,num_splits", [
+    (1, 64, 16, 1),
+    (2, 128, 16, 3),
+    (4, 64, 32, 2),
+    (8, 128, 16, 1),
+    (8, 64, 64, 4),
+    (2, 64, 256, 2),
+])
+def test_decode_matches_reference(group, head_dim, block_size, num_splits):
+    seq_lens = [37, 1, 70, 16]  # ragged, one-token, multi-block and exactly-full-block contexts
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 4, num_heads=2 * group, num_kv_heads=2,
+                                           head_dim=head_dim, block_size=block_size)
+    out = run_decode(q, k_cache, v_cache, meta, num_splits)
+    assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+
+def test_decode_more_splits_than_tiles_and_empty_sequences():
+    # Splits beyond a sequence's tile count stay empty; seq_len 0 (graph padding) gives zeros.
+    q, k_cache, v_cache, meta = make_batch([5, 0, 40], [1, 1, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16)
+    for num_splits in (1, 6):
+        out = run_decode(q, k_cache, v_cache, meta, num_splits)
+        assert_matches_reference(out, q, k_cache, v_cache, meta)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,seq_lens,q_lens", [
+    (1, 64, 16, [19, 40], [19, 40]),  # plain prefill
+    (2, 128, 16, [45, 23], [13, 23]),  # chunked prefill: a cached prefix, then a chunk
+    (4, 64, 32, [50, 9, 33, 17], [1, 9, 1, 6]),  # mixed: decodes beside prefills
+    (8, 128, 16, [30, 1], [12, 1]),
+    (2, 64, 256, [40, 3], [21, 2]),
+])
+def test_prefill_matches_reference(group, head_dim, block_size, seq_lens, q_lens):
+    q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=2 * group, num_kv_heads=2,
+                                           head_dim=head_dim, block_size=block_size)
+    out = run_prefill(q, k_cache, v_cache, meta)
+    assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("head_dim", [24, 80])
+def test_non_power_of_two_head_dim(head_dim):
+    q, k_cache, v_cache, meta = make_batch([20, 35], [20, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=head_dim, block_size=16)
+    assert_matches_reference(run_prefill(q, k_cache, v_cache, meta), q, k_cache, v_cache, meta)
+    q, k_cache, v_cache, meta = make_batch([20, 35], [1, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=head_dim, block_size=16)
+    assert_matches_reference(run_decode(q, k_cache, v_cache, meta, num_splits=2),
+                             q, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 12, 1]], ids=["decode", "mixed"])
+def test_backend_stores_then_attends_like_torch_backend(dtype, q_lens):
+    seq_lens = [29, 12, 51]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=8, num_kv_heads=2,
+                                           head_dim=32, block_size=16, dtype=dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    new_k = torch.randn(q.shape[0], 2, 32, generator=gen).to(dtype)
+    new_v = torch.randn(q.shape[0], 2, 32, generator=gen).to(dtype)
+    torch_caches = (k_cache.clone(), v_cache.clone())
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    triton_backend.store_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
+    torch_backend.store_kv(new_k, new_v, *torch_caches, meta.slot_mapping)
+    assert torch.equal(k_cache, torch_caches[0]) and torch.equal(v_cache, torch_caches[1])
+    out = triton_backend.attend(q, k_cache, v_cache, meta, 32 ** -0.5)
+    assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+
+def test_num_decode_splits_fills_the_device_without_tiny_splits():
+    assert num_decode_splits(256, 8, 4096, num_sms=132) == 1  # batch alone fills the GPU
+    assert num_decode_splits(64, 8, 4096, num_sms=132) == 1
+    assert num_decode_splits(1, 8, 100, num_sms=132) == 1  # too short to be worth splitting
+    for batch in (1, 4, 16):
+        splits = num_decode_splits(batch, 8, 4096, num_sms=132)
+        assert splits > 1 and 4096 / splits >= MIN_TOKENS_PER_SPLIT
+    assert num_decode_splits(1, 1, 10 ** 6, num_sms=132) == MAX_SPLITS
+    assert num_decode_splits(0, 8, 0, num_sms=132) == 1
