@@ -38,7 +38,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(str(next(self._ids)))
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt, p, stream=False)
         except ValueError:
             self.engine.abort_request(ids)
             self._drain()

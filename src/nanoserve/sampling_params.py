@@ -78,6 +78,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the tokens seen so far (the three penalties do)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     @staticmethod
     def _normalise_stop(stop: str | list[str] | None) -> list[str]:
         if stop is None:

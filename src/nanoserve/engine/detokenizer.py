@@ -35,6 +35,22 @@ class IncrementalDetokenizer:
             return full_text[len(prefix_text):]
         return ""
 
+    def decode_all(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` in one decode, as pushing them one by one would give it."""
+        context = self._decode(self.ids[self.prefix_offset:])
+        return self._decode(self.ids[self.prefix_offset:] + token_ids)[len(context):]
+
+    def flush(self) -> str:
+        """The text still held back at the end, rendered as a full decode renders it.
+
+        An incomplete character waits for the next token; when there is none (the request
+        finished) it comes out as U+FFFD, so the final text equals ``tokenizer.decode``.
+        """
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full_text[len(prefix_text):]
+
 
 def find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
     """Earliest stop string that ends inside the newly added text: (start index, stop)."""

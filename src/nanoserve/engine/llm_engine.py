@@ -83,7 +83,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, stream: bool = True) -> None:
+        """Queue a request. ``stream=False``: step() reports it only once, when finished, and
+        its text is detokenized once at the end unless stop strings need watching."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -101,7 +103,7 @@ class LLMEngine:
                 "lower max_tokens or give the cache more memory")
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
         req = Request(request_id, text, ids, params, max_tokens, eos,
-                      arrival_time=arrival_time or time.time())
+                      arrival_time=arrival_time or time.time(), stream=stream)
         self.requests[request_id] = req
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, ids, params.skip_special_tokens)
@@ -163,7 +165,7 @@ class LLMEngine:
             if req.finished:
                 self.scheduler.finish(req)
                 outputs.append(self._finalize(req))
-            else:
+            elif req.stream:
                 outputs.append(self._output(req))
         return outputs
 
@@ -178,7 +180,8 @@ class LLMEngine:
                 request_id=req.request_id,
                 token_ids=req.token_ids[c.start:c.start + c.num_tokens],
                 start=c.start, block_table=req.block_table, sample=c.samples, params=params,
-                prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids if params.needs_token_history else [],
                 banned_token_ids=banned))
         return StepInput(seqs, self.finished_ids)
 
@@ -188,21 +191,40 @@ class LLMEngine:
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         params = req.params
+        detok = self.detokenizers[req.request_id]
+        each_token = req.detokenizes_each_token
         past_min = req.num_output_tokens > params.min_tokens
         if past_min and token in req.eos_token_ids:
             req.finish(FinishReason.STOP)
         elif past_min and token in params.stop_token_ids:
-            if params.include_stop_str_in_output:
-                req.output_text += self.detokenizers[req.request_id].push(token)
+            if params.include_stop_str_in_output and each_token:
+                req.output_text += detok.push(token)
             req.finish(FinishReason.STOP, token)
-        else:
-            delta = self.detokenizers[req.request_id].push(token)
+        elif each_token:
+            delta = detok.push(token)
             req.output_text += delta
             if past_min and params.stop_strings and delta:
                 self._check_stop_strings(req, len(delta))
         if not req.finished and (req.num_output_tokens >= req.max_tokens
                                  or req.num_tokens >= self.max_model_len):
             req.finish(FinishReason.LENGTH)
+        if req.finished and not isinstance(req.stop_reason, str):
+            if not each_token:
+                req.output_text = detok.decode_all(self._text_token_ids(req))
+                return
+            # Text held back for an incomplete character comes out now; it may hold a stop.
+            tail = detok.flush()
+            req.output_text += tail
+            if past_min and params.stop_strings and tail:
+                self._check_stop_strings(req, len(tail))
+
+    @staticmethod
+    def _text_token_ids(req: Request) -> list[int]:
+        """Output tokens that carry text: not a final EOS, nor a stop id kept out of the text."""
+        ids = req.output_token_ids
+        ended_by_token = req.finish_reason is FinishReason.STOP and (
+            req.stop_reason is None or not req.params.include_stop_str_in_output)
+        return ids[:-1] if ended_by_token else ids
 
     def _check_stop_strings(self, req: Request, num_new_chars: int) -> None:
         hit = find_stop(req.output_text, num_new_chars, req.params.stop_strings)

@@ -36,6 +36,7 @@ class Request:
     max_tokens: int
     eos_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.time)
+    stream: bool = True  # report progress every step; False: only the final output
     token_ids: list[int] = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -70,6 +71,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def detokenizes_each_token(self) -> bool:
+        """Text is built token by token when it is streamed or stop strings must be watched."""
+        return self.stream or bool(self.params.stop_strings)
 
     @property
     def finished(self) -> bool:
