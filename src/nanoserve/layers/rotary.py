@@ -43,6 +43,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:  # rotates q and k in place in one fused Triton kernel
+            from nanoserve.kernels.fused_ops import rotary_embedding
+            return rotary_embedding(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

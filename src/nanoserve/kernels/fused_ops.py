@@ -1,0 +1,221 @@
+"""Fused elementwise kernels for the decode hot path: RMSNorm (+ residual add), RoPE, SiLU*mul.
+
+Each op replaces a chain of small PyTorch kernels (casts, pow, mean, rsqrt, muls, cat ...) with one
+launch, which is what bounds batch-1 decode latency even inside a CUDA graph. Every kernel
+computes in fp32 and rounds at the same points as the PyTorch reference it replaces
+(`nanoserve.layers.norm`, `.rotary`, `.activation`), so results agree to about one unit in the
+last place of the output dtype. Launch shapes depend on tensor shapes alone (no host-device sync,
+no value-dependent allocation), so every op is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# SiLU*mul works on column tiles rather than whole rows: MLP widths reach tens of thousands.
+SILU_BLOCK_N = 1024
+# Roughly 8 elements per thread (a 16-byte vector of 16-bit values) up to this many warps.
+MAX_WARPS = 8
+
+
+def _num_warps(block: int) -> int:
+    """Warps for a program that touches ``block`` elements per tensor (untuned heuristic)."""
+    return min(max(block // 256, 1), MAX_WARPS)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    eps,
+    stride_xa, stride_xb, stride_ra, stride_rb, stride_oa, stride_ob,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+):
+    # Rows are indexed (a, b) so that a [T, H, D] view with arbitrary token and head strides
+    # (Qwen3's q/k slices of the fused qkv output) needs no copy; 2-D inputs use b = 0.
+    a = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < DIM
+    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + d, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        r_ptrs = residual_ptr + a * stride_ra + b * stride_rb + d
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the activation dtype, as `x + residual` does, and normalise the
+        # rounded value: that is the residual the next layer sees.
+        s = (x + r).to(residual_ptr.dtype.element_ty)
+        tl.store(r_ptrs, s, mask=mask)
+        x = s.to(tl.float32)
+    # Masked lanes are 0 and add nothing to the sum of squares.
+    mean_sq = tl.sum(x * x, 0) / DIM
+    y = x * tl.rsqrt(mean_sq + eps)
+    w = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    # The reference casts to the activation dtype before the weight multiply; the product of two
+    # 16-bit floats is exact in fp32, so one final rounding reproduces PyTorch's result.
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + a * stride_oa + b * stride_ob + d, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 3-D ``[A, B, D]`` view (no copy): ``[T, D] -> [T, 1, D]``, ``[T, H, D]`` as is."""
+    if t.dim() < 3:
+        return t.view(-1, 1, t.shape[-1])
+    return t.view(-1, t.shape[-2], t.shape[-1])
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """Shared host side of :func:`rms_norm` and :func:`add_rms_norm` (``residual`` optional)."""
+    dim = x.shape[-1]
+    assert weight.shape == (dim,) and weight.is_contiguous(), "weight must be a contiguous [D]"
+    assert x.stride(-1) == 1, "the normalised (last) dimension must be contiguous"
+    # The reference's `x.to(dtype) * weight` promotes, e.g. fp16 activations x fp32 weight -> fp32.
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if x.numel() == 0:
+        return out
+    x3, o3 = _rows(x), _rows(out)
+    r3 = _rows(residual) if residual is not None else x3  # typed placeholder, never read
+    block_d = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(x3.shape[0], x3.shape[1])](
+        x3, r3, weight, o3,
+        eps,
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
+        DIM=dim, BLOCK_D=block_d, ADD_RESIDUAL=residual is not None,
+        num_warps=_num_warps(block_d),
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x [..., D]`` over its last dimension; returns a new contiguous tensor.
+
+    Computes ``(x / sqrt(mean(x^2) + eps)).to(x.dtype) * weight`` in fp32, the rounding order
+    of ``nanoserve.layers.norm.RMSNorm``. ``x`` may be a strided view (e.g. ``[T, H, D]`` heads
+    sliced out of a fused qkv output) as long as its last dimension is contiguous and its
+    leading dimensions collapse to ``[A, B]`` without a copy (any 2-D or 3-D view does).
+    The output dtype is ``promote_types(x.dtype, weight.dtype)``.
+    """
+    return _launch_rms_norm(x, None, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: returns ``(rms_norm(x + residual), x + residual)``.
+
+    The sum is rounded to ``x.dtype`` (as ``x + residual`` would) and written IN PLACE into
+    ``residual``, which is the tensor returned second; ``x`` is not modified. The normalised
+    output is a new contiguous tensor. Same layout rules as :func:`rms_norm`, for both inputs.
+    """
+    assert residual.shape == x.shape and residual.dtype == x.dtype, \
+        "x and residual must share a shape and dtype"
+    assert residual.stride(-1) == 1, "the residual's last dimension must be contiguous"
+    return _launch_rms_norm(x, residual, weight, eps), residual
+
+
+@triton.jit
+def _rotate_heads(
+    head_ptr, stride_h, cos, sin,
+    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # In place on one token's heads: [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin].
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_HALF)
+    mask = (h < NUM_HEADS)[:, None] & (j < HALF)[None, :]
+    first = head_ptr + h[:, None] * stride_h + j[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = head_ptr.dtype.element_ty
+    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token rotates all its q and k heads, so cos/sin are read once per token.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_ptr + pos * stride_cs + j
+    cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin,
+                  NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin,
+                  NUM_K_HEADS, HALF, BLOCK_HK, BLOCK_HALF)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` IN PLACE by ``positions [T]``; returns them.
+
+    Half-split (NeoX / HF ``rotate_half``) layout: ``cos_sin[p]`` is ``[cos | sin]`` (``D/2``
+    each), the table built by ``nanoserve.layers.rotary.RotaryEmbedding`` (fp32; other float
+    dtypes are upcast). Products are formed in fp32 and rounded once to the tensor's dtype.
+    ``q``/``k`` may be strided views (token and head strides) with a contiguous last dimension.
+    Positions are not bounds-checked (that would need a sync): they must lie in
+    ``[0, cos_sin.shape[0])``.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_k_heads, head_dim) and positions.shape == (num_tokens,)
+    assert head_dim % 2 == 0 and cos_sin.shape[-1] == head_dim, "cos_sin rows are [cos | sin] of D"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1, \
+        "the head dimension must be contiguous"
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        num_warps=_num_warps(block_hq * block_half),
+    )
+    return q, k
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_xt, stride_ot,
+    N: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    row = x_ptr + token * stride_xt
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + N + cols, mask=mask, other=0.0).to(tl.float32)
+    # `F.silu(gate) * up` rounds silu's result to the input dtype before the multiply; so do we.
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[..., 2N]``; returns ``[..., N]``.
+
+    Computed in fp32 with silu's result rounded to ``x.dtype`` before the multiply, as
+    ``F.silu(gate) * up`` does; the only difference from PyTorch is Triton's ``exp``, within an
+    ulp in fp32, so 16-bit outputs match except for rare one-ulp ties. ``x``'s last dimension
+    must be contiguous; rows may be strided. The output is a new contiguous tensor.
+    """
+    width = x.shape[-1]
+    assert width % 2 == 0 and x.stride(-1) == 1, "x is [..., 2N] with a contiguous last dimension"
+    n = width // 2
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x2, o2 = x.view(-1, width), out.view(-1, n)
+    block_n = min(triton.next_power_of_2(n), SILU_BLOCK_N)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block_n))](
+        x2, o2, x2.stride(0), o2.stride(0),
+        N=n, BLOCK_N=block_n,
+        num_warps=_num_warps(block_n),
+    )
+    return out
