@@ -1,6 +1,8 @@
 """Engine and model configuration: validated user arguments and a normalised model description."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,9 +46,21 @@ class EngineConfig:
                              f"got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
+        gpu_util = self.gpu_memory_utilization
+        if isinstance(gpu_util, bool) or not isinstance(gpu_util, (int, float)) or not (
+                0.0 < gpu_util <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_util!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
+                                                                self.device):
+            raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                             f"got {self.device!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path or None, got {self.model!r}")
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

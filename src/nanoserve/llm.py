@@ -39,7 +39,7 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids.append(str(next(self._ids)))
                 self.engine.add_request(ids[-1], prompt, p, stream=False)
-        except ValueError:
+        except Exception:  # leave no part of the batch queued
             self.engine.abort_request(ids)
             self._drain()
             raise

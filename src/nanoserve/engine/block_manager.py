@@ -19,12 +19,17 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 @dataclass
 class Block:
-    """One cache block: its reference count and, once full and computed, its prefix hash."""
+    """One cache block: its reference count and, once full and computed, its prefix hash.
+
+    ``token_ids`` and ``parent_hash`` (the hash of the block before it) let a lookup confirm
+    a hash hit: the block holds these tokens, computed after the same prefix.
+    """
 
     block_id: int
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    parent_hash: int | None = None
 
 
 class BlockManager:
@@ -69,11 +74,15 @@ class BlockManager:
         usable = (len(token_ids) - 1) // self.block_size
         for i in range(usable):
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash_block(parent, chunk)
-            block_id = self.cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            h = hash_block(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is None:
                 break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent_hash != parent:
+                break  # a hash collision, not the same prefix
             matched.append(block_id)
+            parent = h
         return matched
 
     def count_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
@@ -105,7 +114,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash, block.token_ids, block.ref_count = None, (), 1
+            block.hash, block.token_ids, block.parent_hash = None, (), None
+            block.ref_count = 1
             out.append(block_id)
         return out
 
@@ -128,9 +138,10 @@ class BlockManager:
         parent = self.blocks[block_table[num_registered - 1]].hash if num_registered else None
         for i in range(num_registered, num_full):
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash_block(parent, chunk)
+            h = hash_block(parent, chunk)
             block = self.blocks[block_table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = parent, chunk
-                self.cached.setdefault(parent, block.block_id)
+                block.hash, block.token_ids, block.parent_hash = h, chunk, parent
+                self.cached.setdefault(h, block.block_id)
+            parent = h
         return max(num_full, num_registered)

@@ -87,6 +87,8 @@ class LLMEngine:
         """Queue a request. ``stream=False``: step() reports it only once, when finished, and
         its text is detokenized once at the end unless stop strings need watching."""
         params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)

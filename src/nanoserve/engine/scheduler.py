@@ -16,11 +16,10 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    samples: bool = field(init=False)  # the chunk reaches the request's last token: sample
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -66,12 +65,13 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
-            while not self.bm.can_allocate(need) and self.running[-1] is not req:
-                out.preempted.append(self._preempt(self.running.pop()))
-            if not self.bm.can_allocate(need):
-                out.preempted.append(self._preempt(self.running.pop()))
-                break
-            req.block_table += self.bm.allocate(need)
+            if need > 0:  # most decode steps fit in the last block: skip the allocator
+                while not self.bm.can_allocate(need) and self.running[-1] is not req:
+                    out.preempted.append(self._preempt(self.running.pop()))
+                if not self.bm.can_allocate(need):
+                    out.preempted.append(self._preempt(self.running.pop()))
+                    break
+                req.block_table += self.bm.allocate(need)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
             i += 1
@@ -106,8 +106,10 @@ class Scheduler:
         if not chunk.samples:
             self.num_partial_prefills += 1
         req.num_computed_tokens = chunk.start + chunk.num_tokens
-        req.num_registered_blocks = self.bm.register_full_blocks(
-            req.block_table, req.token_ids, req.num_computed_tokens, req.num_registered_blocks)
+        if req.num_computed_tokens // self.bm.block_size > req.num_registered_blocks:
+            req.num_registered_blocks = self.bm.register_full_blocks(
+                req.block_table, req.token_ids, req.num_computed_tokens,
+                req.num_registered_blocks)
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's blocks, wherever it is queued."""
