@@ -13,6 +13,20 @@ for step in "$@"; do
     latency8b) python3 benchmarks/latency.py --shape qwen3-8b 2>&1 | tee "$OUT/latency8b.log" ;;
     throughput) python3 benchmarks/throughput.py --hf-max-new 64 2>&1 | tee "$OUT/throughput.log" ;;
     kernels) python3 benchmarks/kernels.py --quick 2>&1 | tee "$OUT/kernels.log" ;;
+    profile) python3 benchmarks/profile_step.py --batch 1 > "$OUT/profile.txt" 2>&1
+             python3 benchmarks/profile_step.py --batch 256 --new-tokens 64 >> "$OUT/profile.txt" 2>&1 ;;
+    serve)  # needs the server's wheels: carry .whl (see docs/benchmarks.md)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import make_model_dir; from pathlib import Path; make_model_dir('qwen3-0.6b', Path('/tmp/serve-model'))"
+      PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m nanoserve.entrypoints.cli serve /tmp/serve-model \
+        --load-format dummy --port 8011 > "$OUT/server.log" 2>&1 &
+      server=$!
+      for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2>/dev/null && break; sleep 0.5; done
+      PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/serve.py --base-url http://127.0.0.1:8011 \
+        --num-prompts 40 --request-rate 1 --random-input-len 256 --random-output-len 128 2>&1 | tee "$OUT/serve.log"
+      PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/serve.py --base-url http://127.0.0.1:8011 \
+        --num-prompts 256 --max-concurrency 64 --random-input-len 256 --random-output-len 128 2>&1 | tee -a "$OUT/serve.log"
+      kill -INT $server; wait $server ;;
   esac
 done
 grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null

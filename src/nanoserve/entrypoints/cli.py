@@ -51,8 +51,8 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.sampling_seed, max_tokens=args.max_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos)
+        frequency_penalty=args.frequency_penalty, seed=args.sampling_seed,
+        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -63,8 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) \
         if args.chat_template else llm.generate(prompts, params)
-    for out in outputs:
-        print(f"### {out.prompt!r}\n{out.outputs[0].text}\n", flush=True)
+    for prompt, out in zip(prompts, outputs):
+        print(f"### {prompt}\n{out.outputs[0].text}\n", flush=True)
     llm.close()
     return 0
 
