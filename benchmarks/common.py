@@ -63,6 +63,14 @@ def save_random_hf_model(shape: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+def weight_bytes(shape: dict) -> int:
+    """bf16 bytes a decode step reads: every layer's matrices plus the LM head."""
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    return 2 * (layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + shape["vocab_size"] * h)
+
+
 def copy_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
     """Device memory bandwidth measured as bytes read + written by a large copy."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")

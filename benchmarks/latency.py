@@ -8,16 +8,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir
+from common import SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir, weight_bytes
 
 from nanoserve import LLM, SamplingParams
-
-
-def weight_bytes(shape: dict) -> int:
-    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    q = shape["num_attention_heads"] * shape["head_dim"]
-    kv = shape["num_key_value_heads"] * shape["head_dim"]
-    return 2 * (layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + shape["vocab_size"] * h)
 
 
 def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int) -> float:

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir
+from common import (SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir,
+                    weight_bytes)
 
 from nanoserve import LLM, SamplingParams
 
@@ -33,11 +34,7 @@ def floor_seconds(shape: dict, prompts: list[list[int]], max_tokens: list[int],
     kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
                     * shape["head_dim"] * 2)
     kv_tokens = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
-    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    q = shape["num_attention_heads"] * shape["head_dim"]
-    kv = shape["num_key_value_heads"] * shape["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
-    weights = 2 * (layers * per_layer + shape["vocab_size"] * h)  # LM head read every step
+    weights = weight_bytes(shape)
     return (kv_tokens * kv_per_token + max(max_tokens) * weights) / (bandwidth_gbs * 1e9)
 
 
