@@ -5,11 +5,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.parallel_state import get_tp_group
+from nanoserve.layers.parallel_state import Narrow, get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary's rows; lookups are all-reduced."""
+    """Each rank holds a contiguous slice of the vocabulary's rows; lookups are all-reduced.
+
+    Slices are ``ceil(vocab / tp)`` rows; rows past the vocabulary (on the last ranks) are
+    zero padding that no token id reaches.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -19,11 +23,16 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
 
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: str | int | None = None
+                         ) -> Narrow | None:
+        start = min(self.start, self.vocab_size)
+        return Narrow(0, start, min(self.start + self.per_rank, self.vocab_size) - start)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
-        rows = loaded[self.start:self.start + self.per_rank]
-        param.data.zero_()
-        param.data[:rows.shape[0]].copy_(rows)
+        rows = loaded.shape[0]
+        param.data[:rows].copy_(loaded)
+        param.data[rows:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -35,8 +44,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the vocabulary: each rank scores its slice, slices are gathered."""
+    """Logits over the vocabulary: each rank scores its slice; rank 0 gathers the slices.
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., :self.vocab_size]
+    Only rank 0 samples, so the other ranks get None rather than the full logits.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
+        if logits is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[..., :self.vocab_size]  # drop the padding rows' scores

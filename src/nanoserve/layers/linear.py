@@ -2,8 +2,12 @@
 
 Column-parallel layers split output features (no communication); row-parallel layers split
 input features and all-reduce their partial sums. Fused QKV and merged gate/up layers are
-column-parallel layers whose output is several checkpoint tensors stacked: their weight loader
-puts each tensor's shard in its slot.
+column-parallel layers whose output is several checkpoint tensors stacked: each tensor's shard
+goes in its own slot of the parameter.
+
+Loading is two calls per checkpoint tensor: ``checkpoint_slice`` says which part of it this
+rank needs (so the loader reads only that part from disk), ``weight_loader`` puts that part in
+place. At size 1 the slice is the whole tensor and the forward is a plain ``F.linear``.
 """
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.parallel_state import get_tp_group
+from nanoserve.layers.parallel_state import Narrow, get_tp_group
+
+ShardId = str | int | None
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -32,10 +38,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) \
             if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: str | int | None = None) -> None:
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
         size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
+        return Narrow(0, self.tp.rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: ShardId = None) -> None:
+        param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -48,48 +57,58 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
 
-    def _slot(self, shard_id: int) -> tuple[int, int]:
-        sizes = [s // self.tp.size for s in self.out_sizes]
-        return sum(sizes[:shard_id]), sizes[shard_id]
+    def _slot(self, shard_id: ShardId) -> tuple[int, int]:
+        """(offset, size) of checkpoint tensor ``shard_id``'s shard in this rank's parameter."""
+        sizes = [_divide(s, self.tp.size, "output features") for s in self.out_sizes]
+        index = int(shard_id)
+        return sum(sizes[:index]), sizes[index]
+
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
+        size = self._slot(shard_id)[1]
+        return Narrow(0, self.tp.rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: str | int | None = None) -> None:
-        offset, size = self._slot(int(shard_id))
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+                      shard_id: ShardId = None) -> None:
+        offset, size = self._slot(shard_id)
+        param.data.narrow(0, offset, size).copy_(loaded)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """Fused q/k/v projection; KV heads are replicated when ranks outnumber them."""
+    """Fused q/k/v projection split by heads; KV heads are replicated when ranks outnumber them.
+
+    Each rank holds ``num_heads / tp`` query heads and the KV heads they attend with: its own
+    ``num_kv_heads / tp`` heads, or, with fewer KV heads than ranks, a copy of the one head
+    that its query heads share (``tp / num_kv_heads`` consecutive ranks hold the same head).
+    """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
         tp_size = get_tp_group().size
         self.num_heads = _divide(num_heads, tp_size, "attention heads")
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
         if num_kv_heads >= tp_size:
-            _divide(num_kv_heads, tp_size, "KV heads")
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "KV heads")
         elif tp_size % num_kv_heads:
             raise ValueError(f"tensor_parallel_size ({tp_size}) must be a multiple of the "
                              f"KV heads ({num_kv_heads}) when it exceeds them")
+        else:
+            self.num_kv_heads = 1
         self.total_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        kv_per_rank = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, [self.num_heads * head_dim * tp_size,
-                                       kv_per_rank * tp_size, kv_per_rank * tp_size], bias)
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size * tp_size, kv_size * tp_size, kv_size * tp_size],
+                         bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: str | int | None = None) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        if shard_id == "q":
-            offset, size, index = 0, q_size, self.tp.rank
-        else:
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            # With replicated KV heads, consecutive ranks share one head.
-            index = self.tp.rank * self.total_kv_heads // self.tp.size \
-                if self.total_kv_heads < self.tp.size else self.tp.rank
-            size = kv_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, index * size, size))
+    def _slot(self, shard_id: ShardId) -> tuple[int, int]:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id]
+
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
+        size = self._slot(shard_id)[1]
+        index = self.tp.rank
+        if shard_id != "q" and self.total_kv_heads < self.tp.size:
+            index = self.tp.rank * self.total_kv_heads // self.tp.size
+        return Narrow(0, index * size, size)
 
 
 class RowParallelLinear(nn.Module):
@@ -104,13 +123,18 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
             if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: str | int | None = None) -> None:
-        if param.dim() == 1:  # bias: added once, on rank 0
-            param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
-            return
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
+        if param.dim() == 1:  # the bias is whole on every rank
+            return None
         size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+        return Narrow(1, self.tp.rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: ShardId = None) -> None:
+        if param.dim() == 1 and self.tp.rank > 0:
+            param.data.zero_()  # the all-reduce sums the ranks: the bias is added on rank 0 only
+            return
+        param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight, self.bias))

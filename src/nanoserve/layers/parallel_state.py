@@ -1,30 +1,60 @@
-"""Which tensor-parallel rank this process is, and the collective the layers need."""
+"""Which tensor-parallel rank this process is, and the collectives the layers need.
+
+Layers read the current group once, when they are built (``get_tp_group``), and keep it: the
+model runner builds a rank's model inside ``tensor_parallel_group(rank, size)``, so a process can
+hold a size-1 model and a rank of a tensor-parallel one side by side.
+"""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass
+class Narrow(NamedTuple):
+    """The part of a checkpoint tensor that one rank loads: ``length`` entries of ``dim``."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class TensorParallelGroup:
-    """Rank and size of this process in its tensor-parallel group (size 1: no communication)."""
+    """Rank and size of this process in its tensor-parallel group (size 1: no communication).
+
+    The group is the default torch.distributed process group: one tensor-parallel group per
+    process, whose global ranks are its tensor-parallel ranks.
+    """
 
     rank: int = 0
     size: int = 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks, in place."""
         if self.size > 1:
             dist.all_reduce(x)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The ranks' ``x`` concatenated along the last dim, on rank 0; None on the others."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` any rank holds (NCCL reduces device tensors only)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
 
 _group = TensorParallelGroup()
@@ -34,6 +64,12 @@ def get_tp_group() -> TensorParallelGroup:
     return _group
 
 
-def set_tp_group(rank: int, size: int) -> None:
+@contextmanager
+def tensor_parallel_group(rank: int, size: int) -> Iterator[TensorParallelGroup]:
+    """Layers built inside this block shard themselves as ``rank`` of ``size`` ranks."""
     global _group
-    _group = TensorParallelGroup(rank, size)
+    previous, _group = _group, TensorParallelGroup(rank, size)
+    try:
+        yield _group
+    finally:
+        _group = previous

@@ -6,7 +6,7 @@ attention metadata, never through branches here.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from nanoserve.models.loader import CheckpointTensor
 
 
 class Attention(nn.Module):
@@ -123,10 +126,12 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""
         params = dict(self.named_parameters(remove_duplicate=False))
         missing = {n for n, _ in self.named_parameters()}
         for name, tensor in weights:
@@ -144,11 +149,11 @@ class DecoderForCausalLM(nn.Module):
                                  f"{self.config.architecture}")
             param = params[target]
             owner = self.get_submodule(target.rsplit(".", 1)[0])
-            loader = getattr(owner, "weight_loader", None)
-            if loader is None:
-                param.data.copy_(tensor)
-            else:
-                loader(param, tensor.to(param.dtype), shard)
+            if hasattr(owner, "weight_loader"):
+                part = tensor.read(owner.checkpoint_slice(param, shard))
+                owner.weight_loader(param, part.to(param.dtype), shard)
+            else:  # replicated on every rank (norms, Qwen3's per-head q/k norms)
+                param.data.copy_(tensor.read())
             missing.discard(target)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}")

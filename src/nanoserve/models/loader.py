@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from nanoserve.layers.parallel_state import Narrow
 from nanoserve.models import gguf
 
 
@@ -49,10 +50,40 @@ def _generation_eos_ids(path: Path) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
-def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor under its Hugging Face name, one at a time."""
+class CheckpointTensor:
+    """One checkpoint tensor, read whole or only the slice that a tensor-parallel rank needs.
+
+    Valid until the iterator that yielded it moves on (its safetensors file is open until then).
+    """
+
+    def __init__(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+                 read: Callable[[tuple[slice, ...]], torch.Tensor]):
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self._read = read  # index () means the whole tensor
+
+    def read(self, narrow: Narrow | None = None) -> torch.Tensor:
+        if narrow is None or (narrow.start == 0 and narrow.dim < len(self.shape)
+                              and narrow.length == self.shape[narrow.dim]):
+            return self._read(()).to(self.dtype)
+        dim, start, length = narrow
+        if dim >= len(self.shape) or start < 0 or start + length > self.shape[dim]:
+            # Reading past the end would silently return fewer rows: name the culprit instead.
+            raise ValueError(f"checkpoint tensor {self.name!r} of shape {list(self.shape)} has no "
+                             f"[{start}:{start + length}] along dim {dim}")
+        return self._read((slice(None),) * dim + (slice(start, start + length),)).to(self.dtype)
+
+
+def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every checkpoint tensor under its Hugging Face name, one at a time, read on demand.
+
+    From safetensors, a slice reads only its own bytes; a GGUF tensor is dequantized whole
+    and then sliced.
+    """
     if gguf.is_gguf(path):
-        yield from gguf.iter_gguf_weights(path, dtype)
+        for name, tensor in gguf.iter_gguf_weights(path, dtype):
+            yield name, CheckpointTensor(name, tensor.shape, dtype, tensor.__getitem__)
         return
     from safetensors import SafetensorError, safe_open
 
@@ -60,6 +91,7 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Te
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).to(dtype)
+                    part = f.get_slice(name)
+                    yield name, CheckpointTensor(name, part.get_shape(), dtype, part.__getitem__)
         except SafetensorError as exc:
             raise ValueError(f"cannot read weights from {file}: {exc}") from exc

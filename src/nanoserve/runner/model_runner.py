@@ -8,6 +8,7 @@ import torch
 from nanoserve.attention.backend import select_backend
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.models.loader import iter_weights
 from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs
@@ -90,7 +91,8 @@ class ModelRunner:
         if num < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
                              f"{self._bytes_per_block()} bytes")
-        return int(num)
+        # Tensor-parallel ranks must agree: the engine addresses one block table for them all.
+        return get_tp_group().min_over_ranks(int(num), self.device)
 
     def _blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
@@ -150,33 +152,35 @@ class ModelRunner:
             if c.sample:
                 last.append(len(ids) - 1)
         width = max(1, max(len(c.block_table) for c in chunks))
-        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
-        pin = self.device.type == "cuda"
-        host = {
-            "ids": torch.tensor(ids, dtype=torch.int64),
-            "positions": torch.tensor(positions, dtype=torch.int64),
-            "q_lens": torch.tensor(q_lens, dtype=torch.int32),
-            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-            "tables": torch.tensor(tables, dtype=torch.int32),
-            "last": torch.tensor(last, dtype=torch.int64),
-        }
-        dev = {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
-               for k, v in host.items()}
-        query_start = torch.zeros(len(chunks) + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(dev["q_lens"], 0, out=query_start[1:])
+        if dummy:  # the profile pass reads every sequence through block 0
+            width = -(-max(seq_lens) // self.block_size)
+        tables: list[int] = []
+        for c in chunks:
+            tables += c.block_table
+            tables += [0] * (width - len(c.block_table))
+        # One host buffer, one (pinned, asynchronous) copy; the pieces are views of it.
+        packed = torch.tensor(ids + positions + q_lens + seq_lens + last + tables,
+                              dtype=torch.int64)
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        n, b = len(ids), len(chunks)
+        parts = packed.split([n, n, b, b, len(last), b * width])
+        ids_t, pos, q_lens_t, seq_lens_t, last_t, tables_t = parts
+        tables_t = tables_t.view(b, width)
+        query_start = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
+        query_start[1:] = torch.cumsum(q_lens_t, 0)
         if dummy:
-            slots = torch.full_like(dev["positions"], -1)
+            slots = torch.full_like(pos, -1)
         else:
             seq_of_token = torch.repeat_interleave(
-                torch.arange(len(chunks), device=self.device), dev["q_lens"].long(),
-                output_size=len(ids))
-            pos = dev["positions"]
-            blocks = dev["tables"].long()[seq_of_token, pos // self.block_size]
+                torch.arange(b, device=self.device), q_lens_t, output_size=n)
+            blocks = tables_t[seq_of_token, pos // self.block_size]
             slots = blocks * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(query_start_loc=query_start, seq_lens=dev["seq_lens"],
-                                 slot_mapping=slots, block_tables=dev["tables"],
+        meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t.int(),
+                                 slot_mapping=slots, block_tables=tables_t.int(),
                                  max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-        return dev["ids"], dev["positions"], meta, dev["last"]
+        return ids_t, pos, meta, last_t
 
     def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
         if chunk.params.seed is None:
@@ -201,7 +205,10 @@ class ModelRunner:
         sampling = [c for c in step.chunks if c.sample]
         if not sampling:
             return StepOutput([])
-        logits = self.model.compute_logits(hidden[last]).float()
+        logits = self.model.compute_logits(hidden[last])
+        if logits is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
+            return StepOutput([])
+        logits = logits.float()
         tensors = SamplingTensors.build(
             [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
             [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],

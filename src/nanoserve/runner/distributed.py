@@ -1,0 +1,254 @@
+"""Tensor parallelism across processes: rank 0 is the engine's executor, ranks 1..N-1 follow it.
+
+Every rank builds its shard of the model (layers split themselves by the rank they are built
+under) and a KV cache for its own heads. For each step rank 0 broadcasts the step's inputs over
+a StepChannel; then all ranks run the same forward and meet in the same collectives, and only
+rank 0 receives logits and samples. The workers' side is in tp_worker.py.
+
+Starting the group:
+- spawn (default): rank 0 starts ranks 1..N-1 with torch.multiprocessing's spawn context; they
+  meet at a TCPStore that rank 0 opens on a free port, so engines on one host never collide.
+- env:// (torchrun): with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set, every process runs
+  the same program; on ranks other than 0 the executor's constructor serves as a worker until
+  rank 0 closes, then exits the process.
+
+Lifecycle (spawn): workers are daemon processes that watch a pipe only rank 0 writes to, so they
+exit when the engine closes, exits or is killed. A worker's exception travels back over its
+report pipe and rank 0 raises it as a WorkerError. A watchdog thread notices a worker that dies
+while rank 0 waits in a collective and kills the others, so that the collective fails instead of
+hanging (NCCL communicators, which would wait forever, are aborted).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanoserve.attention.backend import select_backend
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.layers.parallel_state import tensor_parallel_group
+from nanoserve.models.registry import build_model
+from nanoserve.runner.inputs import StepInput, StepOutput
+from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.runner.step_channel import StepChannel
+from nanoserve.runner.tp_worker import backend_for, build_runner, rank_device, serve, worker_main
+
+TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+JOIN_TIMEOUT_S = 30.0
+T = TypeVar("T")
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed; the message carries the worker's own traceback."""
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARS)
+
+
+def check_shardable(model_config: ModelConfig, size: int) -> None:
+    """Raise the shape errors every rank would hit (heads, features not divisible by
+    ``size``) before any worker starts: the layers' own checks, on a model with no storage."""
+    with tensor_parallel_group(0, size), torch.device("meta"):
+        build_model(model_config, select_backend(torch.device("cpu")))
+
+
+class TensorParallelExecutor:
+    """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers' shards.
+
+    Offers the engine what a ModelRunner does (``num_kv_blocks``, ``execute``, ``close``); owns
+    the worker processes, their pipes and this process's torch.distributed group, so a process
+    holds one such executor at a time.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path):
+        self.size = config.tensor_parallel_size
+        self.workers: list[BaseProcess] = []
+        self.reports: list[Connection] = []
+        self.up: set[int] = set()
+        self.errors: list[str] = []
+        self.dead: list[tuple[int, int]] = []  # (rank, exit code) first seen by the watchdog
+        self.failed = threading.Event()
+        self.stopped = False
+        self._parent_alive: Connection | None = None
+        self._store: dist.TCPStore | None = None
+        self._group_lock = threading.Lock()
+        self.runner: ModelRunner | None = None
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group "
+                               "(another tensor-parallel engine?); close that one first")
+        check_shardable(model_config, self.size)
+        if launched_by_torchrun():
+            self._join_torchrun(config, model_config, path)
+        else:
+            self._spawn(config, model_config, path)
+        self.channel = self._guarded(StepChannel)
+        self.runner = self._guarded(
+            lambda: build_runner(config, model_config, path, 0, self.size, self.device))
+        self.num_kv_blocks = self.runner.num_kv_blocks
+
+    # ---- starting ---------------------------------------------------------------------------
+
+    def _join_torchrun(self, config: EngineConfig, model_config: ModelConfig, path: Path) -> None:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != self.size:
+            raise ValueError(f"tensor_parallel_size ({self.size}) must equal torchrun's "
+                             f"WORLD_SIZE ({world})")
+        self.device = rank_device(config.device, int(os.environ.get("LOCAL_RANK", rank)))
+        self.backend = backend_for(self.device)
+        dist.init_process_group(self.backend, init_method="env://", rank=rank, world_size=world)
+        if rank > 0:
+            serve(config, model_config, path, rank, world, self.device)
+            raise SystemExit(0)
+
+    def _spawn(self, config: EngineConfig, model_config: ModelConfig, path: Path) -> None:
+        self.device = rank_device(config.device, 0)
+        self.backend = backend_for(self.device)
+        if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
+            raise ValueError(f"tensor_parallel_size {self.size} needs {self.size} GPUs, "
+                             f"{torch.cuda.device_count()} are visible")
+        # Port 0: the OS picks a free port, so concurrent engines on one host never collide.
+        # Held until the group is left: the rendezvous and the group run through it.
+        self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
+                                    wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        alive_r, self._parent_alive = ctx.Pipe(duplex=False)
+        for rank in range(1, self.size):
+            report_r, report_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, name=f"nanoserve-tp{rank}", daemon=True,
+                               args=(rank, self.size, config, model_config, path,
+                                     self._store.port, report_w, alive_r))
+            proc.start()
+            report_w.close()
+            self.workers.append(proc)
+            self.reports.append(report_r)
+        alive_r.close()
+        self._guarded(self._await_workers)
+        self._guarded(lambda: dist.init_process_group(
+            self.backend, store=self._store, rank=0, world_size=self.size))
+        threading.Thread(target=self._watch, name="nanoserve-tp-watchdog", daemon=True).start()
+
+    def _await_workers(self) -> None:
+        """Wait until every worker is about to join the group, so that one failing to start
+        (import, device, store) raises here instead of leaving rank 0 in the rendezvous."""
+        while len(self.up) < len(self.workers):
+            if self.errors or any(not p.is_alive() for p in self.workers):
+                raise WorkerError("a tensor-parallel worker failed to start")
+            wait([c for c in self.reports if not c.closed] + [p.sentinel for p in self.workers])
+            self._read_reports()
+
+    def _read_reports(self) -> None:
+        for rank, conn in enumerate(self.reports, start=1):
+            while not conn.closed and conn.poll():
+                try:
+                    kind, text = conn.recv()
+                except EOFError:  # the worker has exited
+                    conn.close()
+                    break
+                if kind == "up":
+                    self.up.add(rank)
+                else:
+                    self.errors.append(text)
+
+    # ---- failures ---------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Daemon thread: a worker that exits while the group runs must not hang rank 0."""
+        wait([p.sentinel for p in self.workers])
+        if self.stopped:
+            return
+        self.dead = self._dead_workers()
+        self.failed.set()
+        for proc in self.workers:  # collectives with dead peers fail (gloo) rather than wait
+            proc.kill()
+        if self.backend == "nccl":  # NCCL would wait forever: abort its communicators
+            self._leave_group(abort=True)
+
+    def _guarded(self, fn: Callable[[], T]) -> T:
+        """fn() on rank 0; a failure anywhere stops the group and raises, naming its cause."""
+        if self.stopped:
+            raise RuntimeError("the tensor-parallel group is no longer running (closed, or "
+                               "stopped by an earlier failure)")
+        try:
+            result = fn()
+        except BaseException as exc:
+            error = self._fail()
+            if error is None:
+                raise
+            raise error from exc
+        if self.failed.is_set():  # an aborted NCCL collective may return garbage, not raise
+            raise self._fail() or WorkerError("a tensor-parallel worker exited unexpectedly")
+        return result
+
+    def _dead_workers(self) -> list[tuple[int, int]]:
+        return [(rank, p.exitcode) for rank, p in enumerate(self.workers, start=1)
+                if p.exitcode is not None]
+
+    def _fail(self) -> WorkerError | None:
+        """Stop everything after a failure; the workers' own errors, if they reported any."""
+        dead = self.dead or self._dead_workers()  # before _stop kills the rest
+        self._stop(graceful=False)
+        if self.errors:
+            return WorkerError("tensor-parallel worker failed: " + "\n".join(self.errors))
+        if dead:
+            return WorkerError(", ".join(f"tensor-parallel worker rank {rank} exited with code "
+                                         f"{code}" for rank, code in dead) + " (see its stderr)")
+        return None
+
+    # ---- the executor interface -------------------------------------------------------------
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self._guarded(lambda: self._step(step))
+
+    def _step(self, step: StepInput) -> StepOutput:
+        self.channel.send(step)
+        return self.runner.execute(step)
+
+    def close(self) -> None:
+        self._stop(graceful=True)
+
+    def _stop(self, graceful: bool) -> None:
+        """Stop the workers (asking them first when graceful) and leave the process group."""
+        if self.stopped:
+            return
+        self.stopped = True  # from here on, workers exiting is expected: the watchdog stands down
+        timeout = 0.0
+        if graceful and not self.failed.is_set():
+            try:
+                self.channel.send(None)
+                timeout = JOIN_TIMEOUT_S
+            except RuntimeError:  # a worker died just now: no one to ask, kill the rest below
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self.workers:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._read_reports()  # the workers' last words, before their pipes close
+        for conn in self.reports:
+            conn.close()
+        if self.runner is not None:
+            self.runner.close()
+        self._leave_group(abort=not graceful)
+        self._store = None
+        if self._parent_alive is not None:
+            self._parent_alive.close()
+
+    def _leave_group(self, abort: bool) -> None:
+        # Both the watchdog and the main thread may get here: one of them tears down.
+        with self._group_lock:
+            if not dist.is_initialized():
+                return
+            if abort and self.backend == "nccl":
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()

@@ -1,0 +1,88 @@
+"""The worker side of tensor parallelism: ranks 1..N-1, each running its shard of every step.
+
+A worker builds its shard of the model like rank 0 does, then runs each step that rank 0
+broadcasts until rank 0 sends close. Spawned workers (see distributed.py) also report to rank 0
+over a pipe ("up" when about to join the group, or their error) and exit with rank 0's process.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.layers.parallel_state import tensor_parallel_group
+from nanoserve.runner.model_runner import ModelRunner, resolve_device
+from nanoserve.runner.step_channel import StepChannel
+
+
+def rank_device(name: str, local_rank: int) -> torch.device:
+    """The CPU, or this host's ``local_rank``-th visible GPU (pick them: CUDA_VISIBLE_DEVICES)."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return device
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def build_runner(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int,
+                 size: int, device: torch.device) -> ModelRunner:
+    """Rank ``rank``'s model runner: its layers shard themselves as they are built."""
+    with tensor_parallel_group(rank, size):
+        return ModelRunner(config, model_config, path, device)
+
+
+def serve(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int, size: int,
+          device: torch.device) -> None:
+    """A worker's life once in the group: build its shard, run rank 0's steps until close.
+
+    Its collectives come in rank 0's order: the channel's group, the runner's (KV blocks
+    agreed, profile run), then each step's forward.
+    """
+    channel = StepChannel()
+    runner = build_runner(config, model_config, path, rank, size, device)
+    while (step := channel.recv()) is not None:
+        runner.execute(step)
+    runner.close()
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(parent_alive: Connection) -> None:
+    """Thread: rank 0 never writes to this pipe, so EOF means its process is gone."""
+    try:
+        parent_alive.recv()
+    except EOFError:
+        pass
+    os._exit(0)
+
+
+def worker_main(rank: int, size: int, config: EngineConfig, model_config: ModelConfig,
+                path: Path, store_port: int, report: Connection, parent_alive: Connection
+                ) -> None:
+    """Entry point of a spawned worker: join rank 0's store and group, then serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
+    threading.Thread(target=_exit_with_parent, args=(parent_alive,), daemon=True).start()
+    try:
+        device = rank_device(config.device, rank)
+        if device.type == "cpu":
+            # The ranks share this host's cores: torch's default of one thread per core in
+            # every rank would oversubscribe them size-fold.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False)
+        report.send(("up", ""))
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size)
+        serve(config, model_config, path, rank, size, device)
+    except BaseException as exc:
+        report.send(("error", f"rank {rank} failed with {type(exc).__name__}: {exc}\n"
+                              f"{traceback.format_exc()}"))
+        os._exit(1)  # skip atexit hooks: tearing down a group with a failed peer can hang
