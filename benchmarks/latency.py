@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     random.seed(0)
@@ -39,7 +40,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
         llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
-                  enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+                  enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+                  tensor_parallel_size=args.tensor_parallel_size)
         time_generate(llm, prompt, 8, 1)  # warm-up
         full = time_generate(llm, prompt, args.new_tokens, args.repeats)
         first = time_generate(llm, prompt, 1, args.repeats)
@@ -52,6 +54,7 @@ def main() -> None:
           "ttft_ms": round(first * 1e3, 2), "floor_ms_per_token": round(floor_ms, 3),
           "fraction_of_floor": round(floor_ms / per_token_ms, 3),
           "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
+          "tensor_parallel_size": args.tensor_parallel_size,
           **environment()})
 
 

@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--hf-max-new", type=int, default=0,
                         help="also time transformers' generate, capped at this many tokens")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
 
     prompts, max_tokens = workload(args.num_seqs)
@@ -76,7 +77,8 @@ def main() -> None:
         bandwidth = copy_bandwidth_gbs()
         t0 = time.perf_counter()
         llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
-                  max_num_seqs=max(args.num_seqs, 1))
+                  max_num_seqs=max(args.num_seqs, 1),
+                  tensor_parallel_size=args.tensor_parallel_size)
         load_s = time.perf_counter() - t0
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
                   for n in max_tokens]
@@ -96,7 +98,8 @@ def main() -> None:
                   "fraction_of_floor": round(floor / elapsed, 3),
                   "bandwidth_gbs": round(bandwidth, 1), "num_kv_blocks": llm.engine.stats().num_total_blocks,
                   "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
-                  "cuda_graphs": not args.enforce_eager}
+                  "cuda_graphs": not args.enforce_eager,
+                  "tensor_parallel_size": args.tensor_parallel_size}
         llm.close()
         del llm
         torch.cuda.empty_cache()
