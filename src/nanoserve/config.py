@@ -94,7 +94,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
         arch = (getattr(hf_config, "architectures", None) or [_arch_from_type(hf_config)])[0]
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -126,7 +126,7 @@ class ModelConfig:
 def _arch_from_type(hf_config: Any) -> str:
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "LlamaForCausalLM"}
-    return names.get(getattr(hf_config, "model_type", ""), str(getattr(hf_config, "model_type")))
+    return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
 
 
 def _rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:

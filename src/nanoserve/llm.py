@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 

@@ -32,7 +32,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     starts = meta.query_start_loc[:-1].long()
     q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
     seq_lens = meta.seq_lens.long()
-    batch, max_q, max_kv = seq_lens.shape[0], meta.max_query_len, meta.max_seq_len
+    max_q, max_kv = meta.max_query_len, meta.max_seq_len
 
     # Padded query view: [B, max_q] indices into the packed tokens.
     q_pos = torch.arange(max_q, device=device)

@@ -12,7 +12,8 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from nanoserve.engine.request_stream import RequestStream, call_in_loop, deliver, resolve_future
 from nanoserve.outputs import RequestOutput
@@ -53,7 +54,7 @@ _STOP = object()
 class AsyncLLMEngine:
     """Serves many concurrent asyncio requests from one LLMEngine running in its own thread."""
 
-    def __init__(self, make_engine: Callable[[], "LLMEngine"]):
+    def __init__(self, make_engine: Callable[[], LLMEngine]):
         self._make_engine = make_engine
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
@@ -66,7 +67,7 @@ class AsyncLLMEngine:
         self.stats: EngineStats | None = None  # snapshot after the latest step
 
     @classmethod
-    def from_config(cls, config: "EngineConfig") -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
         from nanoserve.engine.llm_engine import LLMEngine
 
         return cls(lambda: LLMEngine.from_config(config))
@@ -140,7 +141,7 @@ class AsyncLLMEngine:
             self._commands.put(_STOP)
             self._thread.join(timeout)
 
-    def _require_engine(self) -> "LLMEngine":
+    def _require_engine(self) -> LLMEngine:
         if self._engine is None:
             raise EngineDeadError("the engine is not started")
         return self._engine
@@ -169,7 +170,7 @@ class AsyncLLMEngine:
             except Exception:
                 logger.exception("closing the engine failed")
 
-    def _serve(self, engine: "LLMEngine") -> None:
+    def _serve(self, engine: LLMEngine) -> None:
         while True:
             # Block while idle; between steps, take whatever has arrived without waiting.
             commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
@@ -184,7 +185,7 @@ class AsyncLLMEngine:
             if stop:
                 return
 
-    def _apply(self, engine: "LLMEngine", commands: list[Any]) -> bool:
+    def _apply(self, engine: LLMEngine, commands: list[Any]) -> bool:
         stop = False
         for cmd in commands:
             try:
@@ -200,7 +201,7 @@ class AsyncLLMEngine:
                 logger.exception("engine command %r failed", cmd)
         return stop
 
-    def _add(self, engine: "LLMEngine", cmd: _Add) -> None:
+    def _add(self, engine: LLMEngine, cmd: _Add) -> None:
         error: BaseException | None = None
         if not self._accepting:
             error = EngineDeadError("the engine is shutting down")
@@ -216,7 +217,7 @@ class AsyncLLMEngine:
             self._live.pop(cmd.stream.request_id)
             engine.abort_request(cmd.stream.request_id)
 
-    def _step(self, engine: "LLMEngine") -> None:
+    def _step(self, engine: LLMEngine) -> None:
         try:
             outputs = engine.step()
         except Exception as exc:
@@ -234,7 +235,7 @@ class AsyncLLMEngine:
             self.stats = engine.stats()
         self._dispatch(engine, outputs)
 
-    def _dispatch(self, engine: "LLMEngine", outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for out in outputs:
             for listener in self._listeners:

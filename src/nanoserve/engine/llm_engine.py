@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
+from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.engine.block_manager import BlockManager
@@ -67,7 +68,7 @@ class LLMEngine:
         self.generation_tokens = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
         from nanoserve.config import resolve_model_path
         from nanoserve.models.loader import load_model_assets
         from nanoserve.runner.executor import make_executor

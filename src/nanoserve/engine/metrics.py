@@ -6,7 +6,8 @@ engine; per-request latencies are observed from every RequestOutput as the engin
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest
@@ -30,7 +31,7 @@ _SLOW_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120
 class _EngineStatsCollector(Collector):
     """Gauges and counters computed from the engine's latest stats at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
         self._model_name = model_name
         self._stats = stats
 
@@ -69,7 +70,7 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """The metrics of one server, in a private registry so several apps can coexist."""
 
-    def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(model_name, stats))

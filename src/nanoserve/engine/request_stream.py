@@ -6,7 +6,8 @@ the consumer's event loop with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from nanoserve.outputs import RequestOutput
 
@@ -25,7 +26,7 @@ class RequestStream:
         self._abort = abort
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:

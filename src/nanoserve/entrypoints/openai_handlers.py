@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, Awaitable
+from typing import Any
+from collections.abc import Awaitable
 
 from pydantic import BaseModel
 from starlette.requests import Request

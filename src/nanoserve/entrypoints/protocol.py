@@ -163,7 +163,7 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def from_outputs(cls, finals: list[RequestOutput]) -> "UsageInfo":
+    def from_outputs(cls, finals: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
         completion = sum(len(o.outputs[0].token_ids) for o in finals)
         return cls(prompt_tokens=prompt, completion_tokens=completion,

@@ -5,7 +5,8 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse

