@@ -123,6 +123,12 @@ class ModelConfig:
         )
 
 
+def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence served: the user's limit, never past the model's positions."""
+    return min(config.max_model_len or model_config.max_position_embeddings,
+               model_config.max_position_embeddings)
+
+
 def _arch_from_type(hf_config: Any) -> str:
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "LlamaForCausalLM"}

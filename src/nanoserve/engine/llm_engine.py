@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from collections.abc import Iterable
 
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanoserve.engine.request import FinishReason, Request
@@ -54,8 +54,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = executor
         self.model_name = model_name
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        self.max_model_len = max_model_len(config, model_config)
         self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,

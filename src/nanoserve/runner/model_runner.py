@@ -7,7 +7,7 @@ import torch
 
 from nanoserve.attention.backend import select_backend
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.models.loader import iter_weights
 from nanoserve.models.registry import build_model
@@ -45,8 +45,7 @@ class ModelRunner:
         self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.block_size = config.block_size
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        self.max_model_len = max_model_len(config, model_config)
         torch.manual_seed(config.seed)
         self.backend = select_backend(self.device)
         previous = torch.get_default_dtype()
