@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -77,7 +78,9 @@ class LLMEngine:
             path, require_weights=config.load_format != "dummy")
         model_config = ModelConfig.from_hf(hf_config, extra_eos)
         executor = make_executor(config, model_config, path)
-        return cls(config, model_config, tokenizer, executor, str(path))
+        engine = cls(config, model_config, tokenizer, executor, str(path))
+        freeze_startup_heap()
+        return engine
 
     # ---- requests in ----------------------------------------------------------------------
 

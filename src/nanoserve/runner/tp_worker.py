@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.layers.parallel_state import tensor_parallel_group
 from nanoserve.runner.model_runner import ModelRunner, resolve_device
 from nanoserve.runner.step_channel import StepChannel
@@ -51,6 +52,7 @@ def serve(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int
     """
     channel = StepChannel()
     runner = build_runner(config, model_config, path, rank, size, device)
+    freeze_startup_heap()
     while (step := channel.recv()) is not None:
         runner.execute(step)
     runner.close()
