@@ -38,13 +38,31 @@ def assert_logprobs_close(ours: list[int], our_top5: list[set[int]], theirs: lis
             return
 
 
+def engine_greedy_with_top5(model_dir: Path, prompts: list[list[int]], **engine_args
+                            ) -> tuple[list[list[int]], list[list[set[int]]]]:
+    """nanoserve's greedy tokens and, per token, its top-5 ids (bf16, engine freed after)."""
+    from nanoserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.5,
+              **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
+                            logprobs=5)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    # Each step's dict holds the top-5 plus the sampled token when that is not among them.
+    top5 = [[set(sorted(d, key=d.get, reverse=True)[:5]) for d in o.outputs[0].logprobs]
+            for o in outs]
+    return tokens, top5
+
+
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factory):
     from common import save_random_hf_model
     from transformers import AutoModelForCausalLM
-
-    from nanoserve import LLM, SamplingParams
 
     model_dir = tmp_path_factory.getbasetemp() / f"hf-{shape}"
     if not (model_dir / "config.json").exists() or not list(model_dir.glob("*.safetensors")):
@@ -52,21 +70,12 @@ def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factor
     random.seed(1)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 300))]
                for _ in range(8)]
-    llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=enforce_eager, max_num_seqs=16,
-              gpu_memory_utilization=0.5)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
-                            logprobs=5)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.close()
-    del llm
-    torch.cuda.empty_cache()
+    all_ours, all_our_top5 = engine_greedy_with_top5(model_dir, prompts,
+                                                     enforce_eager=enforce_eager)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     exact = 0
-    for prompt, out in zip(prompts, outs):
+    for prompt, ours, our_top5 in zip(prompts, all_ours, all_our_top5):
         theirs, their_top5 = _hf_greedy_with_top5(model, prompt)
-        ours = out.outputs[0].token_ids
-        our_top5 = [set(sorted(d, key=d.get, reverse=True)[:5]) if len(d) > 5 else set(d)
-                    for d in out.outputs[0].logprobs]
         exact += ours == theirs
         assert_logprobs_close(ours, our_top5, theirs, their_top5)
     print(f"{shape} eager={enforce_eager}: {exact}/8 identical")
