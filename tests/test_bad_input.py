@@ -279,3 +279,16 @@ def test_request_bigger_than_the_whole_kv_cache_is_refused(tiny_llama):
     assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_checkpoint_missing_one_part_of_a_packed_projection(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "missing-k"
+    shutil.copytree(tiny_llama, folder)
+    weights = next(folder.glob("*.safetensors"))
+    tensors = {k: v for k, v in load_file(weights).items()
+               if "layers.1.self_attn.k_proj" not in k and "layers.0.mlp.up_proj" not in k}
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=r"qkv_proj.weight \(k\)") as err:
+        LLM(str(folder), device="cpu", num_kv_blocks=16)
+    assert "gate_up_proj.weight (1)" in str(err.value)

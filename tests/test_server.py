@@ -37,6 +37,7 @@ class FakeEngine:
     max_model_len = 64
     model_name = "fake"
     tokenizer = None
+    executor_alive = True
 
     def __init__(self) -> None:
         self.live: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
@@ -163,6 +164,21 @@ def test_step_failure_fails_in_flight_requests_only(fake):
 
     asyncio.run(main())
     assert async_engine.is_running
+
+
+def test_step_failure_that_kills_the_executor_stops_serving(fake):
+    engine, async_engine = fake
+    engine.executor_alive = False  # as a broken tensor-parallel group reports itself
+
+    async def main():
+        with pytest.raises(RequestFailedError):
+            await _run(async_engine, "bad", [BOOM], 3)
+        with pytest.raises(EngineDeadError):
+            await async_engine.add_request("after", [1], SamplingParams())
+
+    asyncio.run(main())
+    async_engine._thread.join(5)
+    assert not async_engine.is_running
 
 
 def test_begin_shutdown_ends_streams_and_refuses_new(fake):

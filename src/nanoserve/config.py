@@ -95,11 +95,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
-        arch = (getattr(hf_config, "architectures", None) or [_arch_from_type(hf_config)])[0]
+        names = getattr(hf_config, "architectures", None) or [arch_from_model_type(hf_config)]
+        arch = names[0]
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         theta, scaling = _rope_of(hf_config)
-        eos = _as_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
+        eos = as_id_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         return cls(
             architecture=arch,
@@ -129,7 +130,8 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
                model_config.max_position_embeddings)
 
 
-def _arch_from_type(hf_config: Any) -> str:
+def arch_from_model_type(hf_config: Any) -> str:
+    """The model class for a config that names only its model_type (GGUF configs do)."""
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "LlamaForCausalLM"}
     return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
@@ -150,7 +152,8 @@ def _rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
 
 
-def _as_list(value: Any) -> list[int]:
+def as_id_list(value: Any) -> list[int]:
+    """A token id field (absent, one id or several) as a list of ids."""
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.chat import render_chat
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
@@ -54,11 +55,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def render_chat(self, conversation: list[Message]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return render_chat(self.tokenizer, conversation)
 
     def stream_chat(self, conversation: list[Message],
                     sampling_params: SamplingParams | None = None) -> Iterator[str]:

@@ -75,10 +75,6 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens seen so far (the three penalties do)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0

@@ -61,6 +61,9 @@ class AsyncLLMEngine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._accepting = True
+        # Held while an add is checked and queued, and while the loop's end stops admissions
+        # and answers what is queued: no add can slip in between and wait forever.
+        self._admission = threading.Lock()
         self._live: dict[str, RequestStream] = {}  # touched by the engine thread only
         self._listeners: list[Callable[[RequestOutput], None]] = []
         self._engine: LLMEngine | None = None  # stepped by its own thread only
@@ -109,11 +112,12 @@ class AsyncLLMEngine:
         Raises ValueError for input the engine refuses (it names the field), EngineDeadError
         when the engine no longer takes requests.
         """
-        if not self.is_running:
-            raise EngineDeadError("the engine is shutting down")
         stream = RequestStream(request_id, self.abort)
         accepted = stream.loop.create_future()
-        self._commands.put(_Add(stream, prompt, params, arrival_time, accepted))
+        with self._admission:
+            if not self.is_running:
+                raise EngineDeadError("the engine is shutting down")
+            self._commands.put(_Add(stream, prompt, params, arrival_time, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -162,9 +166,10 @@ class AsyncLLMEngine:
         except BaseException:
             logger.exception("the engine loop crashed")
         finally:
-            self._accepting = False
+            with self._admission:
+                self._accepting = False
+                self._refuse_pending()
             self._fail_live(EngineDeadError("the engine stopped"))
-            self._refuse_pending()
             try:
                 self._engine.close()
             except Exception:
@@ -222,10 +227,13 @@ class AsyncLLMEngine:
             outputs = engine.step()
         except Exception as exc:
             # One batch ran every request together, so the culprit is unknown: end all of
-            # them with an error, keep the engine (and the server) serving new requests.
+            # them with an error. If the executor survived, keep serving new requests; if it
+            # stopped (a tensor-parallel group breaks for good), stop serving: health -> 503.
             logger.exception("engine step failed; failing the requests in flight")
             failed = list(self._live)
             self._fail_live(RequestFailedError(f"the engine failed: {exc!r}"))
+            if not engine.executor_alive:
+                raise
             try:
                 engine.abort_request(failed)
             except Exception:

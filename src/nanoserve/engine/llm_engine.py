@@ -21,6 +21,7 @@ class Executor(Protocol):
     """Runs model steps on some device(s); the engine only sees this."""
 
     num_kv_blocks: int
+    stopped: bool  # True once it can run no more steps (closed, or broken for good)
 
     def execute(self, step: StepInput) -> StepOutput: ...
 
@@ -141,6 +142,10 @@ class LLMEngine:
             req.finish(FinishReason.ABORT)
             self.aborted.append(req)
 
+    @property
+    def executor_alive(self) -> bool:
+        return not self.executor.stopped
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.aborted)
 
@@ -254,7 +259,8 @@ class LLMEngine:
         completion = CompletionOutput(
             index=0, text=self._visible_text(req), token_ids=req.output_token_ids,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
-            stop_reason=req.stop_reason, logprobs=req.logprobs)
+            stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None)
         metrics = {k: v for k, v in (
             ("arrival_time", req.arrival_time), ("first_scheduled_time", req.first_scheduled_time),
             ("first_token_time", req.first_token_time), ("last_token_time", req.last_token_time),

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.engine.chat import render_chat
 from nanoserve.engine.request_stream import RequestStream
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.protocol import (
@@ -97,14 +98,11 @@ class OpenAIServing:
             raise APIError("this model has no chat template; use /v1/completions",
                            param="messages")
         try:
-            text = tokenizer.apply_chat_template(
-                [m.as_template_dict() for m in messages], tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+            return render_chat(tokenizer, [m.as_template_dict() for m in messages],
+                               add_generation_prompt)
         except Exception as exc:  # templates reject bad conversations by raising
             raise APIError(f"the chat template rejected the messages: {exc}",
                            param="messages") from None
-        # The rendered template already holds BOS and friends: add none twice.
-        return tokenizer.encode(text, add_special_tokens=False)
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                 prompts: list[list[int]], prompt_field: str, max_field: str) -> SamplingParams:

@@ -91,7 +91,7 @@ def _decode_split_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        # Empty sequences (seq_len 0, e.g. graph padding) have l_i == 0: write zeros, not NaN.
+        # Empty sequences (seq_len 0) have l_i == 0: write zeros, not NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -6,7 +6,11 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32; with a residual, returns (normed, new residual)."""
+    """x / rms(x) * weight, computed in float32.
+
+    With a residual it returns (norm(x + residual), x + residual); on CUDA the sum is written
+    into ``residual`` in place, so callers must not reuse the tensor they passed.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

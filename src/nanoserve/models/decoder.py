@@ -113,6 +113,12 @@ PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "
           ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
 
+def _parts_of(param_name: str) -> list[str | int | None]:
+    """The checkpoint parts a parameter is packed from: every one must be loaded."""
+    slots = [slot for _, packed, slot in PACKED if f".{packed}." in param_name]
+    return slots or [None]
+
+
 class DecoderForCausalLM(nn.Module):
     """Token ids -> hidden states -> logits, with a loader for Hugging Face parameter names."""
 
@@ -134,7 +140,7 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        missing = {n for n, _ in self.named_parameters()}
+        missing = {(n, slot) for n, _ in self.named_parameters() for slot in _parts_of(n)}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -155,6 +161,7 @@ class DecoderForCausalLM(nn.Module):
                 owner.weight_loader(param, part.to(param.dtype), shard)
             else:  # replicated on every rank (norms, Qwen3's per-head q/k norms)
                 param.data.copy_(tensor.read())
-            missing.discard(target)
+            missing.discard((target, shard))
         if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}")
+            names = sorted(f"{n} ({slot})" if slot is not None else n for n, slot in missing)
+            raise ValueError(f"checkpoint lacks tensors for: {names[:8]}")

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from nanoserve.layers.parallel_state import Narrow
+from nanoserve.config import arch_from_model_type, as_id_list
 from nanoserve.models import gguf
 
 
@@ -21,9 +22,7 @@ def load_model_assets(path: Path, require_weights: bool = True) -> tuple[Any, An
     if gguf.is_gguf(path):
         config = gguf.load_gguf_config(path)
         if not getattr(config, "architectures", None):
-            config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                     "qwen3": "Qwen3ForCausalLM"}.get(config.model_type,
-                                                                       config.model_type)]
+            config.architectures = [arch_from_model_type(config)]
         check_architecture(config)
         return config, gguf.load_gguf_tokenizer(path), gguf.load_gguf_eos_token_ids(path)
     if not (path / "config.json").is_file():
@@ -45,10 +44,7 @@ def _generation_eos_ids(path: Path) -> list[int]:
     file = path / "generation_config.json"
     if not file.is_file():
         return []
-    eos = json.loads(file.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+    return as_id_list(json.loads(file.read_text()).get("eos_token_id"))
 
 
 class CheckpointTensor:

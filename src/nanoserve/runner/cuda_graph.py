@@ -10,7 +10,7 @@ from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """The batch-size ladder: small sizes one by one, then steps of 16 up to ``max_batch``."""
+    """The batch-size ladder: 1, 2, 4, 8, then steps of 16 up to ``max_batch``."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes + [max_batch]))
 

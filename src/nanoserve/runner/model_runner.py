@@ -61,6 +61,7 @@ class ModelRunner:
             self.model.load_weights(iter_weights(path, self.dtype))
         self.model.eval()
         self.sampler = Sampler()
+        self.stopped = False
         self.generators: dict[str, torch.Generator] = {}
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
@@ -219,6 +220,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self.generators.clear()
+        self.stopped = True
 
 
 @torch.no_grad()
