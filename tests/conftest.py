@@ -28,6 +28,10 @@ def _tiny_config(arch: str, vocab_size: int, eos_id: int):
                            rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 64})
+    if arch == "llama-linear-rope":
+        return LlamaConfig(**TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=True,
+                           head_dim=16, rope_theta=10000.0, eos_token_id=eos_id,
+                           rope_scaling={"rope_type": "linear", "factor": 4.0})
     if arch == "qwen2":
         return Qwen2Config(**TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=True,
                            rope_theta=1e6, eos_token_id=eos_id)

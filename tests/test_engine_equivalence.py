@@ -48,6 +48,17 @@ def test_chunked_prefill_keeps_outputs_exact(tiny_model, expected):
     assert got == want
 
 
+def test_linear_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):
+    from conftest import build_tiny_model
+
+    path = build_tiny_model("llama-linear-rope", tmp_path / "linear", tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = [tok.encode(p) for p in PROMPTS]
+    got, _ = _generate(path, ids)
+    assert got == hf_greedy(model, ids, NEW_TOKENS)
+
+
 def test_prefix_cache_hits_keep_outputs_exact(tiny_llama):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
