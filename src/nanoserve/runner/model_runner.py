@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from nanoserve.attention.backend import select_backend
@@ -159,8 +160,9 @@ class ModelRunner:
             tables += c.block_table
             tables += [0] * (width - len(c.block_table))
         # One host buffer, one (pinned, asynchronous) copy; the pieces are views of it.
-        packed = torch.tensor(ids + positions + q_lens + seq_lens + last + tables,
-                              dtype=torch.int64)
+        # numpy converts a list of ints about 4x faster than torch.tensor does.
+        packed = torch.from_numpy(np.array(ids + positions + q_lens + seq_lens + last + tables,
+                                           dtype=np.int64))
         if self.device.type == "cuda":
             packed = packed.pin_memory()
         packed = packed.to(self.device, non_blocking=True)
