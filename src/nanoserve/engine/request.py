@@ -38,6 +38,7 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     stream: bool = True  # report progress every step; False: only the final output
     token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -55,10 +56,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
