@@ -210,7 +210,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])
         if logits is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
             return StepOutput([])
-        logits = logits.float()
         tensors = SamplingTensors.build(
             [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
             [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],
