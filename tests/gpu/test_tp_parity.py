@@ -18,11 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def test_tp2_greedy_close_to_tp1(tmp_path_factory):
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b"])
+def test_tp2_greedy_close_to_tp1(shape, tmp_path_factory):
     from common import save_random_hf_model
     from test_gpu_parity import assert_logprobs_close, engine_greedy_with_top5
 
-    model_dir = save_random_hf_model("qwen3-0.6b", tmp_path_factory.mktemp("tp") / "qwen3")
+    model_dir = save_random_hf_model(shape, tmp_path_factory.mktemp("tp") / shape)
     random.seed(2)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 300))]
                for _ in range(8)]
@@ -30,4 +31,4 @@ def test_tp2_greedy_close_to_tp1(tmp_path_factory):
     two, two_top5 = engine_greedy_with_top5(model_dir, prompts, tensor_parallel_size=2)
     for i in range(len(prompts)):
         assert_logprobs_close(two[i], two_top5[i], one[i], one_top5[i])
-    print(f"TP=2 vs TP=1: {sum(a == b for a, b in zip(one, two))}/8 identical")
+    print(f"{shape} TP=2 vs TP=1: {sum(a == b for a, b in zip(one, two))}/8 identical")
