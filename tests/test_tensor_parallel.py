@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ from nanoserve.models.loader import CheckpointTensor, iter_weights, load_model_a
 from nanoserve.models.registry import build_model
 from nanoserve.runner.distributed import WorkerError
 from nanoserve.runner.inputs import SequenceChunk, StepInput
-from nanoserve.runner.step_channel import pack_step, unpack_step
+from nanoserve.runner.step_channel import SharedMemoryStepChannel, pack_step, unpack_step
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far",
            "Q: What is 2+2?\nA:"]
@@ -168,9 +169,44 @@ def test_step_packing_round_trips():
     chunks = [SequenceChunk("a", [5, 6, 7], 0, [3], True, None, [], [], []),
               SequenceChunk("b", [9], 40, [1, 4, 8], False, None, [], [], []),
               SequenceChunk("c", [2, 2], 16, [], True, None, [], [], [])]
-    back = unpack_step(pack_step(StepInput(chunks, ["x"]))).chunks
+    back = unpack_step(pack_step(StepInput(chunks, ["x"])).tolist()).chunks
     assert [(c.token_ids, c.start, c.block_table, c.sample) for c in back] == \
         [(c.token_ids, c.start, c.block_table, c.sample) for c in chunks]
+
+
+def _echo_steps(channel: SharedMemoryStepChannel, rank: int, out) -> None:
+    channel.rank = rank
+    while (step := channel.recv()) is not None:
+        out.send([(c.token_ids, c.start, c.block_table, c.sample) for c in step.chunks])
+    out.send("closed")
+
+
+def test_shared_memory_channel_delivers_every_step_to_every_worker():
+    ctx = multiprocessing.get_context("spawn")
+    abandoned = threading.Event()
+    channel = SharedMemoryStepChannel(ctx, 2, capacity=64, abandoned=abandoned)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_echo_steps, args=(channel, rank, w), daemon=True)
+             for rank, (_, w) in enumerate(pipes, start=1)]
+    for proc in procs:
+        proc.start()
+    steps = [[SequenceChunk("a", list(range(i, i + 3)), i, [i], bool(i % 2), None, [], [], [])]
+             for i in range(20)]
+    for chunks in steps:  # back to back: each waits only until every worker copied the last
+        channel.send(StepInput(chunks))
+    with pytest.raises(ValueError, match="exceeds"):
+        channel.send(StepInput([SequenceChunk("b", [1] * 80, 0, [], True, None, [], [], [])]))
+    channel.send(None)
+    want = [[(c.token_ids, c.start, c.block_table, c.sample) for c in chunks] for chunks in steps]
+    for r, _ in pipes:
+        assert [r.recv() for _ in steps] == want and r.recv() == "closed"
+    for proc in procs:
+        proc.join(10)
+    # A worker that no longer reads leaves rank 0 waiting only until the watchdog gives up.
+    channel.send(StepInput(steps[0]))
+    abandoned.set()
+    with pytest.raises(RuntimeError, match="stopped reading"):
+        channel.send(StepInput(steps[1]))
 
 
 def test_worker_exception_surfaces_in_rank0(tiny_llama, tmp_path):

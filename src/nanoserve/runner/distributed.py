@@ -1,16 +1,17 @@
 """Tensor parallelism across processes: rank 0 is the engine's executor, ranks 1..N-1 follow it.
 
 Every rank builds its shard of the model (layers split themselves by the rank they are built
-under) and a KV cache for its own heads. For each step rank 0 broadcasts the step's inputs over
-a StepChannel; then all ranks run the same forward and meet in the same collectives, and only
-rank 0 receives logits and samples. The workers' side is in tp_worker.py.
+under) and a KV cache for its own heads. For each step rank 0 hands the step's inputs to the
+workers over a step channel (step_channel.py); then all ranks run the same forward and meet in
+the same collectives, and only rank 0 receives logits and samples. The workers' side is in tp_worker.py.
 
 Starting the group:
 - spawn (default): rank 0 starts ranks 1..N-1 with torch.multiprocessing's spawn context; they
-  meet at a TCPStore that rank 0 opens on a free port, so engines on one host never collide.
+  meet at a TCPStore that rank 0 opens on a free port, so engines on one host never collide,
+  and read their steps from shared memory.
 - env:// (torchrun): with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set, every process runs
   the same program; on ranks other than 0 the executor's constructor serves as a worker until
-  rank 0 closes, then exits the process.
+  rank 0 closes, then exits the process. Steps travel as gloo broadcasts.
 
 Lifecycle (spawn): workers are daemon processes that watch a pipe only rank 0 writes to, so they
 exit when the engine closes, exits or is killed. A worker's exception travels back over its
@@ -34,13 +35,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.attention.backend import select_backend
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import tensor_parallel_group
 from nanoserve.models.registry import build_model
 from nanoserve.runner.inputs import StepInput, StepOutput
 from nanoserve.runner.model_runner import ModelRunner
-from nanoserve.runner.step_channel import StepChannel
-from nanoserve.runner.tp_worker import backend_for, build_runner, rank_device, serve, worker_main
+from nanoserve.runner.step_channel import (GlooStepChannel, SharedMemoryStepChannel,
+                                            StepChannel, packed_step_bound)
+from nanoserve.runner.tp_worker import (backend_for, build_runner, leave_process_group,
+                                        rank_device, serve, worker_main)
 
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 JOIN_TIMEOUT_S = 30.0
@@ -83,6 +86,7 @@ class TensorParallelExecutor:
         self._store: dist.TCPStore | None = None
         self._group_lock = threading.Lock()
         self.runner: ModelRunner | None = None
+        self.channel: StepChannel
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group "
                                "(another tensor-parallel engine?); close that one first")
@@ -91,7 +95,6 @@ class TensorParallelExecutor:
             self._join_torchrun(config, model_config, path)
         else:
             self._spawn(config, model_config, path)
-        self.channel = self._guarded(StepChannel)
         self.runner = self._guarded(
             lambda: build_runner(config, model_config, path, 0, self.size, self.device))
         self.num_kv_blocks = self.runner.num_kv_blocks
@@ -106,8 +109,9 @@ class TensorParallelExecutor:
         self.device = rank_device(config.device, int(os.environ.get("LOCAL_RANK", rank)))
         self.backend = backend_for(self.device)
         dist.init_process_group(self.backend, init_method="env://", rank=rank, world_size=world)
+        self.channel = GlooStepChannel()
         if rank > 0:
-            serve(config, model_config, path, rank, world, self.device)
+            serve(config, model_config, path, rank, world, self.device, self.channel)
             raise SystemExit(0)
 
     def _spawn(self, config: EngineConfig, model_config: ModelConfig, path: Path) -> None:
@@ -121,12 +125,17 @@ class TensorParallelExecutor:
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
                                     wait_for_workers=False)
         ctx = mp.get_context("spawn")
+        blocks_per_seq = -(-max_model_len(config, model_config) // config.block_size)
+        self.channel = SharedMemoryStepChannel(
+            ctx, self.size - 1, packed_step_bound(config.max_num_seqs,
+                                                  config.max_num_batched_tokens, blocks_per_seq),
+            abandoned=self.failed)
         alive_r, self._parent_alive = ctx.Pipe(duplex=False)
         for rank in range(1, self.size):
             report_r, report_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, name=f"nanoserve-tp{rank}", daemon=True,
                                args=(rank, self.size, config, model_config, path,
-                                     self._store.port, report_w, alive_r))
+                                     self._store.port, self.channel, report_w, alive_r))
             proc.start()
             report_w.close()
             self.workers.append(proc)
@@ -247,9 +256,4 @@ class TensorParallelExecutor:
     def _leave_group(self, abort: bool) -> None:
         # Both the watchdog and the main thread may get here: one of them tears down.
         with self._group_lock:
-            if not dist.is_initialized():
-                return
-            if abort and self.backend == "nccl":
-                dist.distributed_c10d._abort_process_group()
-            else:
-                dist.destroy_process_group()
+            leave_process_group(self.backend, abort)

@@ -1,17 +1,23 @@
-"""Carries each step from rank 0 to the tensor-parallel workers as one broadcast int64 tensor.
+"""Carries each step from rank 0 to the tensor-parallel workers.
 
 A worker only needs what shapes the forward: per chunk, its token ids, start position, block
 table and whether it ends in a sampled token. Sampling parameters, request ids and histories
-stay on rank 0, which alone samples. The step is packed into one flat tensor (no pickling):
+stay on rank 0, which alone samples. The step is packed into one flat int64 array (no pickling):
 
     [num_chunks, (num_tokens, start, sample, num_blocks) per chunk, all token ids, all blocks]
 
-preceded by a one-element header broadcast that carries the payload's length (-1: close).
+Two channels carry it: through shared memory to workers that rank 0 spawned on its own host
+(the default), and as gloo broadcasts to ranks that torchrun started, which may be anywhere.
 """
 from __future__ import annotations
 
 import itertools
+import threading
+from multiprocessing.context import SpawnContext
+from multiprocessing.sharedctypes import RawArray
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -19,21 +25,27 @@ from nanoserve.runner.inputs import SequenceChunk, StepInput
 
 _CLOSE = -1
 _FIELDS = 4  # per-chunk header entries
+_POLL_S = 0.1  # how often rank 0, waiting on its workers, checks whether one has died
 
 
-def pack_step(step: StepInput) -> torch.Tensor:
+def pack_step(step: StepInput) -> np.ndarray:
     chunks = step.chunks
     head = [len(chunks)]
     for c in chunks:
         head += (len(c.token_ids), c.start, int(c.sample), len(c.block_table))
     body = itertools.chain(head, *(c.token_ids for c in chunks),
                            *(c.block_table for c in chunks))
-    return torch.tensor(list(body), dtype=torch.int64)
+    return np.fromiter(body, dtype=np.int64)
 
 
-def unpack_step(packed: torch.Tensor) -> StepInput:
+def packed_step_bound(max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int
+                      ) -> int:
+    """The most int64 words a packed step can take under these scheduler limits."""
+    return 1 + _FIELDS * max_num_seqs + max_num_batched_tokens + max_num_seqs * max_blocks_per_seq
+
+
+def unpack_step(values: list[int]) -> StepInput:
     """The step a worker runs: the forward's inputs, with no sampling state (params None)."""
-    values = packed.tolist()
     num_chunks = values[0]
     heads = values[1:1 + _FIELDS * num_chunks]
     token_at = 1 + _FIELDS * num_chunks
@@ -49,12 +61,69 @@ def unpack_step(packed: torch.Tensor) -> StepInput:
     return StepInput(chunks)
 
 
-class StepChannel:
-    """Rank 0 sends steps (or close), every other rank receives them; collective calls.
+class StepChannel(Protocol):
+    def send(self, step: StepInput | None) -> None:
+        """On rank 0: hand every worker this step (None: close)."""
 
-    Runs over its own gloo group whatever the model's backend: steps are built and read on the
-    host, so a CPU transport avoids two device copies and a sync per step, and reaches
-    workers on other machines as well as local ones. Must be created on all ranks together.
+    def recv(self) -> StepInput | None:
+        """On a worker: the next step, or None when rank 0 closes."""
+
+
+class SharedMemoryStepChannel:
+    """Rank 0 writes each step into one shared-memory slot that every same-host worker reads.
+
+    A step costs a copy and a semaphore post per worker, where a broadcast over TCP costs a
+    round trip (on the H200 hosts' sandboxed loopback, about 40 ms). Semaphores order the
+    accesses: rank 0 waits until every worker has copied the previous step out (``done``), writes
+    the next one, then posts ``ready`` to each. Rank 0 builds the channel before spawning the
+    workers and passes it to them as a process argument; each worker sets ``rank`` on its copy.
+    Rank 0 stops waiting, and raises, once ``abandoned`` (its watchdog's event) is set.
+    """
+
+    def __init__(self, ctx: SpawnContext, num_workers: int, capacity: int,
+                 abandoned: threading.Event):
+        self.capacity = capacity
+        self.slot = RawArray("q", capacity + 1)  # [payload length or _CLOSE, payload...]
+        self.ready = [ctx.Semaphore(0) for _ in range(num_workers)]
+        self.done = [ctx.Semaphore(1) for _ in range(num_workers)]
+        self.rank = 0
+        self.abandoned: threading.Event | None = abandoned
+
+    def __getstate__(self) -> dict:  # an Event does not cross processes; workers need none
+        return {**self.__dict__, "abandoned": None}
+
+    def send(self, step: StepInput | None) -> None:
+        payload = None if step is None else pack_step(step)
+        if payload is not None and len(payload) > self.capacity:
+            raise ValueError(f"a step of {len(payload)} words exceeds the channel's "
+                             f"{self.capacity}")
+        for done in self.done:
+            while not done.acquire(timeout=_POLL_S):
+                if self.abandoned.is_set():
+                    raise RuntimeError("a tensor-parallel worker stopped reading steps")
+        words = np.frombuffer(self.slot, dtype=np.int64)
+        if payload is None:
+            words[0] = _CLOSE
+        else:
+            words[0] = len(payload)
+            words[1:1 + len(payload)] = payload
+        for ready in self.ready:
+            ready.release()
+
+    def recv(self) -> StepInput | None:
+        self.ready[self.rank - 1].acquire()
+        words = np.frombuffer(self.slot, dtype=np.int64)
+        length = int(words[0])
+        values = None if length == _CLOSE else words[1:1 + length].tolist()  # a copy
+        self.done[self.rank - 1].release()
+        return None if values is None else unpack_step(values)
+
+
+class GlooStepChannel:
+    """Rank 0 broadcasts each step over a gloo group; for ranks torchrun started.
+
+    Each step is two broadcasts: a one-element header with the payload's length (-1: close),
+    then the payload. Must be created on all ranks together.
     """
 
     def __init__(self) -> None:
@@ -62,18 +131,17 @@ class StepChannel:
         self.header = torch.zeros(1, dtype=torch.int64)
 
     def send(self, step: StepInput | None) -> None:
-        payload = None if step is None else pack_step(step)
+        payload = None if step is None else torch.from_numpy(pack_step(step))
         self.header[0] = _CLOSE if payload is None else payload.numel()
         dist.broadcast(self.header, src=0, group=self.group)
         if payload is not None:
             dist.broadcast(payload, src=0, group=self.group)
 
     def recv(self) -> StepInput | None:
-        """The next step, or None when rank 0 closes."""
         dist.broadcast(self.header, src=0, group=self.group)
         length = int(self.header[0])
         if length == _CLOSE:
             return None
         payload = torch.empty(length, dtype=torch.int64)
         dist.broadcast(payload, src=0, group=self.group)
-        return unpack_step(payload)
+        return unpack_step(payload.tolist())

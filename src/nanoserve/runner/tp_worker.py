@@ -20,7 +20,7 @@ from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.layers.parallel_state import tensor_parallel_group
 from nanoserve.runner.model_runner import ModelRunner, resolve_device
-from nanoserve.runner.step_channel import StepChannel
+from nanoserve.runner.step_channel import SharedMemoryStepChannel, StepChannel
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:
@@ -43,20 +43,34 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, path: Path, ra
         return ModelRunner(config, model_config, path, device)
 
 
+def leave_process_group(backend: str, abort: bool) -> None:
+    """Leave this process's torch.distributed group, if it is in one.
+
+    NCCL is always aborted: its orderly destroy waited forever on the H200s once CUDA graphs had
+    captured its collectives (as in pytorch/pytorch#115388), and aborting frees the
+    communicators without waiting for peers, which have exited or are exiting too.
+    """
+    if not dist.is_initialized():
+        return
+    if abort or backend == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 def serve(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int, size: int,
-          device: torch.device) -> None:
+          device: torch.device, channel: StepChannel) -> None:
     """A worker's life once in the group: build its shard, run rank 0's steps until close.
 
-    Its collectives come in rank 0's order: the channel's group, the runner's (KV blocks
-    agreed, profile run), then each step's forward.
+    Its collectives come in rank 0's order: the runner's (KV blocks agreed, profile run), then
+    each step's forward.
     """
-    channel = StepChannel()
     runner = build_runner(config, model_config, path, rank, size, device)
     freeze_startup_heap()
     while (step := channel.recv()) is not None:
         runner.execute(step)
     runner.close()
-    dist.destroy_process_group()
+    leave_process_group(backend_for(device), abort=False)
 
 
 def _exit_with_parent(parent_alive: Connection) -> None:
@@ -69,8 +83,8 @@ def _exit_with_parent(parent_alive: Connection) -> None:
 
 
 def worker_main(rank: int, size: int, config: EngineConfig, model_config: ModelConfig,
-                path: Path, store_port: int, report: Connection, parent_alive: Connection
-                ) -> None:
+                path: Path, store_port: int, channel: SharedMemoryStepChannel,
+                report: Connection, parent_alive: Connection) -> None:
     """Entry point of a spawned worker: join rank 0's store and group, then serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), daemon=True).start()
@@ -83,7 +97,8 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_config: ModelC
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False)
         report.send(("up", ""))
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size)
-        serve(config, model_config, path, rank, size, device)
+        channel.rank = rank
+        serve(config, model_config, path, rank, size, device, channel)
     except BaseException as exc:
         report.send(("error", f"rank {rank} failed with {type(exc).__name__}: {exc}\n"
                               f"{traceback.format_exc()}"))
