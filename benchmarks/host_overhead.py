@@ -19,7 +19,7 @@ from common import make_model_dir
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.gc_tuning import freeze_startup_heap
-from nanoserve.runner.inputs import SequenceChunk, StepOutput
+from nanoserve.runner.inputs import CompletedStep, SequenceChunk, StepOutput
 from nanoserve.runner.sampler import SamplingTensors
 from nanoserve.sampling_params import SamplingParams
 
@@ -32,9 +32,11 @@ class StubExecutor:
 
     num_kv_blocks = 40000
     stopped = False
+    feeds_pending_tokens = True
 
-    def execute(self, step) -> StepOutput:
-        return StepOutput([random.randint(100, 30000) for c in step.chunks if c.sample])
+    def launch(self, step) -> CompletedStep:
+        return CompletedStep(StepOutput([random.randint(100, 30000)
+                                         for c in step.chunks if c.sample]))
 
     def close(self) -> None:
         pass

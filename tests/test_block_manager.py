@@ -235,12 +235,18 @@ def _req(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
 
 
 class FakeEngine:
-    """Drives a Scheduler the way LLMEngine does, sampling a made-up token."""
+    """Drives a Scheduler the way LLMEngine does, sampling a made-up token.
+
+    ``overlap``: a step's tokens land only after the next step is scheduled, as when the
+    engine overlaps steps (they are pending meanwhile).
+    """
 
     def __init__(self, num_blocks: int, max_num_seqs: int = 8, budget: int = 32,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, overlap: bool = False):
         self.bm = BlockManager(num_blocks, BS, prefix_caching)
         self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        self.overlap = overlap
+        self.in_flight: list = []
         self.finished: list[Request] = []
         self.steps = 0
 
@@ -259,22 +265,37 @@ class FakeEngine:
             assert req.status is RequestStatus.RUNNING
             assert c.start == req.num_computed_tokens and c.num_tokens >= 1
             assert len(req.block_table) >= self.bm.blocks_needed(c.start + c.num_tokens)
+            # Only a decode's one input token may still be on the device.
+            assert len(req.token_ids) >= c.start + c.num_tokens - (c.num_tokens == 1)
         for c in out.chunks:
             self.sched.advance(c)
-        for c in out.chunks:
-            if c.samples:
-                req = c.request
-                req.token_ids.append(1000 + req.num_output_tokens)
-                if req.num_output_tokens >= req.max_tokens:
-                    req.finish(FinishReason.LENGTH)
-                    self.sched.finish(req)
-                    self.finished.append(req)
+            req = c.request
+            for block_id in req.block_table[:req.num_registered_blocks]:  # hashed: known tokens
+                block = self.bm.blocks[block_id]
+                assert block.hash is None or len(block.token_ids) == BS
+        previous, self.in_flight = self.in_flight, [c for c in out.chunks if c.samples]
+        self._land(previous)
+        if not self.overlap:
+            self._land(self.in_flight)
+            self.in_flight = []
         _assert_consistent(self.bm, [r.block_table for r in self.sched.running]
                            + [r.block_table for r in self.sched.waiting])
         return out
 
+    def _land(self, chunks) -> None:
+        for c in chunks:
+            req = c.request
+            if req.finished:
+                continue
+            req.num_pending_tokens -= 1
+            req.token_ids.append(1000 + req.num_output_tokens)
+            if req.num_output_tokens >= req.max_tokens:
+                req.finish(FinishReason.LENGTH)
+                self.sched.finish(req)
+                self.finished.append(req)
+
     def run(self, max_steps: int = 1000):
-        while self.sched.has_unfinished():
+        while self.sched.has_unfinished() or self.in_flight:
             self.step()
             assert self.steps < max_steps, "scheduler made no progress"
 
@@ -380,10 +401,11 @@ def test_aborting_waiting_and_running_requests_frees_their_blocks():
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_random_stream_leaks_no_blocks(seed, prefix_caching):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_stream_leaks_no_blocks(seed, prefix_caching, overlap):
     rng = random.Random(seed)
     eng = FakeEngine(num_blocks=rng.randint(8, 20), max_num_seqs=rng.randint(1, 6),
-                     budget=rng.randint(4, 40), prefix_caching=prefix_caching)
+                     budget=rng.randint(4, 40), prefix_caching=prefix_caching, overlap=overlap)
     shared = [rng.randrange(500) for _ in range(12)]
     total = 0
     for i in range(40):
@@ -394,7 +416,7 @@ def test_random_stream_leaks_no_blocks(seed, prefix_caching):
             max_tokens = rng.randint(1, min(8, eng.bm.num_blocks * BS - len(prompt)))
             eng.add(_req(f"r{i}", prompt, max_tokens))
             total += 1
-        if eng.sched.has_unfinished():
+        if eng.sched.has_unfinished() or eng.in_flight:
             eng.step()
     eng.run()
     assert len(eng.finished) == total

@@ -13,7 +13,7 @@ from nanoserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.runner.inputs import SequenceChunk, StepInput, StepOutput
+from nanoserve.runner.inputs import PENDING_TOKEN, InFlightStep, SequenceChunk, StepInput
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -22,8 +22,12 @@ class Executor(Protocol):
 
     num_kv_blocks: int
     stopped: bool  # True once it can run no more steps (closed, or broken for good)
+    # Takes PENDING_TOKEN inputs, reading them from the previous step's samples on the device.
+    feeds_pending_tokens: bool
 
-    def execute(self, step: StepInput) -> StepOutput: ...
+    def launch(self, step: StepInput) -> InFlightStep:
+        """Queue the step's work and return without waiting for it."""
+        ...
 
     def close(self) -> None: ...
 
@@ -46,6 +50,12 @@ class EngineStats:
 class LLMEngine:
     """Tokenizes, validates, schedules and runs requests, one ``step()`` at a time.
 
+    A step schedules and launches the next batch, then collects the previous batch's tokens:
+    the host's work for one step (scheduling, input building, outputs) overlaps the device's
+    work for the other. Tokens of the batch in flight are pending (see Request). The engine
+    collects before it schedules instead (no overlap) when the executor cannot feed pending
+    tokens (tensor parallelism) or when some request's penalties need its full token history.
+
     Not thread-safe: one caller (the offline LLM, or the async engine's thread) drives it.
     """
 
@@ -65,6 +75,8 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.aborted: list[Request] = []
         self.finished_ids: list[str] = []
+        self.in_flight: tuple[list[ScheduledChunk], InFlightStep] | None = None
+        self.num_history_requests = 0  # unfinished requests whose sampling reads past tokens
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -111,6 +123,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, max_tokens, eos,
                       arrival_time=arrival_time or time.time(), stream=stream)
         self.requests[request_id] = req
+        self.num_history_requests += params.needs_token_history
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, ids, params.skip_special_tokens)
         self.scheduler.add(req)
@@ -147,25 +160,47 @@ class LLMEngine:
         return not self.executor.stopped
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.aborted)
+        return (self.scheduler.has_unfinished() or bool(self.aborted)
+                or self.in_flight is not None)
 
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._finalize(req) for req in self.aborted]
         self.aborted = []
+        overlap = self.executor.feeds_pending_tokens and not self.num_history_requests
+        # Taken off first: a batch whose launch or collection fails is not collected again.
+        previous, self.in_flight = self.in_flight, None
+        if not overlap:
+            outputs += self._collect(previous)
+            previous = None
         sched = self.scheduler.schedule()
-        if not sched.chunks:
-            return outputs
-        step_out = self.executor.execute(self._step_input(sched.chunks))
-        self.finished_ids = []
-        for chunk in sched.chunks:
-            self.scheduler.advance(chunk)
+        if sched.chunks:
+            self.in_flight = (sched.chunks, self.executor.launch(self._step_input(sched.chunks)))
+            for chunk in sched.chunks:
+                self.scheduler.advance(chunk)
+        outputs += self._collect(previous)
+        if not overlap:
+            current, self.in_flight = self.in_flight, None
+            outputs += self._collect(current)
+        return outputs
+
+    def _collect(self, batch: tuple[list[ScheduledChunk], InFlightStep] | None
+                 ) -> list[RequestOutput]:
+        """Wait for a launched batch's tokens and turn them into outputs."""
+        if batch is None:
+            return []
+        chunks, pending = batch
+        step_out = pending.result()
+        outputs = []
         now = time.time()
-        sampling = [c for c in sched.chunks if c.samples]
+        sampling = [c for c in chunks if c.samples]
         logprobs = step_out.logprobs or [None] * len(sampling)
         for chunk, token, token_logprobs in zip(sampling, step_out.token_ids, logprobs):
             req = chunk.request
+            if req.finished:  # ended (a stop, an abort) while this step ran: drop its token
+                continue
+            req.num_pending_tokens -= 1
             if req.first_token_time is None:
                 self.prompt_tokens += req.num_prompt_tokens
             if token_logprobs is not None:
@@ -184,16 +219,20 @@ class LLMEngine:
         for c in chunks:
             req, params = c.request, c.request.params
             banned = []
-            if req.num_output_tokens < params.min_tokens:
+            if req.num_sampled_tokens < params.min_tokens:
                 banned = list(req.eos_token_ids) + list(params.stop_token_ids)
+            token_ids = req.token_ids[c.start:c.start + c.num_tokens]
+            if len(token_ids) < c.num_tokens:  # a decode of a token still on the device
+                token_ids.append(PENDING_TOKEN)
             seqs.append(SequenceChunk(
                 request_id=req.request_id,
-                token_ids=req.token_ids[c.start:c.start + c.num_tokens],
+                token_ids=token_ids,
                 start=c.start, block_table=req.block_table, sample=c.samples, params=params,
                 prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids if params.needs_token_history else [],
                 banned_token_ids=banned))
-        return StepInput(seqs, self.finished_ids)
+        finished, self.finished_ids = self.finished_ids, []
+        return StepInput(seqs, finished)
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.token_ids.append(token)
@@ -216,7 +255,7 @@ class LLMEngine:
             if past_min and params.stop_strings and delta:
                 self._check_stop_strings(req, len(delta))
         if not req.finished and (req.num_output_tokens >= req.max_tokens
-                                 or req.num_tokens >= self.max_model_len):
+                                 or len(req.token_ids) >= self.max_model_len):
             req.finish(FinishReason.LENGTH)
         if req.finished and not isinstance(req.stop_reason, str):
             if not each_token:
@@ -270,6 +309,7 @@ class LLMEngine:
 
     def _finalize(self, req: Request) -> RequestOutput:
         del self.requests[req.request_id]
+        self.num_history_requests -= req.params.needs_token_history
         del self.detokenizers[req.request_id]
         self.finished_ids.append(req.request_id)
         return self._output(req)

@@ -27,6 +27,10 @@ class Request:
     ``num_computed_tokens`` counts tokens whose K/V are in the cache; a request samples a token
     in a step that brings it up to ``num_tokens``. Preemption resets it to 0 and the request
     recomputes prompt and output so far, so nothing it produced is lost.
+
+    ``num_pending_tokens`` counts tokens sampled by steps still running on the device: they
+    count in ``num_tokens`` (the next step feeds them from the device) but are not yet in
+    ``token_ids``, which holds known tokens only.
     """
 
     request_id: str
@@ -41,6 +45,7 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
@@ -60,7 +65,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -68,7 +73,13 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens known on the host (pending ones not included)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far, known or still on the device."""
+        return self.num_output_tokens + self.num_pending_tokens
 
     @property
     def detokenizes_each_token(self) -> bool:
@@ -81,6 +92,7 @@ class Request:
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED
+        self.num_pending_tokens = 0  # tokens sampled past the end are dropped
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finished_time = time.time()

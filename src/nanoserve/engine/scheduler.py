@@ -38,7 +38,8 @@ class Scheduler:
     Running requests go first, oldest first; when blocks run out the newest running request
     is preempted (its blocks freed, its progress reset so it is recomputed later). Waiting
     requests are admitted in FIFO order while blocks and the budget last, reusing cached
-    prefix blocks.
+    prefix blocks. A running request that has sampled all its ``max_tokens`` (some maybe still
+    on the device) is not scheduled again.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
@@ -63,6 +64,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_sampled_tokens >= req.max_tokens:
+                i += 1  # its last token is still on the device; it finishes when that lands
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
             if need > 0:  # most decode steps fit in the last block: skip the allocator
@@ -79,6 +83,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending_tokens:  # preempted while its last token was on the device
+                break
             hits = self.bm.match_prefix(req.token_ids)
             computed = len(hits) * self.bm.block_size
             n = min(req.num_tokens - computed, budget)
@@ -101,15 +107,20 @@ class Scheduler:
         return out
 
     def advance(self, chunk: ScheduledChunk) -> None:
-        """Record that the chunk's K/V are now in the cache; publish newly full blocks."""
+        """Record that the chunk's K/V are (or, once its step runs, will be) in the cache;
+        publish newly full blocks whose tokens are all known, and count the chunk's sampled
+        token as pending until its step's result arrives."""
         req = chunk.request
         if not chunk.samples:
             self.num_partial_prefills += 1
         req.num_computed_tokens = chunk.start + chunk.num_tokens
-        if req.num_computed_tokens // self.bm.block_size > req.num_registered_blocks:
+        # A pending token's id is unknown, so the block holding it waits to be hashed.
+        known = min(req.num_computed_tokens, len(req.token_ids))
+        if known // self.bm.block_size > req.num_registered_blocks:
             req.num_registered_blocks = self.bm.register_full_blocks(
-                req.block_table, req.token_ids, req.num_computed_tokens,
-                req.num_registered_blocks)
+                req.block_table, req.token_ids, known, req.num_registered_blocks)
+        if chunk.samples:
+            req.num_pending_tokens += 1
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's blocks, wherever it is queued."""

@@ -38,7 +38,7 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import tensor_parallel_group
 from nanoserve.models.registry import build_model
-from nanoserve.runner.inputs import StepInput, StepOutput
+from nanoserve.runner.inputs import InFlightStep, StepInput
 from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.runner.step_channel import (GlooStepChannel, SharedMemoryStepChannel,
                                             StepChannel, packed_step_bound)
@@ -68,10 +68,13 @@ def check_shardable(model_config: ModelConfig, size: int) -> None:
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers' shards.
 
-    Offers the engine what a ModelRunner does (``num_kv_blocks``, ``execute``, ``close``); owns
+    Offers the engine what a ModelRunner does (``num_kv_blocks``, ``launch``, ``close``); owns
     the worker processes, their pipes and this process's torch.distributed group, so a process
-    holds one such executor at a time.
+    holds one such executor at a time. Workers build their inputs on the host, so no step may
+    feed them a token still on the device: the engine collects each step before the next.
     """
+
+    feeds_pending_tokens = False
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path):
         self.size = config.tensor_parallel_size
@@ -215,12 +218,12 @@ class TensorParallelExecutor:
 
     # ---- the executor interface -------------------------------------------------------------
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def launch(self, step: StepInput) -> InFlightStep:
         return self._guarded(lambda: self._step(step))
 
-    def _step(self, step: StepInput) -> StepOutput:
+    def _step(self, step: StepInput) -> InFlightStep:
         self.channel.send(step)
-        return self.runner.execute(step)
+        return self.runner.launch(step)
 
     def close(self) -> None:
         self._stop(graceful=True)

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanoserve.sampling_params import SamplingParams
+
+# Stands for a token that the previous step sampled and the host has not seen yet: the runner
+# feeds that step's sample for the same request straight from device memory.
+PENDING_TOKEN = -1
 
 
 @dataclass
@@ -33,3 +38,21 @@ class StepOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
+
+
+class InFlightStep(Protocol):
+    """A launched step whose tokens are on their way to the host."""
+
+    def result(self) -> StepOutput:
+        """Wait for the step and return its sampled tokens."""
+        ...
+
+
+@dataclass
+class CompletedStep:
+    """A step whose output is already on the host."""
+
+    output: StepOutput
+
+    def result(self) -> StepOutput:
+        return self.output

@@ -13,7 +13,9 @@ from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.models.loader import iter_weights
 from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs
-from nanoserve.runner.inputs import SequenceChunk, StepInput, StepOutput
+from nanoserve.runner.inputs import (PENDING_TOKEN, CompletedStep, InFlightStep, SequenceChunk,
+                                     StepInput, StepOutput)
+from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler, SamplingTensors
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -37,7 +39,14 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
 
 
 class ModelRunner:
-    """Runs one tensor-parallel rank's share of the model for a step on one device."""
+    """Runs one tensor-parallel rank's share of the model for a step on one device.
+
+    Steps are launched without waiting for the device. A step may feed a request the token
+    that the previous step sampled for it (PENDING_TOKEN in its input): the runner keeps that
+    step's samples on the device for this.
+    """
+
+    feeds_pending_tokens = True
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path,
                  device: torch.device | None = None):
@@ -64,6 +73,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.stopped = False
         self.generators: dict[str, torch.Generator] = {}
+        self.last_samples: torch.Tensor | None = None  # the previous step's sampled ids
+        self.last_sample_rows: dict[str, int] = {}  # request id -> row in last_samples
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
@@ -144,6 +155,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         q_lens, seq_lens, last = [], [], []
+        pending_at, pending_rows = [], []
         for c in chunks:
             n = len(c.token_ids)
             ids += c.token_ids
@@ -152,6 +164,9 @@ class ModelRunner:
             seq_lens.append(c.start + n)
             if c.sample:
                 last.append(len(ids) - 1)
+            if c.token_ids[-1] == PENDING_TOKEN:
+                pending_at.append(len(ids) - 1)
+                pending_rows.append(self.last_sample_rows[c.request_id])
         width = max(1, max(len(c.block_table) for c in chunks))
         if dummy:  # the profile pass reads every sequence through block 0
             width = -(-max(seq_lens) // self.block_size)
@@ -161,14 +176,18 @@ class ModelRunner:
             tables += [0] * (width - len(c.block_table))
         # One host buffer, one (pinned, asynchronous) copy; the pieces are views of it.
         # numpy converts a list of ints about 4x faster than torch.tensor does.
-        packed = torch.from_numpy(np.array(ids + positions + q_lens + seq_lens + last + tables,
-                                           dtype=np.int64))
+        packed = torch.from_numpy(np.array(
+            ids + positions + q_lens + seq_lens + last + tables + pending_at + pending_rows,
+            dtype=np.int64))
         if self.device.type == "cuda":
             packed = packed.pin_memory()
         packed = packed.to(self.device, non_blocking=True)
         n, b = len(ids), len(chunks)
-        parts = packed.split([n, n, b, b, len(last), b * width])
-        ids_t, pos, q_lens_t, seq_lens_t, last_t, tables_t = parts
+        k = len(pending_at)
+        parts = packed.split([n, n, b, b, len(last), b * width, k, k])
+        ids_t, pos, q_lens_t, seq_lens_t, last_t, tables_t, pending_at_t, pending_rows_t = parts
+        if k:
+            ids_t[pending_at_t] = self.last_samples[pending_rows_t]
         tables_t = tables_t.view(b, width)
         query_start = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
         query_start[1:] = torch.cumsum(q_lens_t, 0)
@@ -195,10 +214,12 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def launch(self, step: StepInput) -> InFlightStep:
+        """Queue the step's forward and sampling on the device; return without waiting."""
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
         ids, positions, meta, last = self._prepare(step.chunks)
+        self.last_samples, self.last_sample_rows = None, {}
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(ids, positions, meta)
         else:
@@ -206,21 +227,22 @@ class ModelRunner:
                 hidden = self.model(ids, positions)
         sampling = [c for c in step.chunks if c.sample]
         if not sampling:
-            return StepOutput([])
+            return CompletedStep(StepOutput([]))
         logits = self.model.compute_logits(hidden[last])
         if logits is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
-            return StepOutput([])
+            return CompletedStep(StepOutput([]))
         tensors = SamplingTensors.build(
             [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
             [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],
             [self._generator(c) for c in sampling], self.model_config.vocab_size, self.device)
         out = self.sampler(logits, tensors)
-        if out.logprobs is None:
-            return StepOutput(out.token_ids.tolist())
-        return StepOutput(out.token_ids.tolist(), _logprob_dicts(sampling, out))
+        self.last_samples = out.token_ids
+        self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
+        return SampledStep(out, [c.params.logprobs for c in sampling])
 
     def close(self) -> None:
         self.generators.clear()
+        self.last_samples = None
         self.stopped = True
 
 
@@ -234,12 +256,3 @@ def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
         else:
             param.normal_(0.0, std, generator=gen)
 
-
-def _logprob_dicts(chunks: list[SequenceChunk], out) -> list[dict[int, float] | None]:
-    """Per sampled row: {token id: logprob} for the sampled token and the row's top-k."""
-    values, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
-    result: list[dict[int, float] | None] = []
-    for chunk, row_values, row_ids in zip(chunks, values, ids):
-        k = chunk.params.logprobs
-        result.append(None if k is None else dict(zip(row_ids[:k + 1], row_values[:k + 1])))
-    return result

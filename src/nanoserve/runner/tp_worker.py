@@ -68,7 +68,7 @@ def serve(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int
     runner = build_runner(config, model_config, path, rank, size, device)
     freeze_startup_heap()
     while (step := channel.recv()) is not None:
-        runner.execute(step)
+        runner.launch(step)
     runner.close()
     leave_process_group(backend_for(device), abort=False)
 

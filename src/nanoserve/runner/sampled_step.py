@@ -1,0 +1,44 @@
+"""A launched step's samples on their way from the device to the host."""
+from __future__ import annotations
+
+import torch
+
+from nanoserve.runner.inputs import StepOutput
+from nanoserve.runner.sampler import SamplerOutput
+
+
+class SampledStep:
+    """The sampled tokens (and logprobs) of a launched step, copied to pinned host memory.
+
+    The copies are queued right behind the step's sampling, ahead of any step launched later,
+    so ``result()`` waits for this step alone and the device runs on with the next one.
+    ``logprobs_wanted[i]`` is how many top logprobs row ``i`` asked for (None: none).
+    """
+
+    def __init__(self, out: SamplerOutput, logprobs_wanted: list[int | None]):
+        self.logprobs_wanted = logprobs_wanted
+        tensors = [out.token_ids]
+        if out.logprobs is not None:
+            tensors += [out.logprobs, out.logprob_token_ids]
+        self.event: torch.cuda.Event | None = None
+        if out.token_ids.is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for dst, src in zip(self.host, tensors):
+                dst.copy_(src, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def result(self) -> StepOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.host[0].tolist()
+        if len(self.host) == 1:
+            return StepOutput(token_ids)
+        values, ids = self.host[1].tolist(), self.host[2].tolist()
+        logprobs: list[dict[int, float] | None] = []
+        for k, row_values, row_ids in zip(self.logprobs_wanted, values, ids):
+            # Row layout: the sampled token, then the top-k.
+            logprobs.append(None if k is None else dict(zip(row_ids[:k + 1], row_values[:k + 1])))
+        return StepOutput(token_ids, logprobs)
