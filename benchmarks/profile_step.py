@@ -1,4 +1,9 @@
-"""Where a decode step's host time goes: cProfile of batch-1 and batch-N greedy generation."""
+"""Where a decode step's time goes, in batch-1 and batch-N greedy generation.
+
+Default: cProfile of the host's Python. ``--kernels``: the device's side from torch.profiler,
+kernel time per step against wall time per step (a device busy all the time has them equal),
+and the kernels that take it.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +12,7 @@ import io
 import pstats
 import random
 import tempfile
+import time
 from pathlib import Path
 
 from common import SHAPES, make_model_dir
@@ -20,6 +26,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--kernels", action="store_true")
     args = parser.parse_args()
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(128)] for _ in range(args.batch)]
@@ -28,6 +35,9 @@ def main() -> None:
         llm = LLM(str(make_model_dir(args.shape, Path(tmp) / "m")), load_format="dummy",
                   max_num_seqs=max(8, args.batch))
         llm.generate(prompts, params, use_tqdm=False)
+        if args.kernels:
+            profile_kernels(llm, prompts, params, args.new_tokens, args.top)
+            return
         profile = cProfile.Profile()
         profile.enable()
         llm.generate(prompts, params, use_tqdm=False)
@@ -36,6 +46,25 @@ def main() -> None:
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.top)
     print(f"batch={args.batch} new_tokens={args.new_tokens}")
     print(out.getvalue())
+
+
+def profile_kernels(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps: int,
+                    top: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"batch={len(prompts)} steps={steps} wall_ms_per_step={wall / steps * 1e3:.3f} "
+          f"(profiled) kernel_ms_per_step={kernel_us / steps / 1e3:.3f}")
+    print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
 
 
 if __name__ == "__main__":

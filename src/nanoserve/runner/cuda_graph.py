@@ -79,3 +79,11 @@ class DecodeGraphs:
         self.tables[n:bs, 0].zero_()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def release(self) -> None:
+        """Destroy the graphs. Graphs that captured NCCL collectives hold their communicator:
+        it cannot be destroyed, nor its process group left, while they live."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()

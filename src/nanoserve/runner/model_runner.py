@@ -243,6 +243,9 @@ class ModelRunner:
     def close(self) -> None:
         self.generators.clear()
         self.last_samples = None
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         self.stopped = True
 
 

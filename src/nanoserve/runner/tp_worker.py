@@ -46,9 +46,10 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, path: Path, ra
 def leave_process_group(backend: str, abort: bool) -> None:
     """Leave this process's torch.distributed group, if it is in one.
 
-    NCCL is always aborted: its orderly destroy waited forever on the H200s once CUDA graphs had
-    captured its collectives (as in pytorch/pytorch#115388), and aborting frees the
-    communicators without waiting for peers, which have exited or are exiting too.
+    NCCL is always aborted: its orderly destroy waited forever on the H200s once CUDA graphs
+    had captured its collectives (the runner destroys its graphs first, see
+    DecodeGraphs.release), and aborting frees the communicators without waiting for peers,
+    which have exited or are exiting too.
     """
     if not dist.is_initialized():
         return
