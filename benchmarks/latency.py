@@ -48,7 +48,8 @@ def main() -> None:
         llm.close()
     bandwidth = copy_bandwidth_gbs()
     per_token_ms = (full - first) / (args.new_tokens - 1) * 1e3
-    floor_ms = weight_bytes(shape) / (bandwidth * 1e9) * 1e3
+    # Each tensor-parallel GPU reads its share of the weights at the same time.
+    floor_ms = weight_bytes(shape) / (bandwidth * 1e9 * args.tensor_parallel_size) * 1e3
     emit({"bench": "latency", "shape": args.shape, "prompt_len": args.prompt_len,
           "new_tokens": args.new_tokens, "ms_per_token": round(per_token_ms, 3),
           "ttft_ms": round(first * 1e3, 2), "floor_ms_per_token": round(floor_ms, 3),

@@ -29,13 +29,16 @@ def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed:
 
 
 def floor_seconds(shape: dict, prompts: list[list[int]], max_tokens: list[int],
-                  bandwidth_gbs: float) -> float:
-    """Bytes the decode steps must read (all KV + weights once per step) / bandwidth."""
+                  bandwidth_gbs: float, num_gpus: int = 1) -> float:
+    """Bytes the decode steps must read (all KV + weights once per step) / bandwidth.
+
+    With tensor parallelism each of ``num_gpus`` GPUs reads its share at the same time."""
     kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
                     * shape["head_dim"] * 2)
     kv_tokens = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
     weights = weight_bytes(shape)
-    return (kv_tokens * kv_per_token + max(max_tokens) * weights) / (bandwidth_gbs * 1e9)
+    return ((kv_tokens * kv_per_token + max(max_tokens) * weights)
+            / (bandwidth_gbs * 1e9 * num_gpus))
 
 
 def run_transformers(model_dir: Path, prompts: list[list[int]], max_new: int) -> float:
@@ -90,7 +93,7 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         assert produced == sum(max_tokens), "every request must run to its max_tokens"
-        floor = floor_seconds(shape, prompts, max_tokens, bandwidth)
+        floor = floor_seconds(shape, prompts, max_tokens, bandwidth, args.tensor_parallel_size)
         record = {"bench": "throughput", "shape": args.shape, "num_seqs": args.num_seqs,
                   "output_tokens": produced, "seconds": round(elapsed, 3),
                   "output_tok_s": round(produced / elapsed, 1),
