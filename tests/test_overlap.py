@@ -104,3 +104,32 @@ def test_abort_while_a_step_is_in_flight(llm):
     assert finished["x"].finish_reason == "abort" and len(finished["x"].token_ids) == 2
     assert finished["y"].finish_reason == "length" and len(finished["y"].token_ids) == 50
     assert engine.block_manager.num_free_blocks == free
+
+
+@pytest.mark.parametrize("failing_call", [1, 3])
+def test_a_failed_step_loses_no_token(llm, failing_call, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [tokens for tokens, _ in _run(llm, params)]
+    engine, runner = llm.engine, llm.engine.executor
+    free = engine.block_manager.num_free_blocks
+    sample, calls = runner.sampler, []
+
+    def failing_once(logits, tensors):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise RuntimeError("injected sampler failure")
+        return sample(logits, tensors)
+
+    monkeypatch.setattr(runner, "sampler", failing_once)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"f{i}", prompt, params)
+    got = {}
+    with pytest.raises(RuntimeError, match="injected"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    while engine.has_unfinished_requests():  # the same engine carries on after the failure
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    assert [got[f"f{i}"] for i in range(len(PROMPTS))] == want
+    assert engine.block_manager.num_free_blocks == free

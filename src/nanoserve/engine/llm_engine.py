@@ -169,21 +169,35 @@ class LLMEngine:
         outputs = [self._finalize(req) for req in self.aborted]
         self.aborted = []
         overlap = self.executor.feeds_pending_tokens and not self.num_history_requests
-        # Taken off first: a batch whose launch or collection fails is not collected again.
         previous, self.in_flight = self.in_flight, None
-        if not overlap:
+        try:
+            if not overlap:
+                outputs += self._collect(previous)
+                previous = None
+            sched = self.scheduler.schedule()
+            if sched.chunks:
+                self.in_flight = (sched.chunks,
+                                  self.executor.launch(self._step_input(sched.chunks)))
+                for chunk in sched.chunks:
+                    self.scheduler.advance(chunk)
             outputs += self._collect(previous)
-            previous = None
-        sched = self.scheduler.schedule()
-        if sched.chunks:
-            self.in_flight = (sched.chunks, self.executor.launch(self._step_input(sched.chunks)))
-            for chunk in sched.chunks:
-                self.scheduler.advance(chunk)
-        outputs += self._collect(previous)
-        if not overlap:
-            current, self.in_flight = self.in_flight, None
-            outputs += self._collect(current)
+            if not overlap:
+                current, self.in_flight = self.in_flight, None
+                outputs += self._collect(current)
+        except BaseException:
+            self._forget_pending()
+            raise
         return outputs
+
+    def _forget_pending(self) -> None:
+        """After a failed step: drop every token still on the device, so that no later step
+        is fed one the runner no longer holds. Their requests go on from the tokens the host
+        knows, recomputing the last one to sample again."""
+        self.in_flight = None
+        for req in self.requests.values():
+            if req.num_pending_tokens:
+                req.num_pending_tokens = 0
+                req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
 
     def _collect(self, batch: tuple[list[ScheduledChunk], InFlightStep] | None
                  ) -> list[RequestOutput]:
@@ -207,6 +221,7 @@ class LLMEngine:
                 req.logprobs = req.logprobs if req.logprobs is not None else []
                 req.logprobs.append(token_logprobs)
             self._append_token(req, token, now)
+            self.scheduler.register_known_blocks(req)
             if req.finished:
                 self.scheduler.finish(req)
                 outputs.append(self._finalize(req))

@@ -114,13 +114,17 @@ class Scheduler:
         if not chunk.samples:
             self.num_partial_prefills += 1
         req.num_computed_tokens = chunk.start + chunk.num_tokens
-        # A pending token's id is unknown, so the block holding it waits to be hashed.
+        self.register_known_blocks(req)
+        if chunk.samples:
+            req.num_pending_tokens += 1
+
+    def register_known_blocks(self, req: Request) -> None:
+        """Hash the request's newly full, computed blocks for the prefix cache. A pending
+        token's id is unknown, so a block holding one waits until the token lands."""
         known = min(req.num_computed_tokens, len(req.token_ids))
         if known // self.bm.block_size > req.num_registered_blocks:
             req.num_registered_blocks = self.bm.register_full_blocks(
                 req.block_table, req.token_ids, known, req.num_registered_blocks)
-        if chunk.samples:
-            req.num_pending_tokens += 1
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's blocks, wherever it is queued."""

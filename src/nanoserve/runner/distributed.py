@@ -38,7 +38,7 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import tensor_parallel_group
 from nanoserve.models.registry import build_model
-from nanoserve.runner.inputs import InFlightStep, StepInput
+from nanoserve.runner.inputs import CompletedStep, InFlightStep, StepInput
 from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.runner.step_channel import (GlooStepChannel, SharedMemoryStepChannel,
                                             StepChannel, packed_step_bound)
@@ -223,7 +223,9 @@ class TensorParallelExecutor:
 
     def _step(self, step: StepInput) -> InFlightStep:
         self.channel.send(step)
-        return self.runner.launch(step)
+        # Waited for here, inside the guard: a collective that a dying worker aborted may
+        # return garbage rather than raise, and only the guard knows to discard it.
+        return CompletedStep(self.runner.launch(step).result())
 
     def close(self) -> None:
         self._stop(graceful=True)

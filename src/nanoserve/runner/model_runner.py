@@ -244,6 +244,7 @@ class ModelRunner:
         self.generators.clear()
         self.last_samples = None
         if self.graphs is not None:
+            torch.cuda.synchronize(self.device)  # a last step may still be replaying a graph
             self.graphs.release()
             self.graphs = None
         self.stopped = True

@@ -26,7 +26,8 @@ class SampledStep:
             for dst, src in zip(self.host, tensors):
                 dst.copy_(src, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            # The copies run on the source device's stream, which need not be the current one.
+            self.event.record(torch.cuda.current_stream(out.token_ids.device))
         else:
             self.host = tensors
 
