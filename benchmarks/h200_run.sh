@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, batch-1 latency, the throughput workload; logs under $OUT.
-# Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput] [latency8b] [kernels]
+# Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
+#   [latency8b] [kernels] [fusedops] [profile] [serve]
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -13,8 +14,10 @@ for step in "$@"; do
     latency8b) python3 benchmarks/latency.py --shape qwen3-8b 2>&1 | tee "$OUT/latency8b.log" ;;
     throughput) python3 benchmarks/throughput.py --hf-max-new 64 2>&1 | tee "$OUT/throughput.log" ;;
     kernels) python3 benchmarks/kernels.py --quick 2>&1 | tee "$OUT/kernels.log" ;;
-    profile) python3 benchmarks/profile_step.py --batch 1 > "$OUT/profile.txt" 2>&1
-             python3 benchmarks/profile_step.py --batch 256 --new-tokens 64 >> "$OUT/profile.txt" 2>&1 ;;
+    fusedops) python3 benchmarks/fused_ops.py 2>&1 | tee "$OUT/fused_ops.log" ;;
+    profile) python3 benchmarks/profile_step.py --kernels --batch 1 > "$OUT/profile.txt" 2>&1
+             python3 benchmarks/profile_step.py --kernels --batch 256 --new-tokens 64 \
+               >> "$OUT/profile.txt" 2>&1 ;;
     serve)  # needs the server's wheels: carry .whl (see docs/benchmarks.md)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import make_model_dir; from pathlib import Path; make_model_dir('qwen3-0.6b', Path('/tmp/serve-model'))"

@@ -1,0 +1,134 @@
+"""Fused elementwise ops on the GPU: nanoserve's Triton kernels against torch.compile of the same
+PyTorch formulas (the layers' CPU paths), at Qwen3-0.6B and Qwen3-8B widths (needs CUDA).
+
+Each pair is first checked for equal results, then timed the way the engine runs decode: as
+CUDA-graph replays, ``--reps`` calls per graph, so launch cost counts as it does in the engine.
+One JSON line per (op, shape, tokens).
+
+    python benchmarks/fused_ops.py [--tokens 1 256 8192]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from nanoserve.layers.rotary import RotaryEmbedding
+
+EPS = 1e-6
+# hidden, intermediate, q heads, kv heads, head_dim
+WIDTHS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128), "qwen3-8b": (4096, 12288, 32, 8, 128)}
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * weight
+
+
+def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return torch_rms_norm(residual, weight), residual
+
+
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def torch_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def graph_us(fn: Callable[[], object], reps: int, replays: int = 20) -> float:
+    """Microseconds per call of ``fn``, captured ``reps`` times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compiles, autotunes and settles allocations outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * reps)
+
+
+def cases(width: str, tokens: int, gen: torch.Generator):
+    """(op, triton fn, torch fn, inputs factory): the factory gives fresh inputs per use, since
+    the fused kernels write some of theirs in place."""
+    hidden, inter, hq, hk, dim = WIDTHS[width]
+    dev, dt = "cuda", torch.bfloat16
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=dev, dtype=dt)
+
+    weight = rand(hidden)
+    yield ("rms_norm", lambda x: rms_norm(x, weight, EPS),
+           lambda x: torch_rms_norm(x, weight), lambda: (rand(tokens, hidden),))
+    yield ("add_rms_norm", lambda x, r: add_rms_norm(x, r, weight, EPS),
+           lambda x, r: torch_add_rms_norm(x, r, weight),
+           lambda: (rand(tokens, hidden), rand(tokens, hidden)))
+    yield ("silu_and_mul", silu_and_mul, torch_silu_and_mul, lambda: (rand(tokens, 2 * inter),))
+    cos_sin = RotaryEmbedding(dim, 40960, 1e6, None).cos_sin.to(dev)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen, device=dev)
+    yield ("rotary", lambda p, q, k: rotary_embedding(p, q, k, cos_sin),
+           lambda p, q, k: torch_rotary(p, q, k, cos_sin),
+           lambda: (positions, rand(tokens, hq, dim), rand(tokens, hk, dim)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192])
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    # Each (op, width, tokens) compiles its own graph; stay under dynamo's recompile limit.
+    torch._dynamo.config.cache_size_limit = 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for width in WIDTHS:
+        for tokens in args.tokens:
+            for op, triton_fn, torch_fn, make in cases(width, tokens, gen):
+                compiled = torch.compile(torch_fn, dynamic=False)
+                inputs = make()
+                want = torch_fn(*make_copy(inputs))
+                for got in (triton_fn(*make_copy(inputs)), compiled(*make_copy(inputs))):
+                    for a, b in zip(as_tuple(got), as_tuple(want)):
+                        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+                record = {"bench": "fused_ops", "op": op, "width": width, "tokens": tokens,
+                          "triton_us": graph_us(lambda: triton_fn(*inputs), args.reps),
+                          "compile_us": graph_us(lambda: compiled(*inputs), args.reps),
+                          "eager_us": graph_us(lambda: torch_fn(*inputs), args.reps)}
+                record = {k: round(v, 2) if isinstance(v, float) else v
+                          for k, v in record.items()}
+                print(json.dumps(record), flush=True)
+
+
+def make_copy(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.clone() for t in inputs)
+
+
+def as_tuple(x: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+if __name__ == "__main__":
+    main()
