@@ -216,7 +216,7 @@ BAD_REQUESTS = {
     "dict prompt": (lambda llm: [{"prompt": "x"}], None, "string or a list of token ids"),
     "prompt over max_model_len": (lambda llm: ["word " * 200], None, "max_model_len"),
     "prompt + max_tokens over max_model_len": (
-        lambda llm: [[7] * 80], SamplingParams(max_tokens=17), r"\(80 tokens\) \+ max_tokens"),
+        lambda llm: [[7] * 80], SamplingParams(max_tokens=17), "80 prompt tokens and asks for 17 more"),
     "prompt of max_model_len, max_tokens None": (
         lambda llm: [[7] * MAX_MODEL_LEN], SamplingParams(max_tokens=None), "max_model_len"),
     "good then bad in one batch": (

@@ -10,6 +10,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.chat import render_chat
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.outputs import RequestOutput
+from nanoserve.prompts import as_prompt_list
 from nanoserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -27,8 +28,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of the prompts."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:

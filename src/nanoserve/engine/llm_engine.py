@@ -13,6 +13,7 @@ from nanoserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.prompts import check_context_length
 from nanoserve.runner.inputs import PENDING_TOKEN, InFlightStep, SequenceChunk, StepInput
 from nanoserve.sampling_params import SamplingParams
 
@@ -108,10 +109,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
-        if len(ids) + (params.max_tokens or 1) > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})")
+        check_context_length(len(ids), params.max_tokens, self.max_model_len)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         blocks = self.block_manager.blocks_needed(len(ids) + max_tokens)
         if blocks > self.block_manager.num_blocks:

@@ -24,6 +24,7 @@ from nanoserve.entrypoints.protocol import (
     UsageInfo, value_error_to_api)
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
 from nanoserve.outputs import RequestOutput
+from nanoserve.prompts import ContextLengthError, as_prompt_list, check_context_length
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -46,7 +47,7 @@ class OpenAIServing:
         req: CompletionRequest = parse_request(CompletionRequest, body)
         self.check_model(req.model)
         req.check_supported()
-        prompts = [self._token_ids(p) for p in _as_prompt_list(req.prompt)]
+        prompts = [self._token_ids(p) for p in as_prompt_list(req.prompt)]
         if not prompts:
             raise APIError("prompt must not be empty", param="prompt")
         params = self._params(req, req.max_tokens, prompts, "prompt", "max_tokens")
@@ -113,17 +114,15 @@ class OpenAIServing:
                 raise APIError(error.message.replace("max_tokens", max_field, 1),
                                param=max_field) from None
             raise
-        limit = self.engine.max_model_len
         for ids in prompts:
             if not ids:
                 raise APIError(f"{prompt_field} must not be empty", param=prompt_field)
-            if len(ids) + (max_tokens or 1) > limit:
-                too_long = len(ids) >= limit
-                raise APIError(
-                    f"This model's maximum context length is {limit} tokens, but the request "
-                    f"has {len(ids)} prompt tokens and asks for {max_tokens or 1} more; "
-                    f"shorten the {prompt_field} or lower {max_field}.",
-                    param=prompt_field if too_long else max_field)
+            try:  # the engine checks too, but only here is it known which field to name
+                check_context_length(len(ids), max_tokens, self.engine.max_model_len)
+            except ContextLengthError as exc:
+                raise APIError(f"{exc}; shorten the {prompt_field} or lower {max_field}.",
+                               param=prompt_field if exc.prompt_too_long else max_field
+                               ) from None
         return params
 
     # ---- generation --------------------------------------------------------------------------
@@ -152,12 +151,6 @@ class OpenAIServing:
             return Response(status_code=499)  # the client is gone; nobody reads this
         body = _full_response(request_id, self.served_model_name, chat, finals)
         return Response(body.model_dump_json(), media_type="application/json")
-
-
-def _as_prompt_list(prompt: Any) -> list[str | list[int]]:
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    return list(prompt)
 
 
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
