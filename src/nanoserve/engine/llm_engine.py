@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.gc_tuning import freeze_startup_heap
-from nanoserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import check_context_length
 from nanoserve.runner.inputs import PENDING_TOKEN, InFlightStep, SequenceChunk, StepInput
 from nanoserve.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.aborted: list[Request] = []
         self.finished_ids: list[str] = []
         self.in_flight: tuple[list[ScheduledChunk], InFlightStep] | None = None
@@ -122,8 +122,7 @@ class LLMEngine:
                       arrival_time=arrival_time or time.time(), stream=stream)
         self.requests[request_id] = req
         self.num_history_requests += params.needs_token_history
-        self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.skip_special_tokens)
+        self.output_processor.add(req)
         self.scheduler.add(req)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -218,13 +217,14 @@ class LLMEngine:
             if token_logprobs is not None:
                 req.logprobs = req.logprobs if req.logprobs is not None else []
                 req.logprobs.append(token_logprobs)
-            self._append_token(req, token, now)
+            self.generation_tokens += 1
+            self.output_processor.append_token(req, token, now)
             self.scheduler.register_known_blocks(req)
             if req.finished:
                 self.scheduler.finish(req)
                 outputs.append(self._finalize(req))
             elif req.stream:
-                outputs.append(self._output(req))
+                outputs.append(self.output_processor.output(req))
         return outputs
 
     def _step_input(self, chunks: list[ScheduledChunk]) -> StepInput:
@@ -247,85 +247,12 @@ class LLMEngine:
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(seqs, finished)
 
-    def _append_token(self, req: Request, token: int, now: float) -> None:
-        req.token_ids.append(token)
-        self.generation_tokens += 1
-        req.first_token_time = req.first_token_time or now
-        req.last_token_time = now
-        params = req.params
-        detok = self.detokenizers[req.request_id]
-        each_token = req.detokenizes_each_token
-        past_min = req.num_output_tokens > params.min_tokens
-        if past_min and token in req.eos_token_ids:
-            req.finish(FinishReason.STOP)
-        elif past_min and token in params.stop_token_ids:
-            if params.include_stop_str_in_output and each_token:
-                req.output_text += detok.push(token)
-            req.finish(FinishReason.STOP, token)
-        elif each_token:
-            delta = detok.push(token)
-            req.output_text += delta
-            if past_min and params.stop_strings and delta:
-                self._check_stop_strings(req, len(delta))
-        if not req.finished and (req.num_output_tokens >= req.max_tokens
-                                 or len(req.token_ids) >= self.max_model_len):
-            req.finish(FinishReason.LENGTH)
-        if req.finished and not isinstance(req.stop_reason, str):
-            if not each_token:
-                req.output_text = detok.decode_all(self._text_token_ids(req))
-                return
-            # Text held back for an incomplete character comes out now; it may hold a stop.
-            tail = detok.flush()
-            req.output_text += tail
-            if past_min and params.stop_strings and tail:
-                self._check_stop_strings(req, len(tail))
-
-    @staticmethod
-    def _text_token_ids(req: Request) -> list[int]:
-        """Output tokens that carry text: not a final EOS, nor a stop id kept out of the text."""
-        ids = req.output_token_ids
-        ended_by_token = req.finish_reason is FinishReason.STOP and (
-            req.stop_reason is None or not req.params.include_stop_str_in_output)
-        return ids[:-1] if ended_by_token else ids
-
-    def _check_stop_strings(self, req: Request, num_new_chars: int) -> None:
-        hit = find_stop(req.output_text, num_new_chars, req.params.stop_strings)
-        if hit is None:
-            return
-        idx, stop = hit
-        end = idx + len(stop) if req.params.include_stop_str_in_output else idx
-        req.output_text = req.output_text[:end]
-        req.finish(FinishReason.STOP, stop)
-
-    # ---- outputs --------------------------------------------------------------------------
-
-    def _visible_text(self, req: Request) -> str:
-        """Running text minus a tail that might still become a stop string."""
-        stops = req.params.stop_strings
-        if req.finished or not stops or req.params.include_stop_str_in_output:
-            return req.output_text
-        hold = max(len(s) for s in stops) - 1
-        return req.output_text[:len(req.output_text) - hold] if hold else req.output_text
-
-    def _output(self, req: Request) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0, text=self._visible_text(req), token_ids=req.output_token_ids,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None)
-        metrics = {k: v for k, v in (
-            ("arrival_time", req.arrival_time), ("first_scheduled_time", req.first_scheduled_time),
-            ("first_token_time", req.first_token_time), ("last_token_time", req.last_token_time),
-            ("finished_time", req.finished_time)) if v is not None}
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.finished, req.num_cached_tokens, metrics)
-
     def _finalize(self, req: Request) -> RequestOutput:
         del self.requests[req.request_id]
         self.num_history_requests -= req.params.needs_token_history
-        del self.detokenizers[req.request_id]
+        self.output_processor.remove(req)
         self.finished_ids.append(req.request_id)
-        return self._output(req)
+        return self.output_processor.output(req)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
