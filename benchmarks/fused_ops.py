@@ -14,41 +14,15 @@ import json
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
-from nanoserve.layers.rotary import RotaryEmbedding
+from nanoserve.layers.activation import silu_and_mul_torch
+from nanoserve.layers.norm import add_rms_norm_torch, rms_norm_torch
+from nanoserve.layers.rotary import RotaryEmbedding, rotary_embedding_torch
 
 EPS = 1e-6
 # hidden, intermediate, q heads, kv heads, head_dim
 WIDTHS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128), "qwen3-8b": (4096, 12288, 32, 8, 128)}
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * weight
-
-
-def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
-    return torch_rms_norm(residual, weight), residual
-
-
-def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def torch_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
 
 
 def graph_us(fn: Callable[[], object], reps: int, replays: int = 20) -> float:
@@ -84,15 +58,15 @@ def cases(width: str, tokens: int, gen: torch.Generator):
 
     weight = rand(hidden)
     yield ("rms_norm", lambda x: rms_norm(x, weight, EPS),
-           lambda x: torch_rms_norm(x, weight), lambda: (rand(tokens, hidden),))
+           lambda x: rms_norm_torch(x, weight, EPS), lambda: (rand(tokens, hidden),))
     yield ("add_rms_norm", lambda x, r: add_rms_norm(x, r, weight, EPS),
-           lambda x, r: torch_add_rms_norm(x, r, weight),
+           lambda x, r: add_rms_norm_torch(x, r, weight, EPS),
            lambda: (rand(tokens, hidden), rand(tokens, hidden)))
-    yield ("silu_and_mul", silu_and_mul, torch_silu_and_mul, lambda: (rand(tokens, 2 * inter),))
+    yield ("silu_and_mul", silu_and_mul, silu_and_mul_torch, lambda: (rand(tokens, 2 * inter),))
     cos_sin = RotaryEmbedding(dim, 40960, 1e6, None).cos_sin.to(dev)
     positions = torch.randint(0, 4096, (tokens,), generator=gen, device=dev)
     yield ("rotary", lambda p, q, k: rotary_embedding(p, q, k, cos_sin),
-           lambda p, q, k: torch_rotary(p, q, k, cos_sin),
+           lambda p, q, k: rotary_embedding_torch(p, q, k, cos_sin),
            lambda: (positions, rand(tokens, hq, dim), rand(tokens, hk, dim)))
 
 

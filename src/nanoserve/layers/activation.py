@@ -6,6 +6,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """The PyTorch formula (CPU path and reference)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input is [gate | up] along the last dimension."""
 
@@ -13,5 +19,4 @@ class SiluAndMul(nn.Module):
         if x.is_cuda:
             from nanoserve.kernels.fused_ops import silu_and_mul
             return silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul_torch(x)

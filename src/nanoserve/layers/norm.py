@@ -5,6 +5,20 @@ import torch
 from torch import nn
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The PyTorch formula (CPU path and reference): float32 maths, rounded before the weight."""
+    dtype = x.dtype
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight
+
+
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), out of place."""
+    residual = x + residual
+    return rms_norm_torch(residual, weight, eps), residual
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32.
 
@@ -17,12 +31,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x.to(dtype) * self.weight
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:  # one fused Triton kernel instead of ~8 elementwise launches
@@ -31,6 +39,5 @@ class RMSNorm(nn.Module):
                 return rms_norm(x, self.weight, self.eps)
             return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+            return rms_norm_torch(x, self.weight, self.eps)
+        return add_rms_norm_torch(x, residual, self.weight, self.eps)

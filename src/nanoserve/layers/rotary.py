@@ -46,8 +46,14 @@ class RotaryEmbedding(nn.Module):
         if q.is_cuda:  # rotates q and k in place in one fused Triton kernel
             from nanoserve.kernels.fused_ops import rotary_embedding
             return rotary_embedding(positions, q, k, self.cos_sin)
-        cos, sin = self.cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotary_embedding_torch(positions, q, k, self.cos_sin)
+
+
+def rotary_embedding_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch formula (CPU path and reference): rotated copies of q and k."""
+    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Every rank builds its shard of the model (layers split themselves by the rank they are built
 under) and a KV cache for its own heads. For each step rank 0 hands the step's inputs to the
 workers over a step channel (step_channel.py); then all ranks run the same forward and meet in
-the same collectives, and only rank 0 receives logits and samples. The workers' side is in tp_worker.py.
+the same collectives, and only rank 0 receives logits and samples. The workers' side is in
+tp_worker.py.
 
 Starting the group:
 - spawn (default): rank 0 starts ranks 1..N-1 with torch.multiprocessing's spawn context; they
