@@ -20,6 +20,17 @@ from nanoserve.layers.parallel_state import Narrow, get_tp_group
 ShardId = str | int | None
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, except one 16-bit row on CUDA (batch-1 decode): the skinny-GEMM Triton
+    kernel is as fast as cuBLAS or faster on every projection shape measured there, up to 3x on
+    some (docs/kernels.md)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16,
+                                                                        torch.float16):
+        from nanoserve.kernels.skinny_gemm import skinny_linear
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
@@ -47,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -137,4 +148,4 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
+        return self.tp.all_reduce(linear(x, self.weight, self.bias))

@@ -1,0 +1,66 @@
+"""The skinny GEMM (decode-time projections) against a float64 matmul, on the CPU interpreter."""
+import os
+
+# Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from nanoserve.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear  # noqa: E402
+
+# fp32 differs from float64 by summation order; fp16 by that and one final rounding.
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    if b is not None:
+        out += b.double()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 100), (8, 256)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64(dtype, m, n, k, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    torch.testing.assert_close(skinny_linear(x, w, b), reference(x, w, b), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("config", [SkinnyConfig(8, 32, 1, 1), SkinnyConfig(16, 64, 2, 2),
+                                    SkinnyConfig(4, 128, 1, 1)])
+def test_every_tiling_gives_the_same_product(config):
+    """The sweep's configurations (benchmarks/skinny_gemm.py) must all be correct, not just one."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 96, generator=gen)
+    w = torch.randn(40, 96, generator=gen)
+    torch.testing.assert_close(skinny_linear(x, w, config=config), reference(x, w, None),
+                               **TOLERANCE[torch.float32])
+
+
+def test_strided_rows_of_x():
+    """A row-strided x (a slice of a wider activation) is read in place."""
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(3, 200, generator=gen)
+    x = wide[:, 10:74]
+    w = torch.randn(24, 64, generator=gen)
+    torch.testing.assert_close(skinny_linear(x, w), reference(x, w, None),
+                               **TOLERANCE[torch.float32])
+
+
+def test_rejects_too_many_rows_and_mismatched_shapes():
+    with pytest.raises(ValueError, match="at most"):
+        skinny_linear(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        skinny_linear(torch.zeros(2, 8), torch.zeros(4, 6))
+
+
+def test_empty_batch():
+    assert skinny_linear(torch.zeros(0, 8), torch.zeros(4, 8)).shape == (0, 4)
