@@ -18,6 +18,7 @@ from nanoserve.attention.torch_backend import (  # noqa: E402
 )
 from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
+    DecodeTuning,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     decode_attention,
@@ -82,10 +83,10 @@ def assert_matches_reference(out: torch.Tensor, q: torch.Tensor, k_cache: torch.
                                **TOLERANCE[q.dtype])
 
 
-def run_decode(q, k_cache, v_cache, meta, num_splits=None):
+def run_decode(q, k_cache, v_cache, meta, num_splits=None, tuning=DecodeTuning()):
     return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                             meta.query_start_loc, meta.max_seq_len, q.shape[-1] ** -0.5,
-                            num_splits=num_splits)
+                            num_splits=num_splits, tuning=tuning)
 
 
 def run_prefill(q, k_cache, v_cache, meta):
@@ -118,11 +119,12 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
     (8, 64, 64, 4),
     (2, 64, 256, 2),
 ])
-def test_decode_matches_reference(group, head_dim, block_size, num_splits):
+@pytest.mark.parametrize("heads_first", [False, True], ids=["seqs-first", "heads-first"])
+def test_decode_matches_reference(group, head_dim, block_size, num_splits, heads_first):
     seq_lens = [37, 1, 70, 16]  # ragged, one-token, multi-block and exactly-full-block contexts
     q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 4, num_heads=2 * group, num_kv_heads=2,
                                            head_dim=head_dim, block_size=block_size)
-    out = run_decode(q, k_cache, v_cache, meta, num_splits)
+    out = run_decode(q, k_cache, v_cache, meta, num_splits, DecodeTuning(heads_first=heads_first))
     assert_matches_reference(out, q, k_cache, v_cache, meta)
 
 

@@ -9,6 +9,7 @@ the splits. With one split the first kernel writes the normalised output directl
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -16,10 +17,17 @@ import triton.language as tl
 
 from nanoserve.kernels.common import LOG2E, check_attention_inputs, dot_precision, interpreted
 
-# Tuning (see docs/kernels.md): keys per inner-loop tile, and the split heuristic's knobs.
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
+
+class DecodeTuning(NamedTuple):
+    """Launch options of the split kernel (see docs/kernels.md for the sweep behind the defaults)."""
+
+    block_n: int = 64  # keys per inner-loop tile
+    num_warps: int = 4
+    num_stages: int = 3
+    heads_first: bool = True  # grid (KV head, sequence, split) rather than (sequence, KV head, split)
+
+
+# The split heuristic's knobs.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 4
@@ -43,10 +51,16 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Heads first puts the KV heads of one sequence in neighbouring programs, which read
+    # neighbouring bytes of the same cache blocks.
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     # The split's slice comes from the on-device length, not the host's max_seq_len, so a
@@ -155,12 +169,14 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None,
+                     tuning: DecodeTuning = DecodeTuning()) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
     are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]``.
-    ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it.
+    ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it, and
+    ``tuning`` the tile and launch options (benchmarks sweep them).
     Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -171,7 +187,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     device = q.device
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
-    block_n = INTERPRETER_BLOCK_N if interpreted(device) else BLOCK_N
+    block_n = INTERPRETER_BLOCK_N if interpreted(device) else tuning.block_n
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:
@@ -184,7 +200,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:  # the partial buffers are never touched: pass the output as a typed placeholder
         part_max = part_sum = part_acc = out
 
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = ((num_kv_heads, num_seqs, num_splits) if tuning.heads_first
+            else (num_seqs, num_kv_heads, num_splits))
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_max, part_sum, part_acc,
         scale * LOG2E, num_heads,
@@ -197,7 +215,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HEADS_FIRST=tuning.heads_first,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

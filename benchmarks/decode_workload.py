@@ -1,0 +1,78 @@
+"""Decode attention over the throughput workload's decode steps, per kernel tuning (needs CUDA).
+
+The throughput benchmark spends most of its device time in decode attention, at shapes that
+microbenchmarks of uniform batches miss: up to 256 sequences of ragged length, then fewer and
+fewer. This replays every ``--stride``-th decode step of that workload (the sequences still
+running and their context lengths), times the decode kernel on it under each tuning, and
+reports the estimated attention seconds of the whole run, and the K/V read rate.
+
+    python benchmarks/decode_workload.py [--stride 64] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+from kernels import HEAD_DIM, NUM_KV_HEADS, errors, kv_bytes, make_batch, median_ms, reference
+from throughput import workload
+
+from nanoserve.kernels.decode_attention import (DecodeTuning, decode_attention,
+                                                device_sm_count, num_decode_splits)
+
+BLOCK_SIZE = 16  # the engine's default
+CAPTURE_MAX_SEQ_LEN = 40960  # CUDA graphs fix the split count with the model's max length
+
+
+def decode_steps(stride: int) -> list[list[int]]:
+    """Context lengths of the running sequences at every ``stride``-th decode step."""
+    prompts, max_tokens = workload()
+    return [[len(p) + t + 1 for p, n in zip(prompts, max_tokens) if n > t]
+            for t in range(0, max(max_tokens), stride)]
+
+
+def tunings(quick: bool) -> list[DecodeTuning]:
+    if quick:
+        return [DecodeTuning(), DecodeTuning(heads_first=True)]
+    shapes = [(4, 2), (4, 3), (4, 4), (8, 3)]
+    return [DecodeTuning(bn, w, s, hf) for bn, (w, s), hf in
+            itertools.product((32, 64, 128), shapes, (False, True))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stride", type=int, default=64)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = device_sm_count(torch.device("cuda"))
+    totals = {t: 0.0 for t in tunings(args.quick)}
+    total_bytes, ok = 0, True
+    for seq_lens in decode_steps(args.stride):
+        q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), BLOCK_SIZE, gen)
+        splits = num_decode_splits(len(seq_lens), NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN, sms)
+        ref = reference(q, k_cache, v_cache, meta)
+        total_bytes += kv_bytes(seq_lens) * args.stride
+        for tuning in totals:
+            def run(t: DecodeTuning = tuning) -> torch.Tensor:
+                return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, CAPTURE_MAX_SEQ_LEN,
+                                        HEAD_DIM ** -0.5, num_splits=splits, tuning=t)
+            try:
+                ok = ok and errors(run(), ref)["ok"]
+                totals[tuning] += median_ms(run, iters=10, warmup=2) * args.stride / 1e3
+            except Exception as exc:  # noqa: BLE001 - a tuning past the SM's shared memory
+                totals[tuning] = float("inf")
+                print(json.dumps({"tuning": tuning._asdict(), "error": type(exc).__name__}))
+        del q, k_cache, v_cache, meta, ref
+        torch.cuda.empty_cache()
+    for tuning, seconds in sorted(totals.items(), key=lambda kv: kv[1]):
+        print(json.dumps({"bench": "decode_workload", "tuning": tuning._asdict(),
+                          "seconds": round(seconds, 3),
+                          "kv_gbs": round(total_bytes / seconds / 1e9, 1) if seconds else None,
+                          "stride": args.stride, "ok": ok}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
