@@ -7,7 +7,9 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,6 +65,25 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], max_new: int) ->
     return len(prompts) * max_new / elapsed
 
 
+@contextlib.contextmanager
+def kernel_profile(enabled: bool):
+    """Yields a dict that gains ``kernel_seconds`` (device busy time) once the block ends."""
+    report: dict = {}
+    if not enabled:
+        yield report
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield report
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    report.update(kernel_seconds=round(kernel_us / 1e6, 3), profiled=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+          file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
@@ -71,6 +92,9 @@ def main() -> None:
                         help="also time transformers' generate, capped at this many tokens")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--profile-kernels", action="store_true",
+                        help="also print (to stderr) the device's kernel time over the run, "
+                             "by kernel; the profiler slows the host, so seconds grows")
     args = parser.parse_args()
 
     prompts, max_tokens = workload(args.num_seqs)
@@ -87,10 +111,11 @@ def main() -> None:
                   for n in max_tokens]
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        with kernel_profile(args.profile_kernels) as report:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         assert produced == sum(max_tokens), "every request must run to its max_tokens"
         floor = floor_seconds(shape, prompts, max_tokens, bandwidth, args.tensor_parallel_size)
@@ -102,7 +127,7 @@ def main() -> None:
                   "bandwidth_gbs": round(bandwidth, 1), "num_kv_blocks": llm.engine.stats().num_total_blocks,
                   "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
                   "cuda_graphs": not args.enforce_eager,
-                  "tensor_parallel_size": args.tensor_parallel_size}
+                  "tensor_parallel_size": args.tensor_parallel_size, **report}
         llm.close()
         del llm
         torch.cuda.empty_cache()
