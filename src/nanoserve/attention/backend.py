@@ -1,11 +1,15 @@
 """The seam between model code and the device: how K/V are stored and attention is computed."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.rotary import RotaryEmbedding
 
 
 class AttentionBackend(Protocol):
@@ -18,6 +22,17 @@ class AttentionBackend(Protocol):
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                       ) -> torch.Tensor:
+        """Per-head q/k norms (when given), RoPE, then ``store_kv`` of the rotated k and v.
+
+        Returns the rotated q for :meth:`attend`, possibly ``q`` itself modified in place.
+        Whether ``k`` is rotated in place depends on the backend: do not use it afterwards.
+        """
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...

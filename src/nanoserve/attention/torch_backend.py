@@ -1,9 +1,15 @@
 """Reference attention in plain PyTorch: gathers pages into padded tensors, masks, attends."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.rotary import RotaryEmbedding
 
 
 class TorchAttentionBackend:
@@ -16,6 +22,18 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k_cache.shape[-2:]
         k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(k_cache.dtype)
         v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(v_cache.dtype)
+
+    def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                       ) -> torch.Tensor:
+        """The norm and rotary modules, then :meth:`store_kv`: the unfused reference sequence."""
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = rotary(positions, q, k)
+        self.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""Attention backend for CUDA: Triton kernels for the KV store, decode and prefill."""
+"""Attention backend for CUDA: Triton kernels for q/k norm + RoPE + KV store, decode and prefill."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -7,6 +9,11 @@ from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.kernels.decode_attention import decode_attention
 from nanoserve.kernels.kv_store import store_kv
 from nanoserve.kernels.prefill_attention import prefill_attention
+from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
+
+if TYPE_CHECKING:
+    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.rotary import RotaryEmbedding
 
 
 class TritonAttentionBackend:
@@ -22,6 +29,18 @@ class TritonAttentionBackend:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                       ) -> torch.Tensor:
+        # One fused launch instead of q norm, k norm, RoPE and the store (batch-1 decode latency).
+        if q_norm is None:
+            return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
+                                      slot_mapping)
+        return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
+                                  slot_mapping, q_norm.weight, k_norm.weight, q_norm.eps)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

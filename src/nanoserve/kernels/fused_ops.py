@@ -19,7 +19,7 @@ SILU_BLOCK_N = 1024
 MAX_WARPS = 8
 
 
-def _num_warps(block: int) -> int:
+def num_warps_for(block: int) -> int:
     """Warps for a program that touches ``block`` elements per tensor (untuned heuristic)."""
     return min(max(block // 256, 1), MAX_WARPS)
 
@@ -81,7 +81,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
         DIM=dim, BLOCK_D=block_d, ADD_RESIDUAL=residual is not None,
-        num_warps=_num_warps(block_d),
+        num_warps=num_warps_for(block_d),
     )
     return out
 
@@ -176,7 +176,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        num_warps=_num_warps(block_hq * block_half),
+        num_warps=num_warps_for(block_hq * block_half),
     )
     return q, k
 
@@ -216,6 +216,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block_n))](
         x2, o2, x2.stride(0), o2.stride(0),
         N=n, BLOCK_N=block_n,
-        num_warps=_num_warps(block_n),
+        num_warps=num_warps_for(block_n),
     )
     return out

@@ -1,0 +1,145 @@
+"""One Triton launch for everything between the qkv projection and attention.
+
+Per token it applies Qwen3's optional per-head q/k RMSNorm, rotates q and k (RoPE), writes q back
+in place and stores the rotated k and the v heads into the paged KV cache. In batch-1 decode
+these four or five ops were separate launches costing a few microseconds each inside a CUDA
+graph; their arithmetic is negligible. Rounding follows the PyTorch reference it replaces
+(``rms_norm_torch`` per head, then ``rotary_embedding_torch``, then ``TorchAttentionBackend.
+store_kv``), so outputs agree with it to about one unit in the last place.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.fused_ops import num_warps_for
+
+
+@triton.jit
+def _norm_rope_heads(
+    first, mask, cos, sin, weight_ptr, eps,
+    HAS_QK_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One token's heads, addressed by `first` (pointers to each head's first half), normalised
+    # and rotated in fp32; returns both rotated halves rounded to the heads' dtype.
+    dtype = first.dtype.element_ty
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_QK_NORM:
+        # Masked lanes are 0 and add nothing to the sum of squares.
+        mean_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+        rstd = tl.rsqrt(mean_sq + eps)[:, None]
+        j = tl.arange(0, BLOCK_HALF)
+        w1 = tl.load(weight_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        # rms_norm_torch rounds the normalised value before the weight multiply and the product
+        # after it (exact in fp32 for 16-bit inputs); RoPE then starts from that rounded value.
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    positions_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+    k_cache_ptr, v_cache_ptr,
+    eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+):
+    # One program per token owns all its heads, so cos/sin and the slot are read once.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_ptr + pos * stride_cs + j
+    cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+
+    hq = tl.arange(0, BLOCK_HQ)
+    q_mask = (hq < NUM_Q_HEADS)[:, None] & (j < HALF)[None, :]
+    q_first = q_ptr + token * stride_qt + hq[:, None] * stride_qh + j[None, :]
+    q1, q2 = _norm_rope_heads(q_first, q_mask, cos, sin, q_weight_ptr, eps,
+                              HAS_QK_NORM, HALF, BLOCK_HALF)
+    tl.store(q_first, q1, mask=q_mask)
+    tl.store(q_first + HALF, q2, mask=q_mask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    # Padding tokens (e.g. in a CUDA-graph batch) carry slot -1: their k is never read, so
+    # neither rotated nor stored.
+    if slot >= 0:
+        hk = tl.arange(0, BLOCK_HK)
+        kv_mask = (hk < NUM_KV_HEADS)[:, None] & (j < HALF)[None, :]
+        k_first = k_ptr + token * stride_kt + hk[:, None] * stride_kh + j[None, :]
+        k1, k2 = _norm_rope_heads(k_first, kv_mask, cos, sin, k_weight_ptr, eps,
+                                  HAS_QK_NORM, HALF, BLOCK_HALF)
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        kc_first = (k_cache_ptr + block * stride_kcb + offset * stride_kcs
+                    + hk[:, None] * stride_kch + j[None, :])
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(kc_first, k1.to(cache_dtype), mask=kv_mask)
+        tl.store(kc_first + HALF, k2.to(cache_dtype), mask=kv_mask)
+
+        v_first = v_ptr + token * stride_vt + hk[:, None] * stride_vh + j[None, :]
+        vc_first = (v_cache_ptr + block * stride_vcb + offset * stride_vcs
+                    + hk[:, None] * stride_vch + j[None, :])
+        v_dtype = v_cache_ptr.dtype.element_ty
+        tl.store(vc_first, tl.load(v_first, mask=kv_mask).to(v_dtype), mask=kv_mask)
+        tl.store(vc_first + HALF, tl.load(v_first + HALF, mask=kv_mask).to(v_dtype), mask=kv_mask)
+
+
+def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                       eps: float = 0.0) -> torch.Tensor:
+    """Optional per-head q/k RMSNorm, RoPE, then the KV-cache store, in one launch; returns q.
+
+    ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated ``k [T, Hkv, D]`` and
+    ``v [T, Hkv, D]`` are written to ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` at
+    ``slot_mapping[t]`` (-1: not stored); ``k`` and ``v`` themselves are left untouched. With
+    ``q_weight``/``k_weight`` (``[D]``, q's dtype) each head is first RMS-normalised with ``eps``
+    (Qwen3). ``cos_sin`` is RoPE's ``[max_pos, D]`` table of ``[cos | sin]`` rows (half-split
+    layout). Inputs may be strided views (token and head strides, e.g. slices of the fused qkv
+    output) with a contiguous last dimension. Launch shapes come from tensor shapes only and
+    positions are not bounds-checked, so the call is CUDA-graph capturable.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
+    assert positions.shape == slot_mapping.shape == (num_tokens,)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert head_dim % 2 == 0 and cos_sin.shape[-1] == head_dim, "cos_sin rows are [cos | sin] of D"
+    for t in (q, k, v, cos_sin, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    has_qk_norm = q_weight is not None
+    assert has_qk_norm == (k_weight is not None), "q and k are normalised together or not at all"
+    if has_qk_norm:
+        # The reference would promote a wider weight's product; in place into q it cannot.
+        for w in (q_weight, k_weight):
+            assert w.shape == (head_dim,) and w.is_contiguous() and w.dtype == q.dtype == k.dtype
+    if num_tokens == 0:
+        return q
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_kv_heads)
+    _qk_norm_rope_store_kernel[(num_tokens,)](
+        positions, slot_mapping, q, k, v, cos_sin,
+        q_weight if has_qk_norm else cos_sin, k_weight if has_qk_norm else cos_sin,  # unread
+        k_cache, v_cache,
+        eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm,
+        # fused_ops' RoPE rule (~8 elements per thread) on the largest tile, one half of q.
+        num_warps=num_warps_for(block_hq * block_half),
+    )
+    return q
