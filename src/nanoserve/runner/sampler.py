@@ -5,7 +5,9 @@ Pipeline, with vLLM's semantics, all in float32: banned tokens -> -inf; repetiti
 the argmax of the penalised logits; the other rows are divided by their temperature, filtered by
 top-k, then top-p, then min-p, and drawn from the softmax with the exponential race.
 Everything per request is a tensor row, so one step costs a fixed number of kernels whatever the
-batch; the only Python loop is over rows with their own seeded generator.
+batch; the only Python loop is over rows with their own seeded generator. On CUDA, a batch that
+needs nothing but greedy or temperature sampling takes one fused Triton pass instead
+(``nanoserve.kernels.sampling``).
 """
 from __future__ import annotations
 
@@ -147,6 +149,8 @@ class Sampler(torch.nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+        if _fused_path_applies(logits, tensors):
+            return _fused_sample(logits, tensors)
         raw = logits.float()
         penalised = apply_penalties(raw, tensors)
         if tensors.all_greedy:
@@ -158,6 +162,30 @@ class Sampler(torch.nn.Module):
                 token_ids = torch.where(tensors.temperature == 0.0,
                                         penalised.argmax(dim=-1), token_ids)
         return _with_logprobs(raw, token_ids, tensors.max_logprobs)
+
+
+def _fused_path_applies(logits: torch.Tensor, tensors: SamplingTensors) -> bool:
+    """True for CUDA logits when no row needs more than its temperature: no penalty, banned
+    token, top-k / top-p / min-p filter or seeded generator."""
+    return (logits.is_cuda and logits.stride(-1) == 1
+            and tensors.prompt_tokens is None and not tensors.any_count_penalty
+            and tensors.banned_tokens is None
+            and not (tensors.max_top_k or tensors.any_top_p or tensors.any_min_p)
+            and not tensors.seeded_rows)
+
+
+def _fused_sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+    """Greedy and temperature rows in one Triton pass (same distribution as the general path);
+    the float32 copy of the logits is only made for logprobs."""
+    from nanoserve.kernels.sampling import gumbel_max_sample
+
+    # The seed comes from the default CPU generator: no device sync, and torch.manual_seed still
+    # makes runs reproducible. A greedy batch draws nothing, as on the general path.
+    seed = 0 if tensors.all_greedy else int(torch.randint(2 ** 62, ()))
+    token_ids = gumbel_max_sample(logits, tensors.temperature, seed)
+    if tensors.max_logprobs < 0:
+        return SamplerOutput(token_ids, None, None)
+    return _with_logprobs(logits.float(), token_ids, tensors.max_logprobs)
 
 
 def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""The fused greedy / Gumbel-max sampling kernel against torch, on the CPU interpreter."""
+import os
+from types import SimpleNamespace
+
+# Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from nanoserve.kernels.sampling import (  # noqa: E402
+    INTERPRETER_QUARTER,
+    TILES_PER_CHUNK,
+    gumbel_max_sample,
+)
+from nanoserve.runner.sampler import (  # noqa: E402
+    SamplingTensors,
+    _fused_path_applies,
+    _fused_sample,
+)
+from nanoserve.sampling_params import SamplingParams  # noqa: E402
+
+TILE = 4 * INTERPRETER_QUARTER  # logits per tile on CPU (32)
+CHUNK = TILES_PER_CHUNK * TILE  # logits per program on CPU (64)
+NEG_INF = float("-inf")
+
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    observed = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    support = expected > 0
+    assert observed[~support].sum() == 0, "sampled a token of probability 0"
+    return float(((observed[support] - expected[support]) ** 2 / expected[support]).sum())
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return gumbel_max_sample(logits, torch.zeros(logits.shape[0]), seed=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("vocab_size", [5, TILE + 3, CHUNK, 3 * CHUNK + 1, 1000])
+def test_greedy_is_torch_argmax(dtype, vocab_size):
+    """Sizes below one tile, inside one chunk, and several chunks plus a one-logit chunk."""
+    gen = torch.Generator().manual_seed(vocab_size)
+    # Rows of a wider buffer: the row stride is not the vocabulary size.
+    logits = (3 * torch.randn(7, vocab_size + 8, generator=gen)).to(dtype)[:, 3:3 + vocab_size]
+    last = vocab_size - 1
+    logits[1, ::2] = NEG_INF  # -inf around the finite logits, wherever the max was
+    logits[2] = NEG_INF
+    logits[2, last] = -1e4
+    logits[3] = NEG_INF  # nothing finite: token 0, as torch.argmax
+    # Planted ties with the row max: neighbours in one group of 4, the same slot of the next
+    # tile, the next chunk; the lowest index must win.
+    for row, (a, b) in zip((4, 5, 6), ((0, 1), (1, min(1 + TILE, last)), (last // 2, last))):
+        logits[row, [a, b]] = logits[row].max() + 1
+    got = greedy(logits)
+    assert got.dtype == torch.int64 and got.shape == (7,)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[2] == last and got[3] == 0
+
+
+def test_temperature_sampling_follows_softmax():
+    """Empirical frequencies of 800 draws match softmax(logits / T), and not at 2T."""
+    logits = torch.tensor([1.0, 0.5, -0.3, 2.0, NEG_INF, -1.0, 1.2, 0.8,
+                           0.1, NEG_INF, 1.5, -0.5, 0.3, 0.9, NEG_INF, NEG_INF])
+    temperature, draws = 1.0, 800
+    ids = gumbel_max_sample(logits.expand(draws, -1), torch.full((draws,), temperature),
+                            seed=1234)
+    # 11 degrees of freedom (12 finite logits): P(chi2 > 31.26) = 0.001 for a correct sampler.
+    assert chi_square(ids, (logits / temperature).softmax(-1)) < 31.26  # also: -inf never drawn
+    assert chi_square(ids, (logits / (2 * temperature)).softmax(-1)) > 31.26
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    """On a flat distribution over three chunks: each draw is a fresh uniform token."""
+    rows, vocab_size = 32, 2 * CHUNK + 1
+    flat = torch.zeros(rows, vocab_size)
+    temperature = torch.ones(rows)
+    first = gumbel_max_sample(flat, temperature, seed=7)
+    assert torch.equal(gumbel_max_sample(flat, temperature, seed=7), first)
+    # A seed above 2^31 uses the high half of the key.
+    other = gumbel_max_sample(flat, temperature, seed=2 ** 40 + 7)
+    assert (other == first).sum() <= 2  # each row agrees with probability 1 / 129
+    both = torch.cat([first, other])
+    assert len(set(both.tolist())) > 40  # rows draw independent noise
+    # Every tile of every full chunk gets draws: no tile repeats another's noise.
+    assert set((both // TILE).tolist()) >= set(range(2 * CHUNK // TILE))
+
+
+def test_mixed_batch():
+    """Rows with temperature 0 are argmax; the others are sampled, unaffected by them."""
+    gen = torch.Generator().manual_seed(3)
+    logits = 0.1 * torch.randn(6, 3 * TILE, generator=gen)
+    logits[1, 1::2] = NEG_INF
+    logits[4] = NEG_INF
+    logits[5] = NEG_INF  # no finite logit: token 0, greedy or not
+    greedy_rows = torch.tensor([True, False, True, False, False, True])
+    temperature = torch.where(greedy_rows, 0.0, 1.0)
+    ids = gumbel_max_sample(logits, temperature, seed=11)
+    assert torch.equal(ids[greedy_rows], logits[greedy_rows].argmax(-1))
+    assert ids[1] % 2 == 0 and ids[4] == 0 and ids[5] == 0
+    assert ids[3] != logits[3].argmax()  # flat logits: 1 / 96 to draw the argmax
+    # A sampled row's noise depends on the seed and its own position only.
+    all_sampled = gumbel_max_sample(logits, torch.ones(6), seed=11)
+    assert torch.equal(all_sampled[~greedy_rows], ids[~greedy_rows])
+
+
+def test_empty_batch():
+    assert gumbel_max_sample(torch.empty(0, 10), torch.empty(0), seed=1).shape == (0,)
+
+
+def sampling_tensors(params: list[SamplingParams], vocab_size: int, banned=None,
+                     generators=None) -> SamplingTensors:
+    n = len(params)
+    return SamplingTensors.build(params, [[1, 2]] * n, [[3]] * n, banned or [[]] * n,
+                                 generators or [None] * n, vocab_size, torch.device("cpu"))
+
+
+def test_sampler_fuses_only_temperature_batches():
+    """The Sampler's choice, with a stand-in for CUDA logits (the fused path is CUDA-only)."""
+    cuda_logits = SimpleNamespace(is_cuda=True, stride=lambda dim: 1)
+    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, logprobs=2)]
+    assert _fused_path_applies(cuda_logits, sampling_tensors(plain, 16))
+    assert not _fused_path_applies(torch.zeros(2, 16), sampling_tensors(plain, 16))
+    for extra in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
+                  dict(frequency_penalty=0.5), dict(top_k=5), dict(top_p=0.9),
+                  dict(min_p=0.1)):
+        tensors = sampling_tensors(plain + [SamplingParams(**extra)], 16)
+        assert not _fused_path_applies(cuda_logits, tensors), extra
+    banned = sampling_tensors(plain, 16, banned=[[4], []])
+    assert not _fused_path_applies(cuda_logits, banned)
+    seeded = sampling_tensors(plain + [SamplingParams(seed=3)], 16,
+                              generators=[None, None, torch.Generator().manual_seed(3)])
+    assert not _fused_path_applies(cuda_logits, seeded)
+
+
+def test_fused_sampler_path_with_logprobs():
+    """The Sampler's fused path end to end: greedy rows, raw logprobs, no RNG for greedy."""
+    logits = 3 * torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    greedy_only = sampling_tensors([SamplingParams(temperature=0.0, logprobs=3)] * 3, 40)
+    state = torch.get_rng_state()
+    out = _fused_sample(logits, greedy_only)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    raw = logits.log_softmax(-1)
+    assert torch.equal(out.logprob_token_ids[:, 1:], raw.topk(3, dim=-1).indices)
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.logprob_token_ids))
+    mixed = sampling_tensors([SamplingParams(temperature=0.0), SamplingParams()] * 2, 40)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        first = _fused_sample(logits[[0, 0, 1, 1]], mixed)
+        torch.manual_seed(0)
+        again = _fused_sample(logits[[0, 0, 1, 1]], mixed)
+    assert first.logprobs is None and torch.equal(first.token_ids, again.token_ids)
+    assert first.token_ids[0] == logits[0].argmax() and first.token_ids[2] == logits[1].argmax()
