@@ -10,6 +10,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from nanoserve.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear  # noqa: E402
+from nanoserve.layers.activation import silu_and_mul_torch  # noqa: E402
 
 # fp32 differs from float64 by summation order; fp16 by that and one final rounding.
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -43,6 +44,19 @@ def test_every_tiling_gives_the_same_product(config):
     w = torch.randn(40, 96, generator=gen)
     torch.testing.assert_close(skinny_linear(x, w, config=config), reference(x, w, None),
                                **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 24, 64), (3, 40, 100)])
+def test_gated_input_applies_silu_and_mul_first(dtype, m, n, k):
+    """The down projection of an MLP: x = [gate | up], product with silu(gate) * up."""
+    gen = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, 2 * k, generator=gen).mul(3).to(dtype)
+    w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
+    expected = reference(silu_and_mul_torch(x), w, None)
+    torch.testing.assert_close(skinny_linear(x, w, gated=True), expected, **TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="when gated"):
+        skinny_linear(x[:, :k + 1], w, gated=True)
 
 
 def test_strided_rows_of_x():

@@ -6,6 +6,9 @@ and for some shapes cuBLAS's choice of tiles reaches a third of the card's bandw
 Each program owns ``BLOCK_N`` output features and streams their rows of W along K in ``BLOCK_K``
 chunks, multiplying by x on the CUDA cores and summing over K; narrow tiles keep the grid
 covering the SMs even for the 1024-wide o/down projections of a small model.
+
+``gated=True`` fuses the MLP's ``silu(gate) * up`` into the down projection: x is read as
+``[gate | up]`` and activated chunk by chunk as it is loaded, which saves a launch per layer.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def _skinny_gemm_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
@@ -50,12 +53,20 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k_start in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_rows + k_start, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_rows + k_start, mask=n_mask[:, None], other=0.0)
+            x_mask = m_mask[:, None]
+            w_mask = n_mask[:, None]
         else:
             k_mask = (k_start + k) < K
-            x = tl.load(x_rows + k_start, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_rows + k_start, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            w_mask = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
+        w = tl.load(w_rows + k_start, mask=w_mask, other=0.0)
+        if GATED:
+            up = tl.load(x_rows + K + k_start, mask=x_mask, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            # Rounded where `F.silu(gate) * up` rounds: silu's result, then the product.
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up).to(x_ptr.dtype.element_ty)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -71,19 +82,23 @@ def default_config(n: int, device: torch.device) -> SkinnyConfig:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows.
 
     ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
-    result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32. Launch shapes
-    depend on shapes alone, so the call is CUDA-graph capturable.
+    result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32. With ``gated``,
+    ``x`` is ``[M, 2K] = [gate | up]`` and the product is ``F.linear(silu(gate) * up, ...)``.
+    Launch shapes depend on shapes alone, so the call is CUDA-graph capturable.
     """
-    m, k = x.shape
+    m, width = x.shape
+    k = width // 2 if gated else width
     n = weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear serves at most {MAX_ROWS} rows, got {m}")
-    if weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"skinny_linear needs x [M, K] and weight [N, K] with contiguous rows; "
+    if weight.shape[1] != k or (gated and width != 2 * k) or weight.stride(1) != 1 \
+            or x.stride(1) != 1:
+        raise ValueError(f"skinny_linear needs x [M, K] ([M, 2K] when gated) and weight [N, K] "
+                         f"with contiguous rows; "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -95,7 +110,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

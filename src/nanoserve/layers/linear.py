@@ -15,20 +15,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.parallel_state import Narrow, get_tp_group
 
 ShardId = str | int | None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, except one 16-bit row on CUDA (batch-1 decode): the skinny-GEMM Triton
-    kernel is as fast as cuBLAS or faster on every projection shape measured there, up to 3x on
-    some (docs/kernels.md)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           gated: bool = False) -> torch.Tensor:
+    """``F.linear``; with ``gated``, of ``silu(gate) * up`` where ``x`` is ``[gate | up]``.
+
+    One 16-bit row on CUDA (batch-1 decode) goes through the skinny-GEMM Triton kernel: as fast
+    as cuBLAS or faster on every projection shape measured there, up to 3x on some
+    (docs/kernels.md), and it applies the gate while loading x, one launch less.
+    """
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16,
                                                                         torch.float16):
         from nanoserve.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, gated=gated)
+    return F.linear(silu_and_mul(x) if gated else x, weight, bias)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -123,10 +128,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's columns (input features) split; partial sums all-reduced."""
+    """y = x W^T + b with W's columns (input features) split; partial sums all-reduced.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    With ``gated`` the input is ``[gate | up]`` (twice ``in_features`` wide, each half split
+    the same way) and the layer is the MLP's down projection of ``silu(gate) * up``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 gated: bool = False):
         super().__init__()
+        self.gated = gated
         self.tp = get_tp_group()
         self.in_per_rank = _divide(in_features, self.tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
@@ -148,4 +159,4 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, self.bias))
+        return self.tp.all_reduce(linear(x, self.weight, self.bias, self.gated))

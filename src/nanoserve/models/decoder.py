@@ -15,7 +15,6 @@ from torch import nn
 from nanoserve.attention.backend import AttentionBackend
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
-from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve.layers.norm import RMSNorm
@@ -51,27 +50,26 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
         meta = get_attention_metadata()
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = self.backend.rope_and_store(positions, q, k, v, self.k_cache, self.v_cache,
+                                        meta.slot_mapping, self.rotary, self.q_norm, self.k_norm)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, q_size))
 
 
 class MLP(nn.Module):
-    """SiLU-gated feed-forward: merged gate/up (column parallel), down (row parallel)."""
+    """SiLU-gated feed-forward: merged gate/up (column parallel), then the down projection
+    (row parallel) of silu(gate) * up, which it applies itself (fused into its matmul where a
+    kernel can)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
                                                        [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
