@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, batch-1 latency, the throughput workload; logs under $OUT.
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
-#   [latency8b] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [profile] [tputprofile] [serve]
+#   [latency8b] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile] [tputprofile] [serve]
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -13,10 +13,12 @@ for step in "$@"; do
     latency) python3 benchmarks/latency.py --shape qwen3-0.6b 2>&1 | tee "$OUT/latency.log" ;;
     latency8b) python3 benchmarks/latency.py --shape qwen3-8b 2>&1 | tee "$OUT/latency8b.log" ;;
     throughput) python3 benchmarks/throughput.py --hf-max-new 64 2>&1 | tee "$OUT/throughput.log" ;;
+    throughputonly) python3 benchmarks/throughput.py 2>&1 | tee "$OUT/throughput.log" ;;
     kernels) python3 benchmarks/kernels.py --quick 2>&1 | tee "$OUT/kernels.log" ;;
     fusedops) python3 benchmarks/fused_ops.py 2>&1 | tee "$OUT/fused_ops.log" ;;
     skinny) python3 benchmarks/skinny_gemm.py 2>&1 | tee "$OUT/skinny.log" ;;
     skinnysweep) python3 benchmarks/skinny_gemm.py --sweep --rows 1 2>&1 | tee "$OUT/skinny_sweep.log" ;;
+    sampling) python3 benchmarks/sampling.py 2>&1 | tee "$OUT/sampling.log" ;;
     decodeworkload) python3 benchmarks/decode_workload.py 2>&1 | tee "$OUT/decode_workload.log" ;;
     tputprofile) python3 benchmarks/throughput.py --profile-kernels 2>"$OUT/throughput_profile.txt" \
                    | tee "$OUT/throughput_profile.log" ;;
