@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: model folders of real shapes, device bandwidth, JSON output."""
+"""Shared benchmark helpers: model folders of real shapes, device bandwidth, CUDA-graph timing,
+JSON output."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ import platform
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -104,3 +106,27 @@ def environment() -> dict[str, str]:
 
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
+
+
+def graph_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
+    """Microseconds per call, with ``calls`` captured back to back in one CUDA graph (the way
+    the engine launches decode, so launch cost counts as it does there)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:3]:  # compiles and settles allocations outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+

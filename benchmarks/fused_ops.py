@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 
 import torch
+from common import graph_us
 
 from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from nanoserve.layers.activation import silu_and_mul_torch
@@ -23,28 +23,6 @@ from nanoserve.layers.rotary import RotaryEmbedding, rotary_embedding_torch
 EPS = 1e-6
 # hidden, intermediate, q heads, kv heads, head_dim
 WIDTHS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128), "qwen3-8b": (4096, 12288, 32, 8, 128)}
-
-
-def graph_us(fn: Callable[[], object], reps: int, replays: int = 20) -> float:
-    """Microseconds per call of ``fn``, captured ``reps`` times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compiles, autotunes and settles allocations outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * reps)
 
 
 def cases(width: str, tokens: int, gen: torch.Generator):
@@ -88,9 +66,9 @@ def main() -> None:
                     for a, b in zip(as_tuple(got), as_tuple(want)):
                         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
                 record = {"bench": "fused_ops", "op": op, "width": width, "tokens": tokens,
-                          "triton_us": graph_us(lambda: triton_fn(*inputs), args.reps),
-                          "compile_us": graph_us(lambda: compiled(*inputs), args.reps),
-                          "eager_us": graph_us(lambda: torch_fn(*inputs), args.reps)}
+                          "triton_us": graph_us([lambda: triton_fn(*inputs)] * args.reps),
+                          "compile_us": graph_us([lambda: compiled(*inputs)] * args.reps),
+                          "eager_us": graph_us([lambda: torch_fn(*inputs)] * args.reps)}
                 record = {k: round(v, 2) if isinstance(v, float) else v
                           for k, v in record.items()}
                 print(json.dumps(record), flush=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import graph_us
 
 from nanoserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear
 
@@ -32,29 +32,7 @@ DTYPE = torch.bfloat16
 
 def sweep_configs() -> list[SkinnyConfig]:
     return [SkinnyConfig(bn, bk, w, s) for bn, bk, w, s in
-            itertools.product((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4))]
-
-
-def graph_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Microseconds per call, with ``calls`` captured back to back in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+            itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (3, 4))]
 
 
 def bench(shape: str, name: str, n: int, k: int, rows: int, sweep: bool,

@@ -7,6 +7,7 @@ import torch
 from nanoserve.runner.sampler import (Sampler, SamplingTensors, apply_penalties,
                                       filter_logits)
 from nanoserve.sampling_params import SamplingParams
+from sampling_stats import chi_square
 
 CPU = torch.device("cpu")
 V = 64
@@ -77,14 +78,6 @@ def check_filters(params: list[SamplingParams], seed: int) -> None:
         assert torch.equal(torch.isfinite(filtered[i]), keep), f"row {i}: {p}"
         expected = (logits[i] / p.temperature).masked_fill(~keep, float("-inf")).softmax(-1)
         torch.testing.assert_close(filtered[i].softmax(-1), expected)
-
-
-def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    observed = torch.bincount(samples, minlength=probs.numel()).double()
-    expected = probs.double() * samples.numel()
-    support = expected > 0
-    assert observed[~support].sum() == 0, "sampled a token of probability 0"
-    return float(((observed[support] - expected[support]) ** 2 / expected[support]).sum())
 
 
 # ---- penalties ----------------------------------------------------------------------------

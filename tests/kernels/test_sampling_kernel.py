@@ -21,18 +21,11 @@ from nanoserve.runner.sampler import (  # noqa: E402
     _fused_sample,
 )
 from nanoserve.sampling_params import SamplingParams  # noqa: E402
+from sampling_stats import chi_square  # noqa: E402
 
 TILE = 4 * INTERPRETER_QUARTER  # logits per tile on CPU (32)
 CHUNK = TILES_PER_CHUNK * TILE  # logits per program on CPU (64)
 NEG_INF = float("-inf")
-
-
-def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    observed = torch.bincount(samples, minlength=probs.numel()).double()
-    expected = probs.double() * samples.numel()
-    support = expected > 0
-    assert observed[~support].sum() == 0, "sampled a token of probability 0"
-    return float(((observed[support] - expected[support]) ** 2 / expected[support]).sum())
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs,
+                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``token``'s RoPE cos and sin rows as fp32 ``[1, BLOCK_HALF]`` tiles (0 past ``HALF``)."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_ptr + pos * stride_cs + j
+    cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     head_ptr, stride_h, cos, sin,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -138,11 +150,7 @@ def _rotary_kernel(
 ):
     # One program per token rotates all its q and k heads, so cos/sin are read once per token.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    row = cos_sin_ptr + pos * stride_cs + j
-    cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin,
                   NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin,

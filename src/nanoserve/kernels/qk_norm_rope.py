@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.fused_ops import num_warps_for
+from nanoserve.kernels.fused_ops import load_cos_sin, num_warps_for
 
 
 @triton.jit
@@ -53,11 +53,8 @@ def _qk_norm_rope_store_kernel(
 ):
     # One program per token owns all its heads, so cos/sin and the slot are read once.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, HALF, BLOCK_HALF)
     j = tl.arange(0, BLOCK_HALF)
-    row = cos_sin_ptr + pos * stride_cs + j
-    cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
 
     hq = tl.arange(0, BLOCK_HQ)
     q_mask = (hq < NUM_Q_HEADS)[:, None] & (j < HALF)[None, :]
