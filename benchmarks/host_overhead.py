@@ -20,7 +20,7 @@ from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.runner.inputs import CompletedStep, SequenceChunk, StepOutput
-from nanoserve.runner.sampler import SamplingTensors
+from nanoserve.runner.sampling_tensors import SamplingTensors
 from nanoserve.sampling_params import SamplingParams
 
 QWEN3_06B = ModelConfig("Qwen3ForCausalLM", 1024, 3072, 28, 16, 8, 128, 151936, 1e-6, 1e6, None,

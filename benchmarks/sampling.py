@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 
 from nanoserve.kernels.sampling import gumbel_max_sample
-from nanoserve.runner.sampler import SamplingTensors, _exponential_race, filter_logits
+from nanoserve.runner.sampler import _exponential_race, filter_logits
+from nanoserve.runner.sampling_tensors import SamplingTensors
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 151936

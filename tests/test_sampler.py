@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.runner.sampler import (Sampler, SamplingTensors, apply_penalties,
-                                      filter_logits)
+from nanoserve.runner.sampler import Sampler, apply_penalties, filter_logits
+from nanoserve.runner.sampling_tensors import SamplingTensors
 from nanoserve.sampling_params import SamplingParams
 from sampling_stats import chi_square
 

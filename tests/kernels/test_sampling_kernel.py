@@ -15,11 +15,8 @@ from nanoserve.kernels.sampling import (  # noqa: E402
     TILES_PER_CHUNK,
     gumbel_max_sample,
 )
-from nanoserve.runner.sampler import (  # noqa: E402
-    SamplingTensors,
-    _fused_path_applies,
-    _fused_sample,
-)
+from nanoserve.runner.sampler import _fused_path_applies, _fused_sample  # noqa: E402
+from nanoserve.runner.sampling_tensors import SamplingTensors  # noqa: E402
 from nanoserve.sampling_params import SamplingParams  # noqa: E402
 from sampling_stats import chi_square  # noqa: E402
 

@@ -16,7 +16,8 @@ from nanoserve.runner.cuda_graph import DecodeGraphs
 from nanoserve.runner.inputs import (PENDING_TOKEN, CompletedStep, InFlightStep, SequenceChunk,
                                      StepInput, StepOutput)
 from nanoserve.runner.sampled_step import SampledStep
-from nanoserve.runner.sampler import Sampler, SamplingTensors
+from nanoserve.runner.sampler import Sampler
+from nanoserve.runner.sampling_tensors import SamplingTensors
 
 CPU_KV_CACHE_BYTES = 1 << 30
 

@@ -1,0 +1,133 @@
+"""A batch's sampling parameters and token histories as device tensors, built once per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+# Temperatures below this are sampled greedily: dividing logits by them can overflow float32,
+# and the distribution they describe is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingTensors:
+    """Per-step sampling parameters of a batch, as device tensors.
+
+    Made once per engine step by :meth:`build`; row ``i`` describes row ``i`` of the logits given
+    to :class:`~nanoserve.runner.sampler.Sampler`. Settings that cannot change a row's result are normalised away (greedy
+    rows carry temperature 0, no filter and no generator), and the host-side flags let a batch
+    skip every stage no row uses without looking at device data.
+    """
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_p: torch.Tensor  # [B] float32, 1 where off
+    top_k: torch.Tensor  # [B] int64, vocab_size where off
+    min_p: torch.Tensor  # [B] float32, 0 where off
+    repetition_penalty: torch.Tensor  # [B] float32, 1 where off
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    prompt_tokens: torch.Tensor | None  # [B, Lp] int64 padded with vocab_size
+    output_tokens: torch.Tensor | None  # [B, Lo] int64 padded with vocab_size
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N]) int64
+    generators: list[torch.Generator | None]  # a seeded sampled row's own generator, else None
+    all_greedy: bool
+    all_random: bool  # no row is greedy
+    max_top_k: int  # largest top-k of a row that uses it, 0 if none does
+    any_top_p: bool
+    any_min_p: bool
+    any_count_penalty: bool  # some row uses a frequency or presence penalty
+    max_logprobs: int  # largest number of top logprobs asked for, -1 if no row asked
+    seeded_rows: list[tuple[int, torch.Generator]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seeded_rows = [(i, g) for i, g in enumerate(self.generators) if g is not None]
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], banned_token_ids: list[list[int]],
+              generators: list[torch.Generator | None], vocab_size: int,
+              device: torch.device) -> SamplingTensors:
+        """Gather a batch's parameters and token histories into tensors on ``device``.
+
+        ``generators[i]`` is request ``i``'s own generator (on ``device``) when it has a seed.
+        ``banned_token_ids[i]`` are the ids row ``i`` must not produce this step; ids outside
+        the vocabulary are ignored. Token histories are only sent for rows whose penalties
+        read them. On CUDA the copies are asynchronous (staged in pinned memory).
+        """
+        device = torch.device(device)
+        greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
+        sampled = [not g for g in greedy]
+        top_k = [min(p.top_k, vocab_size) if s and p.top_k > 0 else vocab_size
+                 for p, s in zip(params, sampled)]
+        top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
+        min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
+        floats = _to_device(torch.tensor([
+            [p.temperature if s else 0.0 for p, s in zip(params, sampled)],
+            top_p,
+            min_p,
+            [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+        ], dtype=torch.float32), device)
+        temperature, top_p_t, min_p_t, repetition, presence, frequency = floats.unbind(0)
+
+        uses_repetition = [p.repetition_penalty != 1.0 for p in params]
+        uses_count = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+        reads_output = [r or c for r, c in zip(uses_repetition, uses_count)]
+        prompt_tokens = output_tokens = None
+        if any(uses_repetition):
+            prompt_tokens = _padded([ids if r else [] for ids, r in
+                                     zip(prompt_token_ids, uses_repetition)], vocab_size, device)
+        if any(reads_output):
+            output_tokens = _padded([ids if r else [] for ids, r in
+                                     zip(output_token_ids, reads_output)], vocab_size, device)
+
+        banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids
+                  if 0 <= t < vocab_size]
+        banned_tokens = None
+        if banned:
+            rows, cols = _to_device(torch.tensor(list(zip(*banned))), device).unbind(0)
+            banned_tokens = (rows, cols)
+
+        return cls(
+            temperature=temperature,
+            top_p=top_p_t,
+            top_k=_to_device(torch.tensor(top_k, dtype=torch.int64), device),
+            min_p=min_p_t,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            banned_tokens=banned_tokens,
+            generators=[g if s else None for g, s in zip(generators, sampled)],
+            all_greedy=not any(sampled),
+            all_random=all(sampled),
+            max_top_k=max((k for k in top_k if k < vocab_size), default=0),
+            any_top_p=any(p < 1.0 for p in top_p),
+            any_min_p=any(m > 0.0 for m in min_p),
+            any_count_penalty=any(uses_count),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
+                             default=-1),
+        )
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), longest] int64 tensor of ``rows`` on ``device``, right-padded with ``pad``."""
+    # Filled row by row through numpy: several times faster than torch.tensor on nested lists,
+    # which matters for long prompts.
+    out = np.full((len(rows), max(map(len, rows), default=0)), pad, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return _to_device(torch.from_numpy(out), device)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; staged in pinned memory on CUDA so the copy is asynchronous."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
