@@ -1,5 +1,8 @@
-"""Helpers shared by the Triton attention kernels' host-side wrappers."""
+"""Helpers shared by the Triton kernels' host-side wrappers."""
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -10,6 +13,24 @@ LOG2E = 1.4426950408889634  # kernels work in base 2 so the softmax can use exp2
 def interpreted(device: torch.device) -> bool:
     """True when kernels run on CPU tensors, which only Triton's interpreter can execute."""
     return device.type != "cuda"
+
+
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` use programmatic dependent launch (Hopper and later).
+
+    With it, a batch-1 projection's programs start while the kernel before them is still
+    running and fetch their first tile of weights, which depends on nothing, before waiting for
+    that kernel's output. ``NANOSERVE_DISABLE_PDL=1`` turns it off (for A/B measurements).
+    """
+    if interpreted(device) or os.environ.get("NANOSERVE_DISABLE_PDL") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """Launch keywords for a kernel that waits (``gdc_wait``) for the kernel before it."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -15,8 +15,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from nanoserve.kernels.common import LOG2E, check_attention_inputs, dot_precision, interpreted
+from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision, interpreted,
+                                      programmatic_launch)
 
 
 class DecodeTuning(NamedTuple):
@@ -53,7 +55,10 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
+        gdc_launch_dependents()
     # Heads first puts the KV heads of one sequence in neighbouring programs, which read
     # neighbouring bytes of the same cache blocks.
     if HEADS_FIRST:
@@ -122,8 +127,10 @@ def _decode_reduce_kernel(
     part_max_ptr, part_sum_ptr, part_acc_ptr, query_start_loc_ptr, out_ptr,
     num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # o_proj's batch-1 GEMV may start fetching its weights
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -216,7 +223,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
-        HEADS_FIRST=tuning.heads_first,
+        HEADS_FIRST=tuning.heads_first, PDL=programmatic_launch(device),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if num_splits > 1:
@@ -225,7 +232,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            PDL=programmatic_launch(device), num_warps=4,
         )
     return out
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from nanoserve.kernels.common import programmatic_launch
 
 # SiLU*mul works on column tiles rather than whole rows: MLP widths reach tens of thousands.
 SILU_BLOCK_N = 1024
@@ -29,8 +32,10 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     eps,
     stride_xa, stride_xb, stride_ra, stride_rb, stride_oa, stride_ob,
-    DIM: tl.constexpr, BLOCK_D: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the projection after the norm may start fetching its weights (skinny_gemm.py)
+        gdc_launch_dependents()
     # Rows are indexed (a, b) so that a [T, H, D] view with arbitrary token and head strides
     # (Qwen3's q/k slices of the fused qkv output) needs no copy; 2-D inputs use b = 0.
     a = tl.program_id(0).to(tl.int64)
@@ -81,7 +86,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
         DIM=dim, BLOCK_D=block_d, ADD_RESIDUAL=residual is not None,
-        num_warps=num_warps_for(block_d),
+        PDL=programmatic_launch(x.device), num_warps=num_warps_for(block_d),
     )
     return out
 

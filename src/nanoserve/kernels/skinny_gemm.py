@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.common import interpreted
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nanoserve.kernels.common import interpreted, launch_options, programmatic_launch
 
 # Largest batch the kernel serves: its x tile is a broadcast [rows, BLOCK_N, BLOCK_K] product in
 # registers. Already at 4 rows cuBLAS is faster on most shapes, so layers only use it for 1.
@@ -35,13 +37,29 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
+def _x_tile(x_rows, k_start, K, x_mask, GATED: tl.constexpr):
+    """One chunk of x's rows in fp32; with ``GATED``, of ``silu(gate) * up`` (x = [gate | up])."""
+    x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
+    if GATED:
+        dtype = x.dtype
+        up = tl.load(x_rows + K + k_start, mask=x_mask, other=0.0).to(tl.float32)
+        gate = x.to(tl.float32)
+        # Rounded where `F.silu(gate) * up` rounds: silu's result, then the product.
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        x = (act * up).to(dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the next projection (down after gate/up) may start fetching its weights
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,8 +68,15 @@ def _skinny_gemm_kernel(
     n_mask = n < N
     x_rows = x_ptr + m[:, None] * stride_xm + k[None, :]
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    # The first chunk of W depends on nothing: with programmatic launch it is fetched while the
+    # kernel that writes x still runs, and x is read only after waiting for that kernel.
+    k_mask = k < K
+    w = tl.load(w_rows, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+    x = _x_tile(x_rows, 0, K, m_mask[:, None] & k_mask[None, :], GATED)
+    acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    for k_start in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             x_mask = m_mask[:, None]
             w_mask = n_mask[:, None]
@@ -59,15 +84,9 @@ def _skinny_gemm_kernel(
             k_mask = (k_start + k) < K
             x_mask = m_mask[:, None] & k_mask[None, :]
             w_mask = n_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
         w = tl.load(w_rows + k_start, mask=w_mask, other=0.0)
-        if GATED:
-            up = tl.load(x_rows + K + k_start, mask=x_mask, other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            # Rounded where `F.silu(gate) * up` rounds: silu's result, then the product.
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        x = _x_tile(x_rows, k_start, K, x_mask, GATED)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -104,13 +123,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m == 0:
         return y
     cfg = config or default_config(n, x.device)
+    pdl = programmatic_launch(x.device)
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else y, y,
         m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return y
