@@ -78,3 +78,10 @@ def test_rejects_too_many_rows_and_mismatched_shapes():
 
 def test_empty_batch():
     assert skinny_linear(torch.zeros(0, 8), torch.zeros(4, 8)).shape == (0, 4)
+
+
+def test_interpreter_never_uses_programmatic_launch():
+    """gdc_wait / launch_pdl exist only on Hopper GPUs; the CPU path must never ask for them."""
+    from nanoserve.kernels.common import launch_options, programmatic_launch
+    assert not programmatic_launch(torch.device("cpu"))
+    assert launch_options(False) == {}
