@@ -9,6 +9,10 @@ covering the SMs even for the 1024-wide o/down projections of a small model.
 
 ``gated=True`` fuses the MLP's ``silu(gate) * up`` into the down projection: x is read as
 ``[gate | up]`` and activated chunk by chunk as it is loaded, which saves a launch per layer.
+
+On Hopper the kernel is launched programmatically dependent on the one before it: it fetches its
+first tile of W while that kernel still runs and waits for it only before reading x
+(docs/kernels.md, "Programmatic dependent launch").
 """
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import interpreted, launch_options, programmatic_launch
