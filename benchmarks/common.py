@@ -129,4 +129,3 @@ def graph_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (replays * len(calls))
-

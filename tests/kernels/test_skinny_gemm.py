@@ -82,6 +82,5 @@ def test_empty_batch():
 
 def test_interpreter_never_uses_programmatic_launch():
     """gdc_wait / launch_pdl exist only on Hopper GPUs; the CPU path must never ask for them."""
-    from nanoserve.kernels.common import launch_options, programmatic_launch
+    from nanoserve.kernels.common import programmatic_launch
     assert not programmatic_launch(torch.device("cpu"))
-    assert launch_options(False) == {}

@@ -28,11 +28,6 @@ def programmatic_launch(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def launch_options(pdl: bool) -> dict[str, bool]:
-    """Launch keywords for a kernel that waits (``gdc_wait``) for the kernel before it."""
-    return {"launch_pdl": True} if pdl else {}
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` precision for ``dtype``: fp32 inputs would otherwise go through TF32 on GPU."""
     return "ieee" if dtype == torch.float32 else "tf32"
