@@ -4,7 +4,8 @@ Flash-decoding: the grid is (KV head, sequence, split), or sequences first (a `D
 option). Each program attends the whole query group of one KV head (all query heads that share
 it, so each K/V tile is read once per group) to one contiguous slice of the sequence's context
 and writes an fp32 partial result: running max, running sum of exponentials and unnormalised
-accumulator. A second small kernel merges the splits. With one split the first kernel writes the normalised output directly.
+accumulator. A second small kernel merges the splits. With one split the first kernel writes
+the normalised output directly.
 """
 from __future__ import annotations
 
