@@ -15,20 +15,19 @@ import json
 import torch
 from common import graph_us
 
-from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 from nanoserve.layers.activation import silu_and_mul_torch
 from nanoserve.layers.norm import add_rms_norm_torch, rms_norm_torch
-from nanoserve.layers.rotary import RotaryEmbedding, rotary_embedding_torch
 
 EPS = 1e-6
-# hidden, intermediate, q heads, kv heads, head_dim
-WIDTHS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128), "qwen3-8b": (4096, 12288, 32, 8, 128)}
+# hidden, intermediate
+WIDTHS = {"qwen3-0.6b": (1024, 3072), "qwen3-8b": (4096, 12288)}
 
 
 def cases(width: str, tokens: int, gen: torch.Generator):
     """(op, triton fn, torch fn, inputs factory): the factory gives fresh inputs per use, since
-    the fused kernels write some of theirs in place."""
-    hidden, inter, hq, hk, dim = WIDTHS[width]
+    add_rms_norm writes its residual in place."""
+    hidden, inter = WIDTHS[width]
     dev, dt = "cuda", torch.bfloat16
 
     def rand(*shape: int) -> torch.Tensor:
@@ -41,11 +40,6 @@ def cases(width: str, tokens: int, gen: torch.Generator):
            lambda x, r: add_rms_norm_torch(x, r, weight, EPS),
            lambda: (rand(tokens, hidden), rand(tokens, hidden)))
     yield ("silu_and_mul", silu_and_mul, silu_and_mul_torch, lambda: (rand(tokens, 2 * inter),))
-    cos_sin = RotaryEmbedding(dim, 40960, 1e6, None).cos_sin.to(dev)
-    positions = torch.randint(0, 4096, (tokens,), generator=gen, device=dev)
-    yield ("rotary", lambda p, q, k: rotary_embedding(p, q, k, cos_sin),
-           lambda p, q, k: rotary_embedding_torch(p, q, k, cos_sin),
-           lambda: (positions, rand(tokens, hq, dim), rand(tokens, hk, dim)))
 
 
 def main() -> None:

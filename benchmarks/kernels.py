@@ -5,7 +5,7 @@ bf16 inputs), then timed with CUDA events around each call (L2 flushed before ev
 median of many), and printed as one JSON line. Decode is timed as a CUDA-graph replay, the way
 the engine runs it, which also proves the decode path is capturable.
 
-    python benchmarks/kernels.py [--quick] [--kernels decode prefill mixed store]
+    python benchmarks/kernels.py [--quick] [--kernels decode prefill mixed]
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.attention.torch_backend import paged_attention_reference
 from nanoserve.kernels.decode_attention import decode_attention, device_sm_count, num_decode_splits
-from nanoserve.kernels.kv_store import store_kv
 from nanoserve.kernels.prefill_attention import prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -146,29 +145,11 @@ def sdpa_ms(batch: int, length: int, iters: int, gen: torch.Generator) -> float:
                                                             enable_gqa=True), iters, warmup=5)
 
 
-def bench_store(num_tokens: int, block_size: int, iters: int, gen: torch.Generator) -> dict:
-    num_blocks = -(-num_tokens // block_size) + 1
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.zeros(shape, device="cuda", dtype=DTYPE)
-    v_cache = torch.zeros_like(k_cache)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
-    v = torch.randn_like(k)
-    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
-    store_kv(k, v, k_cache, v_cache, slots)
-    flat = num_blocks * block_size
-    ok = (torch.equal(k_cache.view(flat, NUM_KV_HEADS, HEAD_DIM)[slots], k)
-          and torch.equal(v_cache.view(flat, NUM_KV_HEADS, HEAD_DIM)[slots], v))
-    ms = median_ms(lambda: store_kv(k, v, k_cache, v_cache, slots), iters, warmup=10)
-    moved = 2 * kv_bytes([num_tokens])  # read k/v, write the caches
-    return {"kernel": "store_kv", "tokens": num_tokens, "block_size": block_size, "ms": ms,
-            "gbps": moved / ms / 1e6, "ok": ok}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer iterations")
-    parser.add_argument("--kernels", nargs="+", default=["decode", "prefill", "mixed", "store"],
-                        choices=["decode", "prefill", "mixed", "store"])
+    parser.add_argument("--kernels", nargs="+", default=["decode", "prefill", "mixed"],
+                        choices=["decode", "prefill", "mixed"])
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -197,8 +178,6 @@ def main() -> None:
             jobs += [lambda b=b, c=c, bs=bs: bench_prefill([512] + [c] * (b - 1), [512] + [1] * (b - 1),
                                                            bs, iters, gen, "mixed")
                      for b in batches if b > 1 for c in contexts if b * c <= max_mixed_keys]
-        if "store" in args.kernels:
-            jobs += [lambda t=t, bs=bs: bench_store(t, bs, iters, gen) for t in (1, 64, 256, 4096, 16384)]
     for job in jobs:
         row = job()
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),

@@ -1,4 +1,4 @@
-"""Fused RMSNorm / add+RMSNorm / RoPE / SiLU*mul kernels against PyTorch, on the CPU interpreter."""
+"""Fused RMSNorm / add+RMSNorm / SiLU*mul kernels against PyTorch, on the CPU interpreter."""
 import os
 
 # Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
@@ -10,13 +10,7 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
-from nanoserve.kernels.fused_ops import (  # noqa: E402
-    add_rms_norm,
-    rms_norm,
-    rotary_embedding,
-    silu_and_mul,
-)
-from nanoserve.layers.rotary import rope_inv_freq  # noqa: E402
+from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 
 # fp32 differs from PyTorch only by summation order and exp/rsqrt rounding; 16-bit outputs may
 # flip one ulp (~1e-3 relative) where the fp32 value sits near a rounding boundary.
@@ -40,18 +34,6 @@ def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return xf.to(dtype) * w
-
-
-def ref_rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def cos_sin_table(head_dim: int, max_positions: int) -> torch.Tensor:
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                        rope_inv_freq(head_dim, 10000.0, None))
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 def fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -124,26 +106,6 @@ def test_add_rms_norm(dtype, dim):
     assert_matches(out, expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (6, 3, 96), (4, 4, 80)])
-def test_rotary_embedding(dtype, num_heads, num_kv_heads, head_dim):
-    gen = torch.Generator().manual_seed(head_dim + num_heads)
-    max_positions = 4096
-    cos_sin = cos_sin_table(head_dim, max_positions)
-    qkv, q, k, v = fused_qkv(7, num_heads, num_kv_heads, head_dim, dtype, gen)
-    positions = torch.randint(0, max_positions, (7,), generator=gen)
-    positions[1] = positions[0]  # repeated and extreme positions
-    positions[2], positions[3] = 0, max_positions - 1
-    expected_q, expected_k = ref_rotary(positions, q, cos_sin), ref_rotary(positions, k, cos_sin)
-    v_before = v.clone()
-
-    out_q, out_k = rotary_embedding(positions, q, k, cos_sin)
-    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
-    assert_matches(q, expected_q)
-    assert_matches(k, expected_k)
-    assert torch.equal(v, v_before)
-
-
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(100) -> inf, as intended
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [96, 1100])
@@ -164,7 +126,4 @@ def test_empty_batch():
     assert rms_norm(torch.empty(0, 64), w, EPS).shape == (0, 64)
     out, residual = add_rms_norm(torch.empty(0, 64), torch.empty(0, 64), w, EPS)
     assert out.shape == residual.shape == (0, 64)
-    q, k = rotary_embedding(torch.empty(0, dtype=torch.int64), torch.empty(0, 4, 64),
-                            torch.empty(0, 2, 64), cos_sin_table(64, 16))
-    assert q.shape == (0, 4, 64) and k.shape == (0, 2, 64)
     assert silu_and_mul(torch.empty(0, 128)).shape == (0, 64)

@@ -1,4 +1,4 @@
-"""Triton KV-store, decode and prefill kernels against the PyTorch reference, on the CPU interpreter."""
+"""Triton decode and prefill kernels against the PyTorch reference, on the CPU interpreter."""
 import os
 
 # Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
@@ -24,7 +24,6 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.kv_store import store_kv  # noqa: E402
 from nanoserve.kernels.prefill_attention import prefill_attention  # noqa: E402
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3)}
@@ -94,23 +93,6 @@ def run_prefill(q, k_cache, v_cache, meta):
                              meta.query_start_loc, meta.max_query_len, q.shape[-1] ** -0.5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_store_kv_writes_slots_and_skips_padding(dtype):
-    gen = torch.Generator().manual_seed(1)
-    num_tokens, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
-    k_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    # k and v as strided views of one fused projection output, as a model produces them.
-    kv = torch.randn(num_tokens, num_kv_heads, 2 * head_dim, generator=gen).to(dtype)
-    k, v = kv[..., :head_dim], kv[..., head_dim:]
-    slots = torch.randperm(5 * block_size, generator=gen)[:num_tokens]
-    slots[[1, 4]] = -1
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    TorchAttentionBackend().store_kv(k, v, expected_k, expected_v, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-
-
 @pytest.mark.parametrize("group,head_dim,block_size,num_splits", [
     (1, 64, 16, 1),
     (2, 128, 16, 3),
@@ -165,19 +147,16 @@ def test_non_power_of_two_head_dim(head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 12, 1]], ids=["decode", "mixed"])
-def test_backend_stores_then_attends_like_torch_backend(dtype, q_lens):
+def test_backend_attends_new_keys_like_torch_backend(dtype, q_lens):
     seq_lens = [29, 12, 51]
     q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=8, num_kv_heads=2,
                                            head_dim=32, block_size=16, dtype=dtype, seed=3)
     gen = torch.Generator().manual_seed(4)
     new_k = torch.randn(q.shape[0], 2, 32, generator=gen).to(dtype)
     new_v = torch.randn(q.shape[0], 2, 32, generator=gen).to(dtype)
-    torch_caches = (k_cache.clone(), v_cache.clone())
-    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
-    triton_backend.store_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
-    torch_backend.store_kv(new_k, new_v, *torch_caches, meta.slot_mapping)
-    assert torch.equal(k_cache, torch_caches[0]) and torch.equal(v_cache, torch_caches[1])
-    out = triton_backend.attend(q, k_cache, v_cache, meta, 32 ** -0.5)
+    # The Triton backend stores inside rope_and_store (tests/kernels/test_qk_norm_rope.py).
+    TorchAttentionBackend().store_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
+    out = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, 32 ** -0.5)
     assert_matches_reference(out, q, k_cache, v_cache, meta)
 
 

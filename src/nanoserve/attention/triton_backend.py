@@ -7,7 +7,6 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.kernels.decode_attention import decode_attention
-from nanoserve.kernels.kv_store import store_kv
 from nanoserve.kernels.prefill_attention import prefill_attention
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
@@ -25,10 +24,6 @@ class TritonAttentionBackend:
     kernel partitions each sequence's actual length at replay, so results stay correct for any
     length, but a graph captured with a short ``max_seq_len`` under-splits long contexts.
     """
-
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

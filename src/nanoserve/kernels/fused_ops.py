@@ -1,9 +1,9 @@
-"""Fused elementwise kernels for the decode hot path: RMSNorm (+ residual add), RoPE, SiLU*mul.
+"""Fused elementwise kernels for the decode hot path: RMSNorm (+ residual add), SiLU*mul.
 
 Each op replaces a chain of small PyTorch kernels (casts, pow, mean, rsqrt, muls, cat ...) with one
 launch, which is what bounds batch-1 decode latency even inside a CUDA graph. Every kernel
 computes in fp32 and rounds at the same points as the PyTorch reference it replaces
-(`nanoserve.layers.norm`, `.rotary`, `.activation`), so results agree to about one unit in the
+(`nanoserve.layers.norm`, `.activation`), so results agree to about one unit in the
 last place of the output dtype. Launch shapes depend on tensor shapes alone (no host-device sync,
 no value-dependent allocation), so every op is CUDA-graph capturable.
 """
@@ -115,83 +115,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         "x and residual must share a shape and dtype"
     assert residual.stride(-1) == 1, "the residual's last dimension must be contiguous"
     return _launch_rms_norm(x, residual, weight, eps), residual
-
-
-@triton.jit
-def load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs,
-                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """``token``'s RoPE cos and sin rows as fp32 ``[1, BLOCK_HALF]`` tiles (0 past ``HALF``)."""
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    row = cos_sin_ptr + pos * stride_cs + j
-    cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    return cos, sin
-
-
-@triton.jit
-def _rotate_heads(
-    head_ptr, stride_h, cos, sin,
-    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    # In place on one token's heads: [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin].
-    h = tl.arange(0, BLOCK_H)
-    j = tl.arange(0, BLOCK_HALF)
-    mask = (h < NUM_HEADS)[:, None] & (j < HALF)[None, :]
-    first = head_ptr + h[:, None] * stride_h + j[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = head_ptr.dtype.element_ty
-    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    # One program per token rotates all its q and k heads, so cos/sin are read once per token.
-    token = tl.program_id(0).to(tl.int64)
-    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, HALF, BLOCK_HALF)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin,
-                  NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin,
-                  NUM_K_HEADS, HALF, BLOCK_HK, BLOCK_HALF)
-
-
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` IN PLACE by ``positions [T]``; returns them.
-
-    Half-split (NeoX / HF ``rotate_half``) layout: ``cos_sin[p]`` is ``[cos | sin]`` (``D/2``
-    each), the table built by ``nanoserve.layers.rotary.RotaryEmbedding`` (fp32; other float
-    dtypes are upcast). Products are formed in fp32 and rounded once to the tensor's dtype.
-    ``q``/``k`` may be strided views (token and head strides) with a contiguous last dimension.
-    Positions are not bounds-checked (that would need a sync): they must lie in
-    ``[0, cos_sin.shape[0])``.
-    """
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    assert k.shape == (num_tokens, num_k_heads, head_dim) and positions.shape == (num_tokens,)
-    assert head_dim % 2 == 0 and cos_sin.shape[-1] == head_dim, "cos_sin rows are [cos | sin] of D"
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1, \
-        "the head dimension must be contiguous"
-    if num_tokens == 0:
-        return q, k
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
-    _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        num_warps=num_warps_for(block_hq * block_half),
-    )
-    return q, k
 
 
 @triton.jit

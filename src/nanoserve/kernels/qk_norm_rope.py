@@ -13,7 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.fused_ops import load_cos_sin, num_warps_for
+from nanoserve.kernels.fused_ops import num_warps_for
+
+
+@triton.jit
+def _load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs,
+                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``token``'s RoPE cos and sin rows as fp32 ``[1, BLOCK_HALF]`` tiles (0 past ``HALF``)."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_ptr + pos * stride_cs + j
+    cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -53,7 +65,7 @@ def _qk_norm_rope_store_kernel(
 ):
     # One program per token owns all its heads, so cos/sin and the slot are read once.
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, HALF, BLOCK_HALF)
+    cos, sin = _load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, HALF, BLOCK_HALF)
     j = tl.arange(0, BLOCK_HALF)
 
     hq = tl.arange(0, BLOCK_HQ)

@@ -43,9 +43,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.is_cuda:  # rotates q and k in place in one fused Triton kernel
-            from nanoserve.kernels.fused_ops import rotary_embedding
-            return rotary_embedding(positions, q, k, self.cos_sin)
+        # The PyTorch backend's path; on CUDA the Triton backend rotates inside its fused
+        # q/k-norm + RoPE + K/V-store kernel, reading ``cos_sin`` directly.
         return rotary_embedding_torch(positions, q, k, self.cos_sin)
 
 
