@@ -18,8 +18,8 @@ import torch
 from kernels import HEAD_DIM, NUM_KV_HEADS, errors, kv_bytes, make_batch, median_ms, reference
 from throughput import workload
 
-from nanoserve.kernels import decode_attention as split_kernel
-from nanoserve.kernels.paged_decode import DecodeTuning, decode_attention, plan_decode
+from nanoserve.kernels.decode_attention import (DecodeTuning, decode_attention,
+                                                device_sm_count, num_decode_splits)
 
 BLOCK_SIZE = 16  # the engine's default
 CAPTURE_MAX_SEQ_LEN = 40960  # CUDA graphs fix the split count with the model's max length
@@ -32,19 +32,13 @@ def decode_steps(stride: int) -> list[list[int]]:
             for t in range(0, max(max_tokens), stride)]
 
 
-def tunings(quick: bool) -> list:
-    """Split-kernel tunings (the kernel this one replaces) and persistent-kernel tunings."""
+def tunings(quick: bool) -> list[DecodeTuning]:
+    """The default (stages chosen by split count) first, then fixed tunings to compare."""
     if quick:
-        return [split_kernel.DecodeTuning(), DecodeTuning()]
-    old = [split_kernel.DecodeTuning(64, 4, s) for s in (3, 5, 7)]
-    new = [DecodeTuning(64, 4, s, pps) for s, pps in itertools.product((5, 7), (1, 2, 3))]
-    new += [DecodeTuning(32, 4, s, pps) for s, pps in itertools.product((5, 7, 9), (2, 3))]
-    return old + new + [DecodeTuning(64, 4, 3, 3)]
-
-
-def describe(tuning) -> dict:
-    kernel = "persistent" if isinstance(tuning, DecodeTuning) else "split"
-    return {"kernel": kernel, **tuning._asdict()}
+        return [DecodeTuning()]
+    shapes = [(4, 3), (4, 5), (4, 7), (8, 3), (8, 5)]
+    return [DecodeTuning()] + [DecodeTuning(bn, w, s) for bn, (w, s) in
+                               itertools.product((32, 64, 128), shapes)]
 
 
 def main() -> None:
@@ -53,48 +47,38 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    sms = split_kernel.device_sm_count(torch.device("cuda"))
+    sms = device_sm_count(torch.device("cuda"))
     totals = {t: 0.0 for t in tunings(args.quick)}
     oks = {t: True for t in totals}
     total_bytes = 0
     for step, seq_lens in zip(range(0, 10 ** 9, args.stride), decode_steps(args.stride)):
         q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), BLOCK_SIZE, gen)
-        splits = split_kernel.num_decode_splits(len(seq_lens), NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN,
-                                                sms)
+        splits = num_decode_splits(len(seq_lens), NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN, sms)
         ref = reference(q, k_cache, v_cache, meta)
         total_bytes += kv_bytes(seq_lens) * args.stride
-        # One plan per step serves all of a model's layers, so it is made outside the timing.
-        plans = {bn: plan_decode(meta.seq_lens, NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN, bn)
-                 for bn in {t.block_n for t in totals if isinstance(t, DecodeTuning)}}
         for tuning in totals:
-            def run(t=tuning) -> torch.Tensor:
-                if not isinstance(t, DecodeTuning):
-                    return split_kernel.decode_attention(
-                        q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                        meta.query_start_loc, CAPTURE_MAX_SEQ_LEN, HEAD_DIM ** -0.5,
-                        num_splits=splits, tuning=t)
+            def run(t: DecodeTuning = tuning) -> torch.Tensor:
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, HEAD_DIM ** -0.5,
-                                        plan=plans[t.block_n], tuning=t)
+                                        meta.query_start_loc, CAPTURE_MAX_SEQ_LEN,
+                                        HEAD_DIM ** -0.5, num_splits=splits, tuning=t)
             try:
                 oks[tuning] = oks[tuning] and errors(run(), ref)["ok"]
                 ms = median_ms(run, iters=10, warmup=2)
-                totals[tuning] += ms * args.stride / 1e3
             except Exception as exc:  # noqa: BLE001 - a tuning past the SM's shared memory
                 totals[tuning] = float("inf")
-                print(json.dumps({"tuning": describe(tuning), "error": type(exc).__name__}))
+                print(json.dumps({"tuning": tuning._asdict(), "error": type(exc).__name__}))
                 continue
-            if tuning in (split_kernel.DecodeTuning(), DecodeTuning(),
-                          split_kernel.DecodeTuning(64, 4, 5)):
-                print(json.dumps({"bench": "decode_workload_step", "tuning": describe(tuning),
-                                  "step": step, "num_seqs": len(seq_lens),
+            totals[tuning] += ms * args.stride / 1e3
+            if tuning == DecodeTuning():
+                print(json.dumps({"bench": "decode_workload_step", "step": step,
+                                  "num_seqs": len(seq_lens), "num_splits": splits,
                                   "mean_ctx": round(sum(seq_lens) / len(seq_lens)),
                                   "ms": round(ms, 4),
                                   "kv_gbs": round(kv_bytes(seq_lens) / ms / 1e6, 1)}), flush=True)
         del q, k_cache, v_cache, meta, ref
         torch.cuda.empty_cache()
     for tuning, seconds in sorted(totals.items(), key=lambda kv: kv[1]):
-        print(json.dumps({"bench": "decode_workload", "tuning": describe(tuning),
+        print(json.dumps({"bench": "decode_workload", "tuning": tuning._asdict(),
                           "seconds": round(seconds, 3),
                           "kv_gbs": round(total_bytes / seconds / 1e9, 1) if seconds else None,
                           "stride": args.stride, "ok": oks[tuning]}), flush=True)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.attention.torch_backend import paged_attention_reference
-from nanoserve.kernels.paged_decode import decode_attention
+from nanoserve.kernels.decode_attention import decode_attention, device_sm_count, num_decode_splits
 from nanoserve.kernels.prefill_attention import prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -98,10 +98,11 @@ def causal_flops(seq_lens: list[int], q_lens: list[int]) -> int:
 def bench_decode(batch: int, ctx: int, block_size: int, iters: int, gen: torch.Generator) -> dict:
     seq_lens = [ctx] * batch
     q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * batch, block_size, gen)
+    splits = num_decode_splits(batch, NUM_KV_HEADS, ctx, device_sm_count(q.device))
 
-    def run() -> torch.Tensor:  # plans the tiles and attends, as a step's first layer does
+    def run() -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, HEAD_DIM ** -0.5)
+                                meta.query_start_loc, meta.max_seq_len, HEAD_DIM ** -0.5)
 
     eager = run()
     torch.cuda.synchronize()
@@ -113,7 +114,7 @@ def bench_decode(batch: int, ctx: int, block_size: int, iters: int, gen: torch.G
     result["ok"] = result["ok"] and torch.equal(graphed, eager)
     ms = median_ms(graph.replay, iters, warmup=10)
     return {"kernel": "decode", "batch": batch, "ctx": ctx, "block_size": block_size,
-            "ms": ms, "kv_gbps": kv_bytes(seq_lens) / ms / 1e6, **result}
+            "num_splits": splits, "ms": ms, "kv_gbps": kv_bytes(seq_lens) / ms / 1e6, **result}
 
 
 def bench_prefill(seq_lens: list[int], q_lens: list[int], block_size: int, iters: int,

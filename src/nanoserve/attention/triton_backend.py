@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.kernels.paged_decode import DecodePlan, decode_attention, plan_decode
+from nanoserve.kernels.decode_attention import decode_attention
 from nanoserve.kernels.prefill_attention import prefill_attention
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
@@ -16,16 +16,14 @@ if TYPE_CHECKING:
 
 
 class TritonAttentionBackend:
-    """GPU path: persistent paged decode for decode-only batches, varlen prefill for the rest.
+    """GPU path: flash-decoding for decode-only batches, paged varlen prefill for the rest.
 
     Nothing here reads device values on the host, so the decode path can be captured in a CUDA
-    graph (run it once outside capture first, so Triton compiles its kernels). A decode step's
-    tile list is planned on the device at its first layer and reused by the others (the plan is
-    kept for the metadata object it was made for).
+    graph (run it once outside capture first, so Triton compiles its kernels). The decode split
+    count is chosen from ``meta.max_seq_len`` at capture time and stays fixed in the graph; the
+    kernel partitions each sequence's actual length at replay, so results stay correct for any
+    length, but a graph captured with a short ``max_seq_len`` under-splits long contexts.
     """
-
-    def __init__(self) -> None:
-        self._planned: tuple[AttentionMetadata, DecodePlan] | None = None
 
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -43,13 +41,6 @@ class TritonAttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, scale, self._decode_plan(meta, k_cache))
+                                    meta.query_start_loc, meta.max_seq_len, scale)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, scale)
-
-    def _decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
-        if self._planned is None or self._planned[0] is not meta:
-            block_size, num_kv_heads = k_cache.shape[1:3]
-            plan = plan_decode(meta.seq_lens, num_kv_heads, meta.block_tables.shape[1] * block_size)
-            self._planned = (meta, plan)
-        return self._planned[1]

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision, interpreted,
                                       programmatic_launch)
@@ -26,8 +26,16 @@ class DecodeTuning(NamedTuple):
 
     block_n: int = 64  # keys per inner-loop tile
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int | None = None  # None: UNSPLIT_STAGES without splits, SPLIT_STAGES with
     heads_first: bool = True  # grid (KV head, sequence, split) rather than (sequence, KV head, split)
+
+
+# K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
+# (num_stages - 1) // 2 buffers: 5 stages keep two tiles in flight per program, 3 keep one.
+# Without splits (full batches) the second tile pays; with splits (small batches, short
+# slices) its shared memory costs more occupancy than it gains (docs/kernels.md).
+UNSPLIT_STAGES = 5
+SPLIT_STAGES = 3
 
 
 # The split heuristic's knobs.
@@ -59,6 +67,7 @@ def _decode_split_kernel(
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
+        gdc_wait()  # launched early too: q and the new K/V come from the kernel before
     # Heads first puts the KV heads of one sequence in neighbouring programs, which read
     # neighbouring bytes of the same cache blocks.
     if HEADS_FIRST:
@@ -131,6 +140,7 @@ def _decode_reduce_kernel(
 ):
     if PDL:  # o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
+        gdc_wait()  # launched early too: the partial results come from the split kernel
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -196,6 +206,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
     block_n = INTERPRETER_BLOCK_N if interpreted(device) else tuning.block_n
+    num_stages = tuning.num_stages or (UNSPLIT_STAGES if num_splits == 1 else SPLIT_STAGES)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:
@@ -208,6 +219,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:  # the partial buffers are never touched: pass the output as a typed placeholder
         part_max = part_sum = part_acc = out
 
+    pdl = programmatic_launch(device)
     grid = ((num_kv_heads, num_seqs, num_splits) if tuning.heads_first
             else (num_seqs, num_kv_heads, num_splits))
     _decode_split_kernel[grid](
@@ -223,8 +235,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
-        HEADS_FIRST=tuning.heads_first, PDL=programmatic_launch(device),
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        HEADS_FIRST=tuning.heads_first, PDL=pdl,
+        num_warps=tuning.num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -232,7 +244,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            PDL=programmatic_launch(device), num_warps=4,
+            PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
 
@@ -36,6 +36,7 @@ def _rms_norm_kernel(
 ):
     if PDL:  # the projection after the norm may start fetching its weights (skinny_gemm.py)
         gdc_launch_dependents()
+        gdc_wait()  # launched early too: x and the residual come from the kernel before
     # Rows are indexed (a, b) so that a [T, H, D] view with arbitrary token and head strides
     # (Qwen3's q/k slices of the fused qkv output) needs no copy; 2-D inputs use b = 0.
     a = tl.program_id(0).to(tl.int64)
@@ -81,12 +82,13 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     x3, o3 = _rows(x), _rows(out)
     r3 = _rows(residual) if residual is not None else x3  # typed placeholder, never read
     block_d = triton.next_power_of_2(dim)
+    pdl = programmatic_launch(x.device)
     _rms_norm_kernel[(x3.shape[0], x3.shape[1])](
         x3, r3, weight, o3,
         eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
         DIM=dim, BLOCK_D=block_d, ADD_RESIDUAL=residual is not None,
-        PDL=programmatic_launch(x.device), num_warps=num_warps_for(block_d),
+        PDL=pdl, num_warps=num_warps_for(block_d), launch_pdl=pdl,
     )
     return out
 

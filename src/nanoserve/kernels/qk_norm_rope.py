@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nanoserve.kernels.common import programmatic_launch
 from nanoserve.kernels.fused_ops import num_warps_for
 
 
@@ -61,25 +63,30 @@ def _qk_norm_rope_store_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program per token owns all its heads, so cos/sin and the slot are read once.
+    # Two programs per token, one for its q heads and one for its K/V heads, so the two halves
+    # of the work run side by side; each reads the token's cos/sin row.
     token = tl.program_id(0).to(tl.int64)
+    # Positions, slots and the cos/sin table are step inputs, in place before the forward's
+    # first kernel ran, so they are read before waiting on the qkv projection (PDL).
     cos, sin = _load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, HALF, BLOCK_HALF)
-    j = tl.arange(0, BLOCK_HALF)
-
-    hq = tl.arange(0, BLOCK_HQ)
-    q_mask = (hq < NUM_Q_HEADS)[:, None] & (j < HALF)[None, :]
-    q_first = q_ptr + token * stride_qt + hq[:, None] * stride_qh + j[None, :]
-    q1, q2 = _norm_rope_heads(q_first, q_mask, cos, sin, q_weight_ptr, eps,
-                              HAS_QK_NORM, HALF, BLOCK_HALF)
-    tl.store(q_first, q1, mask=q_mask)
-    tl.store(q_first + HALF, q2, mask=q_mask)
-
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    # Padding tokens (e.g. in a CUDA-graph batch) carry slot -1: their k is never read, so
-    # neither rotated nor stored.
-    if slot >= 0:
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    j = tl.arange(0, BLOCK_HALF)
+    if tl.program_id(1) == 0:
+        hq = tl.arange(0, BLOCK_HQ)
+        q_mask = (hq < NUM_Q_HEADS)[:, None] & (j < HALF)[None, :]
+        q_first = q_ptr + token * stride_qt + hq[:, None] * stride_qh + j[None, :]
+        q1, q2 = _norm_rope_heads(q_first, q_mask, cos, sin, q_weight_ptr, eps,
+                                  HAS_QK_NORM, HALF, BLOCK_HALF)
+        tl.store(q_first, q1, mask=q_mask)
+        tl.store(q_first + HALF, q2, mask=q_mask)
+    elif slot >= 0:
+        # Padding tokens (e.g. in a CUDA-graph batch) carry slot -1: their k is never read, so
+        # neither rotated nor stored.
         hk = tl.arange(0, BLOCK_HK)
         kv_mask = (hk < NUM_KV_HEADS)[:, None] & (j < HALF)[None, :]
         k_first = k_ptr + token * stride_kt + hk[:, None] * stride_kh + j[None, :]
@@ -136,7 +143,8 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_kv_heads)
-    _qk_norm_rope_store_kernel[(num_tokens,)](
+    pdl = programmatic_launch(q.device)
+    _qk_norm_rope_store_kernel[(num_tokens, 2)](
         positions, slot_mapping, q, k, v, cos_sin,
         q_weight if has_qk_norm else cos_sin, k_weight if has_qk_norm else cos_sin,  # unread
         k_cache, v_cache,
@@ -147,8 +155,8 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm,
+        BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm, PDL=pdl,
         # fused_ops' RoPE rule (~8 elements per thread) on the largest tile, one half of q.
-        num_warps=num_warps_for(block_hq * block_half),
+        num_warps=num_warps_for(block_hq * block_half), launch_pdl=pdl,
     )
     return q
