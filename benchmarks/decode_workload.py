@@ -18,7 +18,7 @@ import torch
 from kernels import HEAD_DIM, NUM_KV_HEADS, errors, kv_bytes, make_batch, median_ms, reference
 from throughput import workload
 
-from nanoserve.kernels.decode_attention import (DecodeTuning, decode_attention,
+from nanoserve.kernels.decode_attention import (PROGRAMS_PER_SM, DecodeTuning, decode_attention,
                                                 device_sm_count, num_decode_splits)
 
 BLOCK_SIZE = 16  # the engine's default
@@ -32,13 +32,21 @@ def decode_steps(stride: int) -> list[list[int]]:
             for t in range(0, max(max_tokens), stride)]
 
 
-def tunings(quick: bool) -> list[DecodeTuning]:
-    """The default (stages chosen by split count) first, then fixed tunings to compare."""
+def tunings(quick: bool) -> list[tuple[int, DecodeTuning]]:
+    """(programs per SM for the split count, kernel tuning): the engine's default first."""
+    default = (PROGRAMS_PER_SM, DecodeTuning())
     if quick:
-        return [DecodeTuning()]
-    shapes = [(4, 3), (4, 5), (4, 7), (8, 3), (8, 5)]
-    return [DecodeTuning()] + [DecodeTuning(bn, w, s) for bn, (w, s) in
-                               itertools.product((32, 64, 128), shapes)]
+        return [default]
+    split_rule = [(pps, DecodeTuning(num_stages=s)) for pps, s in
+                  itertools.product((4, 8, 12), (3, 5)) if (pps, s) != (PROGRAMS_PER_SM, 3)]
+    shapes = [(4, 3), (4, 7), (8, 3)]
+    tiles = [(PROGRAMS_PER_SM, DecodeTuning(bn, w, s)) for bn, (w, s) in
+             itertools.product((32, 64, 128), shapes) if (bn, w, s) != (64, 4, 3)]
+    return [default] + split_rule + tiles
+
+
+def describe(tuning: tuple[int, DecodeTuning]) -> dict:
+    return {"programs_per_sm": tuning[0], **tuning[1]._asdict()}
 
 
 def main() -> None:
@@ -53,11 +61,13 @@ def main() -> None:
     total_bytes = 0
     for step, seq_lens in zip(range(0, 10 ** 9, args.stride), decode_steps(args.stride)):
         q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), BLOCK_SIZE, gen)
-        splits = num_decode_splits(len(seq_lens), NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN, sms)
         ref = reference(q, k_cache, v_cache, meta)
         total_bytes += kv_bytes(seq_lens) * args.stride
         for tuning in totals:
-            def run(t: DecodeTuning = tuning) -> torch.Tensor:
+            pps, t = tuning
+            splits = num_decode_splits(len(seq_lens), NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN, sms, pps)
+
+            def run(t: DecodeTuning = t, splits: int = splits) -> torch.Tensor:
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, CAPTURE_MAX_SEQ_LEN,
                                         HEAD_DIM ** -0.5, num_splits=splits, tuning=t)
@@ -66,10 +76,10 @@ def main() -> None:
                 ms = median_ms(run, iters=10, warmup=2)
             except Exception as exc:  # noqa: BLE001 - a tuning past the SM's shared memory
                 totals[tuning] = float("inf")
-                print(json.dumps({"tuning": tuning._asdict(), "error": type(exc).__name__}))
+                print(json.dumps({"tuning": describe(tuning), "error": type(exc).__name__}))
                 continue
             totals[tuning] += ms * args.stride / 1e3
-            if tuning == DecodeTuning():
+            if tuning == (PROGRAMS_PER_SM, DecodeTuning()):
                 print(json.dumps({"bench": "decode_workload_step", "step": step,
                                   "num_seqs": len(seq_lens), "num_splits": splits,
                                   "mean_ctx": round(sum(seq_lens) / len(seq_lens)),
@@ -78,7 +88,7 @@ def main() -> None:
         del q, k_cache, v_cache, meta, ref
         torch.cuda.empty_cache()
     for tuning, seconds in sorted(totals.items(), key=lambda kv: kv[1]):
-        print(json.dumps({"bench": "decode_workload", "tuning": tuning._asdict(),
+        print(json.dumps({"bench": "decode_workload", "tuning": describe(tuning),
                           "seconds": round(seconds, 3),
                           "kv_gbs": round(total_bytes / seconds / 1e9, 1) if seconds else None,
                           "stride": args.stride, "ok": oks[tuning]}), flush=True)

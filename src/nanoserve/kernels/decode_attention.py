@@ -26,16 +26,14 @@ class DecodeTuning(NamedTuple):
 
     block_n: int = 64  # keys per inner-loop tile
     num_warps: int = 4
-    num_stages: int | None = None  # None: UNSPLIT_STAGES without splits, SPLIT_STAGES with
+    num_stages: int = 3  # one K/V tile in flight per program (the note below)
     heads_first: bool = True  # grid (KV head, sequence, split) rather than (sequence, KV head, split)
 
 
 # K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
-# (num_stages - 1) // 2 buffers: 5 stages keep two tiles in flight per program, 3 keep one.
-# Without splits (full batches) the second tile pays; with splits (small batches, short
-# slices) its shared memory costs more occupancy than it gains (docs/kernels.md).
-UNSPLIT_STAGES = 5
-SPLIT_STAGES = 3
+# (num_stages - 1) // 2 buffers: 3 stages keep one tile in flight per program, 5 keep two.
+# Programs then hide latency by occupancy (shared memory allows about five per SM at 3
+# stages); 5 stages measured within noise of 3 over the throughput workload (docs/kernels.md).
 
 
 # The split heuristic's knobs.
@@ -67,7 +65,6 @@ def _decode_split_kernel(
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
-        gdc_wait()  # launched early too: q and the new K/V come from the kernel before
     # Heads first puts the KV heads of one sequence in neighbouring programs, which read
     # neighbouring bytes of the same cache blocks.
     if HEADS_FIRST:
@@ -80,6 +77,8 @@ def _decode_split_kernel(
 
     # The split's slice comes from the on-device length, not the host's max_seq_len, so a
     # CUDA graph captured once stays correct for any context length it is replayed with.
+    # Lengths and query rows are step inputs, in place before the forward's first kernel, so
+    # with programmatic launch they are read before waiting for q and the new K/V.
     seq_len = tl.load(seq_lens_ptr + seq)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
@@ -91,6 +90,8 @@ def _decode_split_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     token = tl.load(query_start_loc_ptr + seq)
+    if PDL:
+        gdc_wait()
     q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
@@ -170,16 +171,17 @@ def device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """How many context splits a decode launch uses, from host-side ints only (no device sync).
 
-    Aim at ``PROGRAMS_PER_SM`` programs per SM: split only while the (sequence, KV head)
+    Aim at ``programs_per_sm`` programs per SM: split only while the (sequence, KV head)
     programs alone fall short of that, and never into slices shorter than
     ``MIN_TOKENS_PER_SPLIT`` keys, where the partial-result traffic and the extra reduce launch
     would cost more than the added parallelism gains.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = PROGRAMS_PER_SM * num_sms // programs
+    wanted = programs_per_sm * num_sms // programs
     by_length = max(max_seq_len // MIN_TOKENS_PER_SPLIT, 1)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -206,7 +208,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
     block_n = INTERPRETER_BLOCK_N if interpreted(device) else tuning.block_n
-    num_stages = tuning.num_stages or (UNSPLIT_STAGES if num_splits == 1 else SPLIT_STAGES)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:
@@ -236,7 +237,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
         HEADS_FIRST=tuning.heads_first, PDL=pdl,
-        num_warps=tuning.num_warps, num_stages=num_stages, launch_pdl=pdl,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

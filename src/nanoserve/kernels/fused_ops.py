@@ -36,13 +36,15 @@ def _rms_norm_kernel(
 ):
     if PDL:  # the projection after the norm may start fetching its weights (skinny_gemm.py)
         gdc_launch_dependents()
-        gdc_wait()  # launched early too: x and the residual come from the kernel before
     # Rows are indexed (a, b) so that a [T, H, D] view with arbitrary token and head strides
     # (Qwen3's q/k slices of the fused qkv output) needs no copy; 2-D inputs use b = 0.
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     mask = d < DIM
+    w = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    if PDL:  # launched early too: x and the residual come from the kernel before
+        gdc_wait()
     x = tl.load(x_ptr + a * stride_xa + b * stride_xb + d, mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
         r_ptrs = residual_ptr + a * stride_ra + b * stride_rb + d
@@ -55,7 +57,6 @@ def _rms_norm_kernel(
     # Masked lanes are 0 and add nothing to the sum of squares.
     mean_sq = tl.sum(x * x, 0) / DIM
     y = x * tl.rsqrt(mean_sq + eps)
-    w = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
     # The reference casts to the activation dtype before the weight multiply; the product of two
     # 16-bit floats is exact in fp32, so one final rounding reproduces PyTorch's result.
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * w
@@ -71,7 +72,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
-    """Shared host side of :func:`rms_norm` and :func:`add_rms_norm` (``residual`` optional)."""
+    """Shared host side of :func:`rms_norm` and :func:`add_rms_norm` (``residual`` optional).
+
+    Under programmatic launch the kernel reads ``weight`` before waiting for the kernel before
+    it, so ``weight`` must not be that kernel's output (the layers pass their parameters).
+    """
     dim = x.shape[-1]
     assert weight.shape == (dim,) and weight.is_contiguous(), "weight must be a contiguous [D]"
     assert x.stride(-1) == 1, "the normalised (last) dimension must be contiguous"
