@@ -9,9 +9,6 @@ covering the SMs even for the 1024-wide o/down projections of a small model.
 
 ``gated=True`` fuses the MLP's ``silu(gate) * up`` into the down projection: x is read as
 ``[gate | up]`` and activated chunk by chunk as it is loaded, which saves a launch per layer.
-``skinny_norm_linear`` likewise fuses the residual add + RMSNorm before the qkv and gate/up
-projections: each program makes a first pass over x for the row norms (x is a few KB), then
-normalises chunks as it loads them. Two more launches saved per layer.
 
 On Hopper the kernel is launched programmatically dependent on the one before it: it fetches its
 first tile of W while that kernel still runs and waits for it only before reading x
@@ -43,43 +40,26 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _x_tile(x_rows, r_rows, nw_ptr, k_start, K, x_mask, rstd, GATED: tl.constexpr,
-            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One chunk of the product's input rows in fp32: x; with ``GATED``, ``silu(gate) * up``
-    (x = [gate | up]); with ``NORM``, RMSNorm(x (+ residual)) given each row's ``rstd``."""
+def _x_tile(x_rows, k_start, K, x_mask, GATED: tl.constexpr):
+    """One chunk of x's rows in fp32; with ``GATED``, of ``silu(gate) * up`` (x = [gate | up])."""
     x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
-    dtype = x.dtype
     if GATED:
+        dtype = x.dtype
         up = tl.load(x_rows + K + k_start, mask=x_mask, other=0.0).to(tl.float32)
         gate = x.to(tl.float32)
         # Rounded where `F.silu(gate) * up` rounds: silu's result, then the product.
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         x = (act * up).to(dtype)
-    if NORM:
-        if HAS_RESIDUAL:
-            x = _residual_sum(x, r_rows, k_start, x_mask)
-        k = k_start + tl.arange(0, x.shape[1])
-        w = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-        # Rounded where rms_norm_torch rounds: the normalised value, then the weight product.
-        x = ((x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32) * w).to(dtype)
     return x.to(tl.float32)
 
 
 @triton.jit
-def _residual_sum(x, r_rows, k_start, x_mask):
-    """``x + residual`` rounded to x's dtype, as `x + residual` in PyTorch."""
-    r = tl.load(r_rows + k_start, mask=x_mask, other=0.0)
-    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, s_ptr, nw_ptr,
-    M, N, K, eps,
-    stride_xm, stride_wn, stride_ym, stride_rm, stride_sm,
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
@@ -90,7 +70,6 @@ def _skinny_gemm_kernel(
     m_mask = m < M
     n_mask = n < N
     x_rows = x_ptr + m[:, None] * stride_xm + k[None, :]
-    r_rows = r_ptr + m[:, None] * stride_rm + k[None, :]
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
     # The first chunk of W depends on nothing: with programmatic launch it is fetched while the
     # kernel that writes x still runs, and x is read only after waiting for that kernel.
@@ -98,24 +77,7 @@ def _skinny_gemm_kernel(
     w = tl.load(w_rows, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     if PDL:
         gdc_wait()
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
-        # A first pass over the (tiny) rows for their norms; program 0 also stores the summed
-        # residual, which every program reads back from its inputs, never from that store.
-        sum_sq = tl.zeros([BLOCK_M], tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            x_mask = m_mask[:, None] & ((k_start + k) < K)[None, :]
-            x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
-            if HAS_RESIDUAL:
-                x = _residual_sum(x, r_rows, k_start, x_mask)
-                if pid == 0:
-                    tl.store(s_ptr + m[:, None] * stride_sm + k_start + k[None, :], x,
-                             mask=x_mask)
-            x = x.to(tl.float32)
-            sum_sq += tl.sum(x * x, 1)
-        rstd = tl.rsqrt(sum_sq / K + eps)
-    x = _x_tile(x_rows, r_rows, nw_ptr, 0, K, m_mask[:, None] & k_mask[None, :], rstd,
-                GATED, NORM, HAS_RESIDUAL)
+    x = _x_tile(x_rows, 0, K, m_mask[:, None] & k_mask[None, :], GATED)
     acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     for k_start in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
@@ -126,7 +88,7 @@ def _skinny_gemm_kernel(
             x_mask = m_mask[:, None] & k_mask[None, :]
             w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k_start, mask=w_mask, other=0.0)
-        x = _x_tile(x_rows, r_rows, nw_ptr, k_start, K, x_mask, rstd, GATED, NORM, HAS_RESIDUAL)
+        x = _x_tile(x_rows, k_start, K, x_mask, GATED)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -150,30 +112,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``x`` is ``[M, 2K] = [gate | up]`` and the product is ``F.linear(silu(gate) * up, ...)``.
     Launch shapes depend on shapes alone, so the call is CUDA-graph capturable.
     """
-    return _launch(x, weight, bias, config, gated=gated)[0]
-
-
-def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                       eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(F.linear(rms_norm(x + residual), weight, bias), x + residual)`` in one launch.
-
-    Without ``residual`` it is ``(F.linear(rms_norm(x), ...), x)``. Rounds as
-    ``add_rms_norm_torch`` then ``F.linear`` do, so the product sees the same 16-bit input. The
-    sum goes to a new tensor: every program reads the old residual, so it is never updated in
-    place. ``norm_weight`` is ``[K]``; the rest as :func:`skinny_linear`.
-    """
-    if norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous():
-        raise ValueError(f"norm weight must be a contiguous [{x.shape[1]}], "
-                         f"got {tuple(norm_weight.shape)}")
-    return _launch(x, weight, bias, config, residual=residual, norm_weight=norm_weight, eps=eps)
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: SkinnyConfig | None, gated: bool = False,
-            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks, then one kernel launch; returns ``(y, the residual after the add, or x)``."""
     m, width = x.shape
     k = width // 2 if gated else width
     n = weight.shape[0]
@@ -184,25 +122,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"skinny_linear needs x [M, K] ([M, 2K] when gated) and weight [N, K] "
                          f"with contiguous rows; "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"residual must match x {tuple(x.shape)} with contiguous rows, "
-                         f"got {tuple(residual.shape)}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else x
     if m == 0:
-        return y, summed
+        return y
     cfg = config or default_config(n, x.device)
     pdl = programmatic_launch(x.device)
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
-    r = residual if residual is not None else x  # typed placeholders where unread
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else y, y, r, summed,
-        norm_weight if norm_weight is not None else y,
-        m, n, k, eps,
-        x.stride(0), weight.stride(0), y.stride(0), r.stride(0), summed.stride(0),
+        x, weight, bias if bias is not None else y, y,
+        m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated,
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-    return y, summed
+    return y

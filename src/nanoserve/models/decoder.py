@@ -43,14 +43,10 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``norm(x + residual)``; returns it with the summed residual (the norm
-        is applied by the qkv projection, which can fuse it)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -58,7 +54,7 @@ class Attention(nn.Module):
         q = self.backend.rope_and_store(positions, q, k, v, self.k_cache, self.v_cache,
                                         meta.slot_mapping, self.rotary, self.q_norm, self.k_norm)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, q_size)), residual
+        return self.o_proj(out.reshape(-1, q_size))
 
 
 class MLP(nn.Module):
@@ -72,11 +68,8 @@ class MLP(nn.Module):
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj(gate_up), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -89,9 +82,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each block's pre-norm (and the residual add before it) runs in its first projection.
-        x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
-        return self.mlp(x, residual, self.post_attention_layernorm)
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
