@@ -1,11 +1,12 @@
 """Shared benchmark helpers: model folders of real shapes, device bandwidth, CUDA-graph timing,
-JSON output."""
+profiler kernel time, JSON output."""
 from __future__ import annotations
 
 import json
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -129,3 +130,19 @@ def graph_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def kernel_us(events: list) -> float:
+    """Device time of the CUDA kernels among torch.profiler ``events`` (``key_averages()``).
+
+    Under programmatic dependent launch a kernel's time runs from its early start, waiting
+    included, so kernel times overlap and their sum exceeds the device's busy time: this says
+    so on stderr, with the way to get additive times.
+    """
+    from nanoserve.kernels.common import programmatic_launch
+
+    if programmatic_launch(torch.device("cuda")):
+        print("programmatic launch is on: kernel times include waiting and overlap; "
+              "NANOSERVE_DISABLE_PDL=1 gives additive times", file=sys.stderr)
+    return sum(e.self_device_time_total for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA)

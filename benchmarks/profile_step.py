@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import SHAPES, make_model_dir
+from common import SHAPES, kernel_us, make_model_dir
 
 from nanoserve import LLM, SamplingParams
 
@@ -53,8 +53,6 @@ def profile_kernels(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from nanoserve.kernels.common import programmatic_launch
-
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -62,14 +60,8 @@ def profile_kernels(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events
-                    if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"batch={len(prompts)} steps={steps} wall_ms_per_step={wall / steps * 1e3:.3f} "
-          f"(profiled) kernel_ms_per_step={kernel_us / steps / 1e3:.3f}")
-    if programmatic_launch(torch.device("cuda")):
-        print("programmatic launch is on: a kernel's time runs from its early start, waiting "
-              "included, so kernel times overlap and do not add up to the step; "
-              "NANOSERVE_DISABLE_PDL=1 gives additive times")
+          f"(profiled) kernel_ms_per_step={kernel_us(events) / steps / 1e3:.3f}")
     print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
 
 

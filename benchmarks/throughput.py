@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import (SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir,
+from common import (SHAPES, copy_bandwidth_gbs, emit, environment, kernel_us, make_model_dir,
                     weight_bytes)
 
 from nanoserve import LLM, SamplingParams
@@ -77,9 +77,7 @@ def kernel_profile(enabled: bool):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         yield report
     events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events
-                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    report.update(kernel_seconds=round(kernel_us / 1e6, 3), profiled=True)
+    report.update(kernel_seconds=round(kernel_us(events) / 1e6, 3), profiled=True)
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
           file=sys.stderr)
 

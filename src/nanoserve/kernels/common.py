@@ -19,9 +19,9 @@ def interpreted(device: torch.device) -> bool:
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` use programmatic dependent launch (Hopper and later).
 
-    With it, a batch-1 projection's programs start while the kernel before them is still
-    running and fetch their first tile of weights, which depends on nothing, before waiting for
-    that kernel's output. ``NANOSERVE_DISABLE_PDL=1`` turns it off (for A/B measurements).
+    With it, each kernel of a decode layer starts while the kernel before it is still running,
+    reads what depends on nothing (weights, step inputs) and only then waits for that kernel's
+    output (docs/kernels.md). ``NANOSERVE_DISABLE_PDL=1`` turns it off (for A/B measurements).
     """
     if interpreted(device) or os.environ.get("NANOSERVE_DISABLE_PDL") == "1":
         return False
