@@ -4,9 +4,11 @@ The throughput benchmark spends most of its device time in decode attention, at 
 microbenchmarks of uniform batches miss: up to 256 sequences of ragged length, then fewer and
 fewer. This replays every ``--stride``-th decode step of that workload (the sequences still
 running and their context lengths), times the decode kernel on it under each tuning, and
-reports the estimated attention seconds of the whole run, and the K/V read rate.
+reports the estimated attention seconds of the whole run, and the K/V read rate. Every tuning
+runs twice: programs taking sequences in batch order, and longest context first (the engine's
+order).
 
-    python benchmarks/decode_workload.py [--stride 64] [--quick]
+    python benchmarks/decode_workload.py [--stride 64] [--quick] [--block-size 16]
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ import torch
 from kernels import HEAD_DIM, NUM_KV_HEADS, errors, kv_bytes, make_batch, median_ms, reference
 from throughput import workload
 
+from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (PROGRAMS_PER_SM, DecodeTuning, decode_attention,
-                                                device_sm_count, num_decode_splits)
+                                                num_decode_splits)
 
-BLOCK_SIZE = 16  # the engine's default
 CAPTURE_MAX_SEQ_LEN = 40960  # CUDA graphs fix the split count with the model's max length
 
 
@@ -32,27 +34,31 @@ def decode_steps(stride: int) -> list[list[int]]:
             for t in range(0, max(max_tokens), stride)]
 
 
-def tunings(quick: bool) -> list[tuple[int, DecodeTuning]]:
-    """(programs per SM for the split count, kernel tuning): the engine's default first."""
+Variant = tuple[int, DecodeTuning, bool]
+
+
+def tunings(quick: bool) -> list[Variant]:
+    """(programs per SM for the split count, kernel tuning, longest first): the engine's first."""
     default = (PROGRAMS_PER_SM, DecodeTuning())
     if quick:
-        return [default]
+        return [(*default, True), (*default, False)]
     split_rule = [(pps, DecodeTuning(num_stages=s)) for pps, s in
                   itertools.product((4, 8, 12), (3, 5)) if (pps, s) != (PROGRAMS_PER_SM, 3)]
     shapes = [(4, 3), (4, 7), (8, 3)]
     tiles = [(PROGRAMS_PER_SM, DecodeTuning(bn, w, s)) for bn, (w, s) in
              itertools.product((32, 64, 128), shapes) if (bn, w, s) != (64, 4, 3)]
-    return [default] + split_rule + tiles
+    return [(*t, ordered) for ordered in (True, False) for t in [default] + split_rule + tiles]
 
 
-def describe(tuning: tuple[int, DecodeTuning]) -> dict:
-    return {"programs_per_sm": tuning[0], **tuning[1]._asdict()}
+def describe(variant: Variant) -> dict:
+    return {"programs_per_sm": variant[0], **variant[1]._asdict(), "longest_first": variant[2]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stride", type=int, default=64)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--block-size", type=int, default=16)  # the engine's default
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = device_sm_count(torch.device("cuda"))
@@ -60,17 +66,23 @@ def main() -> None:
     oks = {t: True for t in totals}
     total_bytes = 0
     for step, seq_lens in zip(range(0, 10 ** 9, args.stride), decode_steps(args.stride)):
-        q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), BLOCK_SIZE, gen)
+        q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), args.block_size,
+                                               gen)
         ref = reference(q, k_cache, v_cache, meta)
+        longest_first = torch.tensor(sorted(range(len(seq_lens)), key=seq_lens.__getitem__,
+                                            reverse=True), dtype=torch.int32, device="cuda")
         total_bytes += kv_bytes(seq_lens) * args.stride
         for tuning in totals:
-            pps, t = tuning
+            pps, t, ordered = tuning
             splits = num_decode_splits(len(seq_lens), NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN, sms, pps)
+            order = longest_first if ordered else None
 
-            def run(t: DecodeTuning = t, splits: int = splits) -> torch.Tensor:
+            def run(t: DecodeTuning = t, splits: int = splits,
+                    order: torch.Tensor | None = order) -> torch.Tensor:
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, CAPTURE_MAX_SEQ_LEN,
-                                        HEAD_DIM ** -0.5, num_splits=splits, tuning=t)
+                                        HEAD_DIM ** -0.5, num_splits=splits, tuning=t,
+                                        seq_order=order)
             try:
                 oks[tuning] = oks[tuning] and errors(run(), ref)["ok"]
                 ms = median_ms(run, iters=10, warmup=2)
@@ -79,8 +91,9 @@ def main() -> None:
                 print(json.dumps({"tuning": describe(tuning), "error": type(exc).__name__}))
                 continue
             totals[tuning] += ms * args.stride / 1e3
-            if tuning == (PROGRAMS_PER_SM, DecodeTuning()):
+            if tuning[:2] == (PROGRAMS_PER_SM, DecodeTuning()):
                 print(json.dumps({"bench": "decode_workload_step", "step": step,
+                                  "longest_first": ordered,
                                   "num_seqs": len(seq_lens), "num_splits": splits,
                                   "mean_ctx": round(sum(seq_lens) / len(seq_lens)),
                                   "ms": round(ms, 4),
@@ -91,7 +104,8 @@ def main() -> None:
         print(json.dumps({"bench": "decode_workload", "tuning": describe(tuning),
                           "seconds": round(seconds, 3),
                           "kv_gbs": round(total_bytes / seconds / 1e9, 1) if seconds else None,
-                          "stride": args.stride, "ok": oks[tuning]}), flush=True)
+                          "stride": args.stride, "block_size": args.block_size,
+                          "ok": oks[tuning]}), flush=True)
 
 
 if __name__ == "__main__":

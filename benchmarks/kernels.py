@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.attention.torch_backend import paged_attention_reference
-from nanoserve.kernels.decode_attention import decode_attention, device_sm_count, num_decode_splits
+from nanoserve.kernels.common import device_sm_count
+from nanoserve.kernels.decode_attention import decode_attention, num_decode_splits
 from nanoserve.kernels.prefill_attention import prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B

@@ -110,6 +110,22 @@ def test_decode_matches_reference(group, head_dim, block_size, num_splits, heads
     assert_matches_reference(out, q, k_cache, v_cache, meta)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads_first", [False, True], ids=["seqs-first", "heads-first"])
+def test_decode_in_longest_first_order(num_splits, heads_first):
+    # Programs take sequences through seq_order: every sequence's output still lands in its own
+    # rows, whatever permutation the order is (the engine passes longest context first).
+    seq_lens = [37, 1, 70, 16, 0]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 5, num_heads=4, num_kv_heads=2,
+                                           head_dim=64, block_size=16)
+    for order in ([2, 0, 3, 1, 4], [4, 3, 2, 1, 0]):
+        out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc, meta.max_seq_len, 64 ** -0.5,
+                               num_splits=num_splits, tuning=DecodeTuning(heads_first=heads_first),
+                               seq_order=torch.tensor(order, dtype=torch.int32))
+        assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+
 def test_decode_more_splits_than_tiles_and_empty_sequences():
     # Splits beyond a sequence's tile count stay empty; seq_len 0 (graph padding) gives zeros.
     q, k_cache, v_cache, meta = make_batch([5, 0, 40], [1, 1, 1], num_heads=4, num_kv_heads=2,

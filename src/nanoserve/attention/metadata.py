@@ -24,6 +24,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
+    # [B] int32 in decode-only steps: the sequences, longest context first. Decode kernels
+    # hand sequences to programs in this order (see kernels/decode_attention.py); None keeps
+    # batch order.
+    seq_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -41,6 +41,7 @@ class TritonAttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, meta.max_seq_len, scale)
+                                    meta.query_start_loc, meta.max_seq_len, scale,
+                                    seq_order=meta.seq_order)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, scale)

@@ -8,11 +8,21 @@ import torch
 import triton
 
 LOG2E = 1.4426950408889634  # kernels work in base 2 so the softmax can use exp2
+# Under TRITON_INTERPRET the "device" is the CPU: a nominal few SMs for grids sized by the SMs.
+INTERPRETER_SMS = 4
 
 
 def interpreted(device: torch.device) -> bool:
     """True when kernels run on CPU tensors, which only Triton's interpreter can execute."""
     return device.type != "cuda"
+
+
+@functools.cache
+def device_sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a nominal few under the CPU interpreter), cached per device."""
+    if interpreted(device):
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache

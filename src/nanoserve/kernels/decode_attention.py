@@ -9,7 +9,6 @@ the normalised output directly.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -17,8 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision, interpreted,
-                                      programmatic_launch)
+from nanoserve.kernels.common import (LOG2E, check_attention_inputs, device_sm_count,
+                                      dot_precision, interpreted, programmatic_launch)
 
 
 class DecodeTuning(NamedTuple):
@@ -43,13 +42,14 @@ PROGRAMS_PER_SM = 4
 # Under TRITON_INTERPRET the "device" is the CPU; small tiles keep the interpreter fast and
 # make short test sequences span several tiles and splits.
 INTERPRETER_BLOCK_N = 16
-INTERPRETER_SMS = 4
 
 
-@triton.jit
+# The block table's width follows the longest context of the step: specialising on it (divisible
+# by 16, equal to 1) would compile new variants mid-run, on the serving path.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    seq_order_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     scale_log2,
     num_heads,
     stride_qt, stride_qh,
@@ -61,7 +61,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    PDL: tl.constexpr,
+    ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -69,11 +69,17 @@ def _decode_split_kernel(
     # neighbouring bytes of the same cache blocks.
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
+        rank = tl.program_id(1)
     else:
-        seq = tl.program_id(0)
+        rank = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Programs start in grid order; taking sequences longest first (a step input) keeps one
+    # long context from starting last and running alone after the rest have finished.
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + rank)
+    else:
+        seq = rank
 
     # The split's slice comes from the on-device length, not the host's max_seq_len, so a
     # CUDA graph captured once stays correct for any context length it is replayed with.
@@ -163,14 +169,6 @@ def _decode_reduce_kernel(
              mask=d < HEAD_DIM)
 
 
-@functools.cache
-def device_sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (a nominal few under the CPU interpreter), cached per device."""
-    if interpreted(device):
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """How many context splits a decode launch uses, from host-side ints only (no device sync).
@@ -190,13 +188,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
                      num_splits: int | None = None,
-                     tuning: DecodeTuning = DecodeTuning()) -> torch.Tensor:
+                     tuning: DecodeTuning = DecodeTuning(),
+                     seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
     are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]``.
     ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it, and
-    ``tuning`` the tile and launch options (benchmarks sweep them).
+    ``tuning`` the tile and launch options (benchmarks sweep them). ``seq_order`` (``[B]`` int32,
+    a permutation of the sequences, longest context first) is the order in which programs
+    take sequences; without it they go in batch order.
     Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -225,6 +226,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             else (num_seqs, num_kv_heads, num_splits))
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        seq_lens if seq_order is None else seq_order,  # an int32 placeholder when unordered
         out, part_max, part_sum, part_acc,
         scale * LOG2E, num_heads,
         q.stride(0), q.stride(1),
@@ -236,7 +238,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
-        HEADS_FIRST=tuning.heads_first, PDL=pdl,
+        HEADS_FIRST=tuning.heads_first, ORDERED=seq_order is not None, PDL=pdl,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -59,7 +59,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The block table's width follows the longest context of the step: specialising on it (divisible
+# by 16, equal to 1) would compile new variants mid-run, on the serving path.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     scale_log2,
