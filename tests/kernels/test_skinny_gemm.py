@@ -35,15 +35,23 @@ def test_matches_float64(dtype, m, n, k, with_bias):
     torch.testing.assert_close(skinny_linear(x, w, b), reference(x, w, b), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("config", [SkinnyConfig(8, 32, 1, 1), SkinnyConfig(16, 64, 2, 2),
-                                    SkinnyConfig(4, 128, 1, 1)])
-def test_every_tiling_gives_the_same_product(config):
+@pytest.mark.parametrize("config", [
+    SkinnyConfig(8, 32, 1, 1), SkinnyConfig(16, 64, 2, 2), SkinnyConfig(4, 128, 1, 1),
+    SkinnyConfig(1, 32, 1, 1), SkinnyConfig(8, 32, 1, 1, defer_sum=True),
+    SkinnyConfig(2, 64, 1, 1, defer_sum=True), SkinnyConfig(4, 128, 1, 1, defer_sum=True),
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_every_tiling_gives_the_same_product(config, with_bias):
     """The sweep's configurations (benchmarks/skinny_gemm.py) must all be correct, not just one."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 96, generator=gen)
-    w = torch.randn(40, 96, generator=gen)
-    torch.testing.assert_close(skinny_linear(x, w, config=config), reference(x, w, None),
+    w = torch.randn(41, 96, generator=gen)
+    b = torch.randn(41, generator=gen) if with_bias else None
+    torch.testing.assert_close(skinny_linear(x, w, b, config=config), reference(x, w, b),
                                **TOLERANCE[torch.float32])
+    gated = skinny_linear(torch.cat([x, x.flip(1)], 1), w, b, config=config, gated=True)
+    torch.testing.assert_close(gated, reference(silu_and_mul_torch(torch.cat([x, x.flip(1)], 1)),
+                                                w, b), **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

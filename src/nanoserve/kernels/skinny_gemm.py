@@ -37,6 +37,7 @@ class SkinnyConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    defer_sum: bool = False  # sum over K once at the end rather than once per K chunk
 
 
 @triton.jit
@@ -60,6 +61,7 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+    DEFER_SUM: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
@@ -78,7 +80,10 @@ def _skinny_gemm_kernel(
     if PDL:
         gdc_wait()
     x = _x_tile(x_rows, 0, K, m_mask[:, None] & k_mask[None, :], GATED)
-    acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if DEFER_SUM:
+        acc3 = x[:, None, :] * w.to(tl.float32)[None, :, :]
+    else:
+        acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     for k_start in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             x_mask = m_mask[:, None]
@@ -89,17 +94,44 @@ def _skinny_gemm_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k_start, mask=w_mask, other=0.0)
         x = _x_tile(x_rows, k_start, K, x_mask, GATED)
-        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if DEFER_SUM:
+            acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if DEFER_SUM:
+        acc = tl.sum(acc3, axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def default_config(n: int, device: torch.device) -> SkinnyConfig:
-    """Tiles for a product with ``n`` output features (docs/kernels.md has the sweep behind them)."""
+# Best tiles for one row on an H200 (benchmarks/skinny_gemm.py --sweep, run 25 in
+# docs/benchmarks.md), keyed by (N, K): Qwen3-0.6B's and Qwen3-8B's projections.
+TUNED_ONE_ROW = {
+    (4096, 1024): SkinnyConfig(8, 1024, 4, 4),
+    (1024, 2048): SkinnyConfig(4, 2048, 4, 4, defer_sum=True),
+    (6144, 1024): SkinnyConfig(16, 1024, 4, 4),
+    (1024, 3072): SkinnyConfig(2, 2048, 4, 4, defer_sum=True),
+    (6144, 4096): SkinnyConfig(4, 1024, 4, 4, defer_sum=True),
+    (4096, 4096): SkinnyConfig(4, 4096, 4, 4),
+    (24576, 4096): SkinnyConfig(2, 4096, 4, 4),
+    (4096, 12288): SkinnyConfig(4, 4096, 4, 4),
+}
+
+
+def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyConfig:
+    """Tiles for a product with ``n`` output features over ``k`` inputs.
+
+    One row: the sweep's best where it measured the shape; otherwise K chunks as long as
+    possible (up to 4096) with 16 KB of W per chunk, the shape of most winners: few loop
+    trips, so each program has its whole share of W requested before the first sum.
+    """
     if interpreted(device):
         return SkinnyConfig(block_n=16, block_k=32, num_warps=1, num_stages=1)
+    if rows == 1:
+        block_k = min(triton.next_power_of_2(k), 4096)
+        return TUNED_ONE_ROW.get((n, k), SkinnyConfig(max(1, 8192 // block_k), block_k, 4, 4))
     return SkinnyConfig(block_n=4 if n <= 4096 else 8, block_k=1024, num_warps=4, num_stages=4)
 
 
@@ -125,7 +157,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or default_config(n, x.device)
+    cfg = config or default_config(n, k, m, x.device)
     pdl = programmatic_launch(x.device)
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -134,6 +166,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, PDL=pdl,
+        DEFER_SUM=cfg.defer_sum,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y
