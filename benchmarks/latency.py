@@ -1,4 +1,8 @@
-"""Batch-1 decode latency (ms per output token) against the weight-read floor. One JSON line."""
+"""Batch-1 decode latency (ms per output token) against the weight-read floor. One JSON line.
+
+``--skinny N:K:BLOCK_N:BLOCK_K[:defer]`` (repeatable) replaces the batch-1 projection tiles for
+an (N, K) shape, to check a sweep's winners inside the model's chain of kernels.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,18 +15,45 @@ import torch
 from common import SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir, weight_bytes
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.kernels.skinny_gemm import TUNED_ONE_ROW, SkinnyConfig
 
 
-def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int) -> float:
+def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` generations."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def forward_graph_ms(llm: LLM, replays: int = 200) -> float | None:
+    """Device time of one batch-1 decode forward: its CUDA graph replayed back to back, with no
+    host work in between (the LM head and sampler are not in the graph). Set against
+    ``ms_per_token``, the difference is what the host and the eager launches add."""
+    graphs = getattr(llm.engine.executor, "graphs", None)
+    if graphs is None:
+        return None
+    graph = graphs.graphs[1]  # its static inputs still hold the last step's, a valid decode
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def override_skinny_tiles(specs: list[str]) -> None:
+    for spec in specs:
+        n, k, block_n, block_k, *defer = spec.split(":")
+        TUNED_ONE_ROW[int(n), int(k)] = SkinnyConfig(int(block_n), int(block_k), 4, 4,
+                                                     defer_sum=defer == ["defer"])
 
 
 def main() -> None:
@@ -33,7 +64,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--skinny", action="append", default=[], metavar="N:K:BN:BK[:defer]")
     args = parser.parse_args()
+    override_skinny_tiles(args.skinny)
     shape = SHAPES[args.shape]
     random.seed(0)
     prompt = [random.randint(0, 10000) for _ in range(args.prompt_len)]
@@ -43,16 +76,22 @@ def main() -> None:
                   enforce_eager=args.enforce_eager, enable_prefix_caching=False,
                   tensor_parallel_size=args.tensor_parallel_size)
         time_generate(llm, prompt, 8, 1)  # warm-up
-        full = time_generate(llm, prompt, args.new_tokens, args.repeats)
-        first = time_generate(llm, prompt, 1, args.repeats)
+        fulls = time_generate(llm, prompt, args.new_tokens, args.repeats)
+        firsts = time_generate(llm, prompt, 1, args.repeats)
+        graph_ms = forward_graph_ms(llm)
         llm.close()
     bandwidth = copy_bandwidth_gbs()
+    full, first = min(fulls), min(firsts)
     per_token_ms = (full - first) / (args.new_tokens - 1) * 1e3
     # Each tensor-parallel GPU reads its share of the weights at the same time.
     floor_ms = weight_bytes(shape) / (bandwidth * 1e9 * args.tensor_parallel_size) * 1e3
     emit({"bench": "latency", "shape": args.shape, "prompt_len": args.prompt_len,
           "new_tokens": args.new_tokens, "ms_per_token": round(per_token_ms, 3),
           "ttft_ms": round(first * 1e3, 2), "floor_ms_per_token": round(floor_ms, 3),
+          "each_run_ms_per_token": [round((t - first) / (args.new_tokens - 1) * 1e3, 3)
+                                    for t in fulls],
+          "forward_graph_ms": graph_ms and round(graph_ms, 3),
+          "skinny_overrides": args.skinny,
           "fraction_of_floor": round(floor_ms / per_token_ms, 3),
           "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
           "tensor_parallel_size": args.tensor_parallel_size,

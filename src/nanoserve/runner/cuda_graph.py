@@ -19,8 +19,10 @@ class DecodeGraphs:
     """Decode forwards (one token per sequence) captured as CUDA graphs, one per batch size.
 
     Inputs live in static buffers that every graph reads; a step copies its tensors into them,
-    pads the rest (slot -1: nothing stored; length 1 over block 0: harmless reads), replays the
-    smallest graph that fits, and returns the first rows of its static output.
+    replays the smallest graph that fits, and returns the first rows of its static output. Rows
+    past the batch hold padding (slot -1: nothing stored; length 1 over block 0: harmless
+    reads); they are re-padded only when the batch shrinks, so a steady batch copies its
+    inputs and nothing else.
     """
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
@@ -35,6 +37,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.order = torch.arange(n, dtype=torch.int32, device=device)
+        self.batch_order = self.order.clone()  # padding rows keep their own place
+        self.rows_in_use = n  # rows from here on hold padding (after capture: unknown, pad all)
         self.max_seq_len = max_seq_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -42,7 +47,8 @@ class DecodeGraphs:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(self.query_start[:bs + 1], self.seq_lens[:bs], self.slots[:bs],
-                                 self.tables[:bs], max_query_len=1, max_seq_len=self.max_seq_len)
+                                 self.tables[:bs], max_query_len=1, max_seq_len=self.max_seq_len,
+                                 seq_order=self.order[:bs])
 
     def _forward(self, bs: int) -> torch.Tensor:
         with attention_metadata(self._meta(bs)):
@@ -71,14 +77,22 @@ class DecodeGraphs:
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)
-        self.slots[n:bs].fill_(-1)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
+        self.order[:n].copy_(self.batch_order[:n] if meta.seq_order is None else meta.seq_order)
         width = meta.block_tables.shape[1]
         self.tables[:n, :width].copy_(meta.block_tables)
-        self.tables[n:bs, 0].zero_()
+        if self.rows_in_use > n:  # a larger batch ran before: pad the rows it leaves behind
+            self._pad(n, self.rows_in_use)
+        self.rows_in_use = n
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def _pad(self, start: int, end: int) -> None:
+        """Padding rows: no slot (nothing stored), length 1 over block 0 (harmless reads)."""
+        self.slots[start:end].fill_(-1)
+        self.seq_lens[start:end].fill_(1)
+        self.order[start:end].copy_(self.batch_order[start:end])
+        self.tables[start:end, 0].zero_()
 
     def release(self) -> None:
         """Destroy the graphs. Graphs that captured NCCL collectives hold their communicator:

@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, its KV cache and the sampler; turns a StepInput into tokens."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from nanoserve.runner.sampler import Sampler
 from nanoserve.runner.sampling_tensors import SamplingTensors
 
 CPU_KV_CACHE_BYTES = 1 << 30
+TENSOR_ALIGNMENT = 16  # bytes; see ModelRunner._to_device
 
 
 def resolve_device(name: str) -> torch.device:
@@ -175,34 +177,60 @@ class ModelRunner:
         for c in chunks:
             tables += c.block_table
             tables += [0] * (width - len(c.block_table))
-        # One host buffer, one (pinned, asynchronous) copy; the pieces are views of it.
-        # numpy converts a list of ints about 4x faster than torch.tensor does.
-        packed = torch.from_numpy(np.array(
-            ids + positions + q_lens + seq_lens + last + tables + pending_at + pending_rows,
-            dtype=np.int64))
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
-        n, b = len(ids), len(chunks)
-        k = len(pending_at)
-        parts = packed.split([n, n, b, b, len(last), b * width, k, k])
-        ids_t, pos, q_lens_t, seq_lens_t, last_t, tables_t, pending_at_t, pending_rows_t = parts
+        decode_only = max(q_lens) == 1
+        order, slots = [], []
+        if decode_only:
+            # One token per sequence: its cache slot is cheaper to find here than with a
+            # handful of device ops, and the decode kernel takes sequences longest first.
+            order = sorted(range(len(chunks)), key=seq_lens.__getitem__, reverse=True)
+            bs = self.block_size
+            slots = [-1 if dummy else c.block_table[c.start // bs] * bs + c.start % bs
+                     for c in chunks]
+        starts = list(itertools.accumulate(q_lens, initial=0))
+        (ids_t, pos, q_lens_t, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
+         seq_lens_t, tables_t, order_t) = self._to_device(
+            [ids, positions, q_lens, last, pending_at, pending_rows, slots],
+            [starts, seq_lens, tables, order])
+        b, k = len(chunks), len(pending_at)
         if k:
             ids_t[pending_at_t] = self.last_samples[pending_rows_t]
         tables_t = tables_t.view(b, width)
-        query_start = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
-        query_start[1:] = torch.cumsum(q_lens_t, 0)
-        if dummy:
-            slots = torch.full_like(pos, -1)
+        if decode_only:
+            slot_mapping = slots_t
+        elif dummy:
+            slot_mapping = torch.full_like(pos, -1)
         else:
             seq_of_token = torch.repeat_interleave(
-                torch.arange(b, device=self.device), q_lens_t, output_size=n)
+                torch.arange(b, device=self.device), q_lens_t, output_size=len(ids))
             blocks = tables_t[seq_of_token, pos // self.block_size]
-            slots = blocks * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t.int(),
-                                 slot_mapping=slots, block_tables=tables_t.int(),
-                                 max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+            slot_mapping = blocks * self.block_size + pos % self.block_size
+        meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t,
+                                 slot_mapping=slot_mapping, block_tables=tables_t,
+                                 max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                                 seq_order=order_t if decode_only else None)
         return ids_t, pos, meta, last_t
+
+    def _to_device(self, wide: list[list[int]], narrow: list[list[int]]) -> list[torch.Tensor]:
+        """Lists of ints as int64 (``wide``) and int32 (``narrow``) tensors on the device.
+
+        One host buffer, one (pinned, asynchronous) copy; the tensors are views of it, so no
+        dtype conversion runs on the device. Each view starts on a 16-byte boundary: Triton
+        specialises pointer arguments on that alignment, and views at varying offsets would
+        compile new kernel variants mid-run. numpy converts a list of ints about 4x faster than
+        torch.tensor does.
+        """
+        pieces, layout, offset = [], [], 0
+        for values, dtype in [(v, np.int64) for v in wide] + [(v, np.int32) for v in narrow]:
+            array = np.array(values, dtype=dtype)
+            pad = -array.nbytes % TENSOR_ALIGNMENT
+            pieces += [array.view(np.uint8), np.zeros(pad, np.uint8)]
+            layout.append((offset, array.nbytes, torch.int64 if dtype is np.int64 else torch.int32))
+            offset += array.nbytes + pad
+        packed = torch.from_numpy(np.concatenate(pieces))
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        return [packed[start:start + size].view(dtype) for start, size, dtype in layout]
 
     def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
         if chunk.params.seed is None:
