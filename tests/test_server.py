@@ -398,21 +398,28 @@ def test_fifty_concurrent_streams(server):
 def test_cancel_mid_stream_frees_everything(http):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480,
             "ignore_eos": True, "stream": True}
-    before = metric_values(http)
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        chunks = 0
-        for line in response.iter_lines():
-            chunks += line.startswith("data: ")
-            if chunks == 3:
-                break
-        busy = metric_values(http)
-        assert busy["nanoserve:num_requests_running"] == 1
-        assert busy["nanoserve:kv_cache_usage_perc"] > 0
-    # leaving the block closes the connection mid-stream
-    after = wait_idle(http)
+    aborted = 'nanoserve:request_success_total{finished_reason="abort"}'
+    for _ in range(5):
+        before = metric_values(http)
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break
+            busy = metric_values(http)
+        # leaving the block closes the connection mid-stream
+        after = wait_idle(http)
+        if busy["nanoserve:num_requests_running"] == 1:
+            break
+        # On a loaded machine the engine may generate all 480 tokens before three chunks get
+        # here (the stream buffers them): nothing was left to cancel, so try again.
+        assert after.get(aborted, 0) == before.get(aborted, 0)
+    else:
+        pytest.fail(f"the request never showed as running while streamed: {busy}")
+    assert busy["nanoserve:kv_cache_usage_perc"] > 0
     assert after["nanoserve:num_requests_running"] == 0
     assert after["nanoserve:kv_cache_usage_perc"] == 0
-    aborted = 'nanoserve:request_success_total{finished_reason="abort"}'
     assert after[aborted] == before.get(aborted, 0) + 1
 
     # a non-streaming request whose client gives up is aborted too
