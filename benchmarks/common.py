@@ -122,6 +122,11 @@ def graph_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
+    return replay_ms(graph, replays) * 1e3 / len(calls)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds per replay of ``graph``, replayed back to back (after one untimed replay)."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -129,7 +134,7 @@ def graph_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+    return start.elapsed_time(end) / replays
 
 
 def kernel_us(events: list) -> float:

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir, weight_bytes
+from common import (SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir, replay_ms,
+                    weight_bytes)
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.skinny_gemm import TUNED_ONE_ROW, SkinnyConfig
@@ -38,15 +39,8 @@ def forward_graph_ms(llm: LLM, replays: int = 200) -> float | None:
     graphs = getattr(llm.engine.executor, "graphs", None)
     if graphs is None:
         return None
-    graph = graphs.graphs[1]  # its static inputs still hold the last step's, a valid decode
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    # Its static inputs still hold the last step's, a valid decode.
+    return replay_ms(graphs.graphs[1], replays)
 
 
 def override_skinny_tiles(specs: list[str]) -> None:
