@@ -4,8 +4,9 @@ At batch 1 a projection is a matrix-vector product: reading W once from HBM is a
 and for some shapes cuBLAS's choice of tiles reaches a third of the card's bandwidth there
 (Qwen3-0.6B's o_proj: 12.6 us where this kernel takes 4.0; docs/kernels.md has the sweep).
 Each program owns ``BLOCK_N`` output features and streams their rows of W along K in ``BLOCK_K``
-chunks, multiplying by x on the CUDA cores and summing over K; narrow tiles keep the grid
-covering the SMs even for the 1024-wide o/down projections of a small model.
+chunks, multiplying by x on the CUDA cores and summing over K. The tiles are tuned per shape
+(``TUNED_ONE_ROW``): the best take K in as few chunks as fit, so each program has asked for all
+of its W before it sums anything.
 
 ``gated=True`` fuses the MLP's ``silu(gate) * up`` into the down projection: x is read as
 ``[gate | up]`` and activated chunk by chunk as it is loaded, which saves a launch per layer.
