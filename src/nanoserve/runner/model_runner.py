@@ -1,10 +1,8 @@
 """ModelRunner: owns the model, its KV cache and the sampler; turns a StepInput into tokens."""
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from nanoserve.attention.backend import select_backend
@@ -14,14 +12,14 @@ from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.models.loader import iter_weights
 from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs
-from nanoserve.runner.inputs import (PENDING_TOKEN, CompletedStep, InFlightStep, SequenceChunk,
-                                     StepInput, StepOutput)
+from nanoserve.runner.inputs import (CompletedStep, InFlightStep, SequenceChunk, StepInput,
+                                     StepOutput)
 from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler
 from nanoserve.runner.sampling_tensors import SamplingTensors
+from nanoserve.runner.step_inputs import prepare_inputs
 
 CPU_KV_CACHE_BYTES = 1 << 30
-TENSOR_ALIGNMENT = 16  # bytes; see ModelRunner._to_device
 
 
 def resolve_device(name: str) -> torch.device:
@@ -148,89 +146,15 @@ class ModelRunner:
         ids, positions, meta, last = self._prepare(chunks, dummy=True)
         with attention_metadata(meta):
             hidden = self.model(ids, positions)
-        self.model.compute_logits(hidden[last])
+        self.model.compute_logits(hidden if last is None else hidden[last])
         torch.cuda.synchronize(self.device)
 
     # ---- one step -------------------------------------------------------------------------
 
     def _prepare(self, chunks: list[SequenceChunk], dummy: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        ids: list[int] = []
-        positions: list[int] = []
-        q_lens, seq_lens, last = [], [], []
-        pending_at, pending_rows = [], []
-        for c in chunks:
-            n = len(c.token_ids)
-            ids += c.token_ids
-            positions += range(c.start, c.start + n)
-            q_lens.append(n)
-            seq_lens.append(c.start + n)
-            if c.sample:
-                last.append(len(ids) - 1)
-            if c.token_ids[-1] == PENDING_TOKEN:
-                pending_at.append(len(ids) - 1)
-                pending_rows.append(self.last_sample_rows[c.request_id])
-        width = max(1, max(len(c.block_table) for c in chunks))
-        if dummy:  # the profile pass reads every sequence through block 0
-            width = -(-max(seq_lens) // self.block_size)
-        tables: list[int] = []
-        for c in chunks:
-            tables += c.block_table
-            tables += [0] * (width - len(c.block_table))
-        decode_only = max(q_lens) == 1
-        order, slots = [], []
-        if decode_only:
-            # One token per sequence: its cache slot is cheaper to find here than with a
-            # handful of device ops, and the decode kernel takes sequences longest first.
-            order = sorted(range(len(chunks)), key=seq_lens.__getitem__, reverse=True)
-            bs = self.block_size
-            slots = [-1 if dummy else c.block_table[c.start // bs] * bs + c.start % bs
-                     for c in chunks]
-        starts = list(itertools.accumulate(q_lens, initial=0))
-        (ids_t, pos, q_lens_t, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
-         seq_lens_t, tables_t, order_t) = self._to_device(
-            [ids, positions, q_lens, last, pending_at, pending_rows, slots],
-            [starts, seq_lens, tables, order])
-        b, k = len(chunks), len(pending_at)
-        if k:
-            ids_t[pending_at_t] = self.last_samples[pending_rows_t]
-        tables_t = tables_t.view(b, width)
-        if decode_only:
-            slot_mapping = slots_t
-        elif dummy:
-            slot_mapping = torch.full_like(pos, -1)
-        else:
-            seq_of_token = torch.repeat_interleave(
-                torch.arange(b, device=self.device), q_lens_t, output_size=len(ids))
-            blocks = tables_t[seq_of_token, pos // self.block_size]
-            slot_mapping = blocks * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t,
-                                 slot_mapping=slot_mapping, block_tables=tables_t,
-                                 max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-                                 seq_order=order_t if decode_only else None)
-        return ids_t, pos, meta, last_t
-
-    def _to_device(self, wide: list[list[int]], narrow: list[list[int]]) -> list[torch.Tensor]:
-        """Lists of ints as int64 (``wide``) and int32 (``narrow``) tensors on the device.
-
-        One host buffer, one (pinned, asynchronous) copy; the tensors are views of it, so no
-        dtype conversion runs on the device. Each view starts on a 16-byte boundary: Triton
-        specialises pointer arguments on that alignment, and views at varying offsets would
-        compile new kernel variants mid-run. numpy converts a list of ints about 4x faster than
-        torch.tensor does.
-        """
-        pieces, layout, offset = [], [], 0
-        for values, dtype in [(v, np.int64) for v in wide] + [(v, np.int32) for v in narrow]:
-            array = np.array(values, dtype=dtype)
-            pad = -array.nbytes % TENSOR_ALIGNMENT
-            pieces += [array.view(np.uint8), np.zeros(pad, np.uint8)]
-            layout.append((offset, array.nbytes, torch.int64 if dtype is np.int64 else torch.int32))
-            offset += array.nbytes + pad
-        packed = torch.from_numpy(np.concatenate(pieces))
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
-        return [packed[start:start + size].view(dtype) for start, size, dtype in layout]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        return prepare_inputs(chunks, self.block_size, self.device, self.last_samples,
+                              self.last_sample_rows, dummy)
 
     def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
         if chunk.params.seed is None:
@@ -257,7 +181,7 @@ class ModelRunner:
         sampling = [c for c in step.chunks if c.sample]
         if not sampling:
             return CompletedStep(StepOutput([]))
-        logits = self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(hidden if last is None else hidden[last])
         if logits is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
             return CompletedStep(StepOutput([]))
         tensors = SamplingTensors.build(

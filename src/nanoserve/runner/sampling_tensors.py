@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nanoserve.runner.packed_copy import packed_to_device
 from nanoserve.sampling_params import SamplingParams
 
 # Temperatures below this are sampled greedily: dividing logits by them can overflow float32,
@@ -65,15 +66,17 @@ class SamplingTensors:
                  for p, s in zip(params, sampled)]
         top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
         min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
-        floats = _to_device(torch.tensor([
-            [p.temperature if s else 0.0 for p, s in zip(params, sampled)],
-            top_p,
-            min_p,
-            [p.repetition_penalty for p in params],
-            [p.presence_penalty for p in params],
-            [p.frequency_penalty for p in params],
-        ], dtype=torch.float32), device)
-        temperature, top_p_t, min_p_t, repetition, presence, frequency = floats.unbind(0)
+        # One copy for the per-row parameters (a step needs them all on the device).
+        temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t = \
+            packed_to_device([
+                ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
+                (top_p, np.float32),
+                (min_p, np.float32),
+                ([p.repetition_penalty for p in params], np.float32),
+                ([p.presence_penalty for p in params], np.float32),
+                ([p.frequency_penalty for p in params], np.float32),
+                (top_k, np.int64),
+            ], device)
 
         uses_repetition = [p.repetition_penalty != 1.0 for p in params]
         uses_count = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
@@ -96,7 +99,7 @@ class SamplingTensors:
         return cls(
             temperature=temperature,
             top_p=top_p_t,
-            top_k=_to_device(torch.tensor(top_k, dtype=torch.int64), device),
+            top_k=top_k_t,
             min_p=min_p_t,
             repetition_penalty=repetition,
             presence_penalty=presence,

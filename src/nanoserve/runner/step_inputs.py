@@ -1,0 +1,84 @@
+"""A step's sequence chunks as model inputs: token ids, positions and attention metadata."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
+from nanoserve.runner.packed_copy import packed_to_device
+
+
+def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device,
+                   last_samples: torch.Tensor | None, last_sample_rows: dict[str, int],
+                   dummy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+    """Token ids, positions, attention metadata and the rows to sample, on ``device``.
+
+    The rows to sample are None when every row is sampled (decode steps), which spares the
+    gather of the model's output before the LM head.
+
+    A chunk whose last token is PENDING_TOKEN gets the previous step's sample for its request
+    (row ``last_sample_rows[request_id]`` of ``last_samples``), read on the device. ``dummy``
+    (the memory-profiling pass) stores nothing and reads every sequence through block 0.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    q_lens, seq_lens, last = [], [], []
+    pending_at, pending_rows = [], []
+    for c in chunks:
+        n = len(c.token_ids)
+        ids += c.token_ids
+        positions += range(c.start, c.start + n)
+        q_lens.append(n)
+        seq_lens.append(c.start + n)
+        if c.sample:
+            last.append(len(ids) - 1)
+        if c.token_ids[-1] == PENDING_TOKEN:
+            pending_at.append(len(ids) - 1)
+            pending_rows.append(last_sample_rows[c.request_id])
+    width = max(1, max(len(c.block_table) for c in chunks))
+    if dummy:
+        width = -(-max(seq_lens) // block_size)
+    tables: list[int] = []
+    for c in chunks:
+        tables += c.block_table
+        tables += [0] * (width - len(c.block_table))
+    decode_only = max(q_lens) == 1
+    order, slots = [], []
+    if decode_only:
+        # One token per sequence: its cache slot is cheaper to find here than with a handful
+        # of device ops, and the decode kernel takes sequences longest first.
+        order = sorted(range(len(chunks)), key=seq_lens.__getitem__, reverse=True)
+        slots = [-1 if dummy else c.block_table[c.start // block_size] * block_size
+                 + c.start % block_size for c in chunks]
+    if len(last) == len(ids):  # every token ends its chunk and samples: rows in order
+        last = []
+        sample_all = True
+    else:
+        sample_all = False
+    starts = list(itertools.accumulate(q_lens, initial=0))
+    (ids_t, pos, q_lens_t, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
+     seq_lens_t, tables_t, order_t) = packed_to_device(
+        [(v, np.int64) for v in (ids, positions, q_lens, last, pending_at, pending_rows, slots)]
+        + [(v, np.int32) for v in (starts, seq_lens, tables, order)], device)
+    b = len(chunks)
+    if pending_at:
+        ids_t[pending_at_t] = last_samples[pending_rows_t]
+    tables_t = tables_t.view(b, width)
+    if decode_only:
+        slot_mapping = slots_t
+    elif dummy:
+        slot_mapping = torch.full_like(pos, -1)
+    else:
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(b, device=device), q_lens_t, output_size=len(ids))
+        blocks = tables_t[seq_of_token, pos // block_size]
+        slot_mapping = blocks * block_size + pos % block_size
+    meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t,
+                             slot_mapping=slot_mapping, block_tables=tables_t,
+                             max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                             seq_order=order_t if decode_only else None)
+    return ids_t, pos, meta, None if sample_all else last_t

@@ -1,0 +1,55 @@
+"""A step's chunks as model inputs: the packed host-to-device copy and the attention metadata."""
+import numpy as np
+import torch
+
+from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
+from nanoserve.runner.packed_copy import TENSOR_ALIGNMENT, packed_to_device
+from nanoserve.runner.step_inputs import prepare_inputs
+from nanoserve.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def chunk(rid: str, tokens: list[int], start: int, table: list[int], sample: bool = True
+          ) -> SequenceChunk:
+    return SequenceChunk(rid, tokens, start, table, sample, SamplingParams(), [], [], [])
+
+
+def test_packed_views_keep_values_dtypes_and_alignment():
+    parts = [([1, -2, 3], np.int64), ([], np.int64), ([7], np.int32), ([0.5, -1.25], np.float32),
+             ([2 ** 40], np.int64), (list(range(9)), np.int32)]
+    tensors = packed_to_device(parts, torch.device("cpu"))
+    base = tensors[0].untyped_storage().data_ptr()
+    for (values, dtype), t in zip(parts, tensors):
+        assert t.dtype == {np.int64: torch.int64, np.int32: torch.int32,
+                           np.float32: torch.float32}[dtype]
+        assert t.tolist() == values
+        assert (t.data_ptr() - base) % TENSOR_ALIGNMENT == 0
+
+
+def test_decode_step_slots_order_and_no_gather():
+    # Three decoding sequences: slots found on the host, longest context first, every row sampled.
+    chunks = [chunk("a", [11], 5, [3, 9]), chunk("b", [12], 0, [4]),
+              chunk("c", [13], 9, [0, 1, 2])]
+    ids, positions, meta, last = prepare_inputs(chunks, BLOCK, torch.device("cpu"), None, {})
+    assert ids.tolist() == [11, 12, 13] and positions.tolist() == [5, 0, 9]
+    assert meta.slot_mapping.tolist() == [9 * BLOCK + 1, 4 * BLOCK + 0, 2 * BLOCK + 1]
+    assert meta.seq_lens.tolist() == [6, 1, 10] and meta.seq_order.tolist() == [2, 0, 1]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert meta.block_tables.tolist() == [[3, 9, 0], [4, 0, 0], [0, 1, 2]]
+    assert meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
+    assert last is None
+
+
+def test_mixed_step_gathers_sampled_rows_and_fills_pending_tokens():
+    # A prefill chunk that does not sample yet beside a decode whose token is still on the device.
+    chunks = [chunk("p", [5, 6, 7], 2, [8, 5], sample=False),
+              chunk("d", [PENDING_TOKEN], 3, [6])]
+    last_samples = torch.tensor([40, 41])
+    ids, positions, meta, last = prepare_inputs(chunks, BLOCK, torch.device("cpu"),
+                                                last_samples, {"d": 1})
+    assert ids.tolist() == [5, 6, 7, 41] and positions.tolist() == [2, 3, 4, 3]
+    assert meta.slot_mapping.tolist() == [8 * BLOCK + 2, 8 * BLOCK + 3, 5 * BLOCK + 0,
+                                          6 * BLOCK + 3]
+    assert meta.query_start_loc.tolist() == [0, 3, 4] and meta.seq_order is None
+    assert last.tolist() == [3]
