@@ -53,3 +53,15 @@ def test_mixed_step_gathers_sampled_rows_and_fills_pending_tokens():
                                           6 * BLOCK + 3]
     assert meta.query_start_loc.tolist() == [0, 3, 4] and meta.seq_order is None
     assert last.tolist() == [3]
+
+
+def test_steady_decode_takes_the_previous_samples_as_they_are():
+    # Every token is pending and the rows line up with the previous step's: no gather needed.
+    chunks = [chunk("a", [PENDING_TOKEN], 5, [3, 9]), chunk("b", [PENDING_TOKEN], 0, [4])]
+    last_samples = torch.tensor([70, 71, 72])  # the third request has finished
+    ids, _, _, _ = prepare_inputs(chunks, BLOCK, torch.device("cpu"), last_samples,
+                                  {"a": 0, "b": 1})
+    assert ids.tolist() == [70, 71]
+    ids, _, _, _ = prepare_inputs(chunks, BLOCK, torch.device("cpu"), last_samples,
+                                  {"a": 1, "b": 0})  # rows swapped: gathered
+    assert ids.tolist() == [71, 70]

@@ -65,7 +65,9 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         [(v, np.int64) for v in (ids, positions, q_lens, last, pending_at, pending_rows, slots)]
         + [(v, np.int32) for v in (starts, seq_lens, tables, order)], device)
     b = len(chunks)
-    if pending_at:
+    if pending_at == pending_rows == list(range(len(ids))):
+        ids_t = last_samples[:len(ids)]  # each token is the previous step's sample, in order
+    elif pending_at:
         ids_t[pending_at_t] = last_samples[pending_rows_t]
     tables_t = tables_t.view(b, width)
     if decode_only:
