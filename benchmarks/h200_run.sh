@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, batch-1 latency, the throughput workload; logs under $OUT.
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
-#   [latency8b] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile] [tputprofile] [serve]
+#   [latency8b] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
+#   [hostprofile] [tputprofile] [serve]
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -22,6 +23,8 @@ for step in "$@"; do
     decodeworkload) python3 benchmarks/decode_workload.py 2>&1 | tee "$OUT/decode_workload.log" ;;
     tputprofile) python3 benchmarks/throughput.py --profile-kernels 2>"$OUT/throughput_profile.txt" \
                    | tee "$OUT/throughput_profile.log" ;;
+    hostprofile) python3 benchmarks/profile_step.py --batch 1 --new-tokens 256 --top 45 \
+                   > "$OUT/host_profile.txt" 2>&1 ;;
     profile) python3 benchmarks/profile_step.py --kernels --batch 1 > "$OUT/profile.txt" 2>&1
              python3 benchmarks/profile_step.py --kernels --batch 256 --new-tokens 64 \
                >> "$OUT/profile.txt" 2>&1 ;;
