@@ -12,7 +12,7 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -125,20 +125,21 @@ def _open_reader(file: Path) -> gguf.GGUFReader:
 
 def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
     """The model config (heads, layers, rope, tied embeddings...) from a GGUF file's metadata."""
-    file = _resolve_gguf_file(path)
-    try:
-        return AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-    except _PARSE_ERRORS as e:
-        raise ValueError(f"cannot read the config of {file}: {e}") from e
+    return _from_gguf(AutoConfig, path, "config")
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer (vocabulary, merges, special tokens, chat template) embedded in a GGUF file."""
+    return _from_gguf(AutoTokenizer, path, "tokenizer")
+
+
+def _from_gguf(auto_class: type, path: str | os.PathLike, what: str) -> Any:
+    """``auto_class.from_pretrained`` on a GGUF file; unreadable files raise ValueError."""
     file = _resolve_gguf_file(path)
     try:
-        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        return auto_class.from_pretrained(file.parent, gguf_file=file.name)
     except _PARSE_ERRORS as e:
-        raise ValueError(f"cannot read the tokenizer of {file}: {e}") from e
+        raise ValueError(f"cannot read the {what} of {file}: {e}") from e
 
 
 def load_gguf_eos_token_ids(path: str | os.PathLike) -> list[int]:
