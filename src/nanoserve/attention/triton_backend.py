@@ -31,11 +31,9 @@ class TritonAttentionBackend:
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> torch.Tensor:
         # One fused launch instead of q norm, k norm, RoPE and the store (batch-1 decode latency).
-        if q_norm is None:
-            return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
-                                      slot_mapping)
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
-                                  slot_mapping, q_norm.weight, k_norm.weight, q_norm.eps)
+                                  slot_mapping, *norms)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -57,7 +57,7 @@ class SamplingTensors:
         ``generators[i]`` is request ``i``'s own generator (on ``device``) when it has a seed.
         ``banned_token_ids[i]`` are the ids row ``i`` must not produce this step; ids outside
         the vocabulary are ignored. Token histories are only sent for rows whose penalties
-        read them. On CUDA the copies are asynchronous (staged in pinned memory).
+        read them. All of it goes in one asynchronous copy (staged in pinned memory on CUDA).
         """
         device = torch.device(device)
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
@@ -66,35 +66,35 @@ class SamplingTensors:
                  for p, s in zip(params, sampled)]
         top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
         min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
-        # One copy for the per-row parameters (a step needs them all on the device).
-        temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t = \
-            packed_to_device([
-                ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
-                (top_p, np.float32),
-                (min_p, np.float32),
-                ([p.repetition_penalty for p in params], np.float32),
-                ([p.presence_penalty for p in params], np.float32),
-                ([p.frequency_penalty for p in params], np.float32),
-                (top_k, np.int64),
-            ], device)
-
         uses_repetition = [p.repetition_penalty != 1.0 for p in params]
         uses_count = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
         reads_output = [r or c for r, c in zip(uses_repetition, uses_count)]
-        prompt_tokens = output_tokens = None
+        prompt = output = None
         if any(uses_repetition):
-            prompt_tokens = _padded([ids if r else [] for ids, r in
-                                     zip(prompt_token_ids, uses_repetition)], vocab_size, device)
+            prompt = _padded([ids if r else [] for ids, r in
+                              zip(prompt_token_ids, uses_repetition)], vocab_size)
         if any(reads_output):
-            output_tokens = _padded([ids if r else [] for ids, r in
-                                     zip(output_token_ids, reads_output)], vocab_size, device)
-
+            output = _padded([ids if r else [] for ids, r in
+                              zip(output_token_ids, reads_output)], vocab_size)
         banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids
                   if 0 <= t < vocab_size]
-        banned_tokens = None
-        if banned:
-            rows, cols = _to_device(torch.tensor(list(zip(*banned))), device).unbind(0)
-            banned_tokens = (rows, cols)
+
+        # One copy for everything the step's sampling reads on the device.
+        no_history = np.empty(0, dtype=np.int64)
+        (temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t,
+         banned_rows, banned_ids, prompt_flat, output_flat) = packed_to_device([
+            ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
+            (top_p, np.float32),
+            (min_p, np.float32),
+            ([p.repetition_penalty for p in params], np.float32),
+            ([p.presence_penalty for p in params], np.float32),
+            ([p.frequency_penalty for p in params], np.float32),
+            (top_k, np.int64),
+            ([row for row, _ in banned], np.int64),
+            ([t for _, t in banned], np.int64),
+            (no_history if prompt is None else prompt.ravel(), np.int64),
+            (no_history if output is None else output.ravel(), np.int64),
+        ], device)
 
         return cls(
             temperature=temperature,
@@ -104,9 +104,9 @@ class SamplingTensors:
             repetition_penalty=repetition,
             presence_penalty=presence,
             frequency_penalty=frequency,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            banned_tokens=banned_tokens,
+            prompt_tokens=None if prompt is None else prompt_flat.view(prompt.shape),
+            output_tokens=None if output is None else output_flat.view(output.shape),
+            banned_tokens=(banned_rows, banned_ids) if banned else None,
             generators=[g if s else None for g, s in zip(generators, sampled)],
             all_greedy=not any(sampled),
             all_random=all(sampled),
@@ -119,18 +119,11 @@ class SamplingTensors:
         )
 
 
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), longest] int64 tensor of ``rows`` on ``device``, right-padded with ``pad``."""
+def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
+    """[len(rows), longest] int64 array of ``rows``, right-padded with ``pad``."""
     # Filled row by row through numpy: several times faster than torch.tensor on nested lists,
     # which matters for long prompts.
     out = np.full((len(rows), max(map(len, rows), default=0)), pad, dtype=np.int64)
     for i, row in enumerate(rows):
         out[i, :len(row)] = row
-    return _to_device(torch.from_numpy(out), device)
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device``; staged in pinned memory on CUDA so the copy is asynchronous."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return out

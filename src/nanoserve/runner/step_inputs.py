@@ -54,15 +54,12 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         order = sorted(range(len(chunks)), key=seq_lens.__getitem__, reverse=True)
         slots = [-1 if dummy else c.block_table[c.start // block_size] * block_size
                  + c.start % block_size for c in chunks]
-    if len(last) == len(ids):  # every token ends its chunk and samples: rows in order
-        last = []
-        sample_all = True
-    else:
-        sample_all = False
+    sample_all = len(last) == len(ids)  # every token ends its chunk and samples: all rows
     starts = list(itertools.accumulate(q_lens, initial=0))
     (ids_t, pos, q_lens_t, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
      seq_lens_t, tables_t, order_t) = packed_to_device(
-        [(v, np.int64) for v in (ids, positions, q_lens, last, pending_at, pending_rows, slots)]
+        [(v, np.int64) for v in (ids, positions, q_lens, [] if sample_all else last,
+                                 pending_at, pending_rows, slots)]
         + [(v, np.int32) for v in (starts, seq_lens, tables, order)], device)
     b = len(chunks)
     if pending_at == pending_rows == list(range(len(ids))):
