@@ -16,9 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
+from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.parallel_state import Narrow, get_tp_group
 
 ShardId = str | int | None
+
+
+def _one_row_on_cuda(x: torch.Tensor) -> bool:
+    """Batch-1 decode on CUDA in 16 bits: the skinny-GEMM kernel's case."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -29,11 +36,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     as cuBLAS or faster on every projection shape measured there, up to 3x on some
     (docs/kernels.md), and it applies the gate while loading x, one launch less.
     """
-    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16,
-                                                                        torch.float16):
+    if _one_row_on_cuda(x):
         from nanoserve.kernels.skinny_gemm import skinny_linear
         return skinny_linear(x, weight, bias, gated=gated)
     return F.linear(silu_and_mul(x) if gated else x, weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(x + residual)), x + residual)``; without a residual, ``(.. norm(x) .., x)``.
+
+    At batch 1 on CUDA, where the projection's tiles take the whole row at once and are few
+    (``norm_fusable``), the add and the norm run inside the skinny GEMM (two dependent
+    launches become one); elsewhere this is the norm module, then :func:`linear`.
+    """
+    if _one_row_on_cuda(x) and norm.weight.dtype == x.dtype:
+        from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear
+        if norm_fusable(weight.shape[0], weight.shape[1], x.device):
+            return skinny_norm_linear(x, residual, norm.weight, norm.eps, weight, bias)
+    if residual is None:
+        return linear(norm(x), weight, bias), x
+    normed, residual = norm(x, residual)
+    return linear(normed, weight, bias), residual
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -64,6 +89,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x + residual))`` and the summed residual (:func:`norm_linear`)."""
+        return norm_linear(x, residual, norm, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
