@@ -21,10 +21,13 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     DecodeTuning,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
+    NewTokens,
     decode_attention,
     num_decode_splits,
 )
 from nanoserve.kernels.prefill_attention import prefill_attention  # noqa: E402
+from nanoserve.layers.norm import RMSNorm  # noqa: E402
+from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 GARBAGE = 1e3  # cache slots no sequence owns: a kernel reading them gets far off the reference
@@ -174,6 +177,80 @@ def test_backend_attends_new_keys_like_torch_backend(dtype, q_lens):
     TorchAttentionBackend().store_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
     out = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, 32 ** -0.5)
     assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+
+def new_token_inputs(q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata,
+                     qk_norm: bool, seed: int):
+    """Raw new k/v for each query token, their positions, RoPE and (optionally) q/k norms."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, _, head_dim = q.shape
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(q.dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(q.dtype)
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+    ends = meta.seq_lens.long().repeat_interleave(q_lens)
+    starts = meta.query_start_loc[:-1].long().repeat_interleave(q_lens)
+    positions = (ends - q_lens.repeat_interleave(q_lens)
+                 + torch.arange(num_tokens) - starts).clamp(min=0)
+    rotary = RotaryEmbedding(head_dim, 256, 1e4, None).to(q.dtype)
+    norms: tuple[RMSNorm | None, RMSNorm | None] = (None, None)
+    if qk_norm:
+        norms = tuple(RMSNorm(head_dim, 1e-6).to(q.dtype) for _ in range(2))
+        for norm in norms:
+            norm.weight.data.copy_(1 + 0.3 * torch.randn(head_dim, generator=gen))
+    return k, v, positions, rotary, norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
+@pytest.mark.parametrize("group,head_dim,num_splits", [(2, 64, 1), (4, 32, 3), (1, 64, 6)])
+def test_decode_finishes_and_stores_the_new_tokens(dtype, qk_norm, group, head_dim, num_splits):
+    """With NewTokens the split kernel does rope_and_store's work: q/k norms, RoPE, the K/V
+    store, and attention that includes the new key, for every split that may own it."""
+    seq_lens = [37, 1, 70, 16, 0]  # the new key alone, several splits, a padding row (slot -1)
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 5, num_heads=2 * group,
+                                           num_kv_heads=2, head_dim=head_dim, block_size=16,
+                                           dtype=dtype, seed=group + head_dim)
+    k, v, positions, rotary, norms = new_token_inputs(q, 2, meta, qk_norm, seed=num_splits)
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    expected = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
+                                                 *expected_caches, meta, rotary,
+                                                 head_dim ** -0.5, *norms)
+    weights = () if not qk_norm else (norms[0].weight, norms[1].weight, norms[0].eps)
+    q_before = q.clone()
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, head_dim ** -0.5,
+                           num_splits=num_splits, seq_order=torch.tensor([2, 0, 3, 1, 4],
+                                                                         dtype=torch.int32),
+                           new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
+                                                rotary.cos_sin, *weights))
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(k_cache, expected_caches[0], **TOLERANCE[dtype])
+    assert torch.equal(v_cache, expected_caches[1])
+    assert torch.equal(q, q_before)  # the raw q is read, not rotated in place
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+@pytest.mark.parametrize("seq_lens,q_lens", [
+    ([29, 12, 51], [1, 1, 1]),  # decode, one split: rope_and_store, then the split kernel
+    ([29, 12, 140], [1, 1, 1]),  # decode, two splits: the split kernel finishes the new tokens
+    ([29, 12, 51], [1, 12, 1]),  # mixed: rope_and_store, then the prefill kernel
+], ids=["decode", "split-decode", "mixed"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
+def test_backends_agree_from_projection_to_output(seq_lens, q_lens, qk_norm):
+    """Both backends' attention(): norms, RoPE, store, attend, whichever kernels run."""
+    q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=8, num_kv_heads=2,
+                                           head_dim=32, block_size=16, dtype=torch.float16,
+                                           seed=5)
+    k, v, positions, rotary, norms = new_token_inputs(q, 2, meta, qk_norm, seed=6)
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    expected = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
+                                                 *expected_caches, meta, rotary, 32 ** -0.5,
+                                                 *norms)
+    out = TritonAttentionBackend().attention(positions, q, k, v, k_cache, v_cache, meta, rotary,
+                                             32 ** -0.5, *norms)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float16])
+    torch.testing.assert_close(k_cache, expected_caches[0], **TOLERANCE[torch.float16])
+    assert torch.equal(v_cache, expected_caches[1])
 
 
 def test_num_decode_splits_fills_the_device_without_tiny_splits():

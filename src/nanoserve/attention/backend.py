@@ -20,20 +20,14 @@ class AttentionBackend(Protocol):
     output is ``[T, num_heads, head_dim]``. Slots of -1 in the slot mapping are skipped.
     """
 
-    def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
-                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
-                       ) -> torch.Tensor:
-        """Per-head q/k norms (when given), RoPE, then the rotated k and v into the caches at
-        ``slot_mapping`` (-1: not stored).
-
-        Returns the rotated q for :meth:`attend`, possibly ``q`` itself modified in place.
-        Whether ``k`` is rotated in place depends on the backend: do not use it afterwards.
+    def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """Per-head q/k norms (when given) and RoPE on the projection's q and k; the rotated k
+        and v into the caches at ``meta.slot_mapping``; then causal attention of q over the
+        cache. ``q``, ``k`` and ``v`` may be modified in place: do not use them afterwards.
         """
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
 def select_backend(device: torch.device) -> AttentionBackend:

@@ -39,6 +39,14 @@ class TorchAttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
+    def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
+                                q_norm, k_norm)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float) -> torch.Tensor:

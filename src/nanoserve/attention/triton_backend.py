@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.kernels.decode_attention import decode_attention
+from nanoserve.kernels.common import device_sm_count
+from nanoserve.kernels.decode_attention import NewTokens, decode_attention, num_decode_splits
 from nanoserve.kernels.prefill_attention import prefill_attention
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
@@ -17,6 +18,10 @@ if TYPE_CHECKING:
 
 class TritonAttentionBackend:
     """GPU path: flash-decoding for decode-only batches, paged varlen prefill for the rest.
+
+    In split decode (small batches) the split kernel also applies the q/k norms and RoPE and
+    stores the new K/V (one launch); otherwise ``qk_norm_rope_store`` does, then the decode or
+    prefill kernel attends.
 
     Nothing here reads device values on the host, so the decode path can be captured in a CUDA
     graph (run it once outside capture first, so Triton compiles its kernels). The decode split
@@ -34,6 +39,28 @@ class TritonAttentionBackend:
         norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
                                   slot_mapping, *norms)
+
+    def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        if meta.decode_only:
+            splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
+                                       device_sm_count(q.device))
+            # Split decode means a small batch, bound by the chain of dependent launches: the
+            # split kernel finishes the new tokens itself, one launch fewer. Unsplit, the batch
+            # fills the GPU and its K/V loop runs better without that work's registers
+            # (docs/kernels.md).
+            if splits > 1:
+                norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+                new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin, *norms)
+                return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, meta.max_seq_len, scale,
+                                        num_splits=splits, seq_order=meta.seq_order,
+                                        new_tokens=new)
+        q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
+                                q_norm, k_norm)
+        return self.attend(q, k_cache, v_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -6,6 +6,12 @@ it, so each K/V tile is read once per group) to one contiguous slice of the sequ
 and writes an fp32 partial result: running max, running sum of exponentials and unnormalised
 accumulator. A second small kernel merges the splits. With one split the first kernel writes
 the normalised output directly.
+
+Given the step's new tokens (``NewTokens``), the split kernel also does what
+``qk_norm_rope_store`` does in prefill: every program normalises (Qwen3) and rotates its q group
+from the qkv projection's raw output, and the program whose slice holds the new token's
+position finishes that token's k, stores k and v into the cache and attends to them from
+registers. That is one dependent launch per layer fewer in every decode step.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, device_sm_count,
                                       dot_precision, interpreted, programmatic_launch)
+from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 
 
 class DecodeTuning(NamedTuple):
@@ -35,6 +42,24 @@ class DecodeTuning(NamedTuple):
 # stages); 5 stages measured within noise of 3 over the throughput workload (docs/kernels.md).
 
 
+class NewTokens(NamedTuple):
+    """Each sequence's new token as the qkv projection left it, for the kernel to finish.
+
+    ``k``/``v`` are ``[T, Hkv, D]`` (strided views are fine), ``positions``/``slot_mapping``
+    ``[T]`` (slot -1: not stored), ``cos_sin`` RoPE's ``[max_pos, D]`` table of ``[cos | sin]``
+    rows; with ``q_weight``/``k_weight`` (``[D]``) each q and k head is first RMS-normalised.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
 # The split heuristic's knobs.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 32
@@ -50,18 +75,21 @@ INTERPRETER_BLOCK_N = 16
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     seq_order_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    scale_log2,
+    k_new_ptr, v_new_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+    scale_log2, eps,
     num_heads,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
+    NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -96,10 +124,53 @@ def _decode_split_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     token = tl.load(query_start_loc_ptr + seq)
+    q_rows = q_ptr + token * stride_qt + head[:, None] * stride_qh
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    if NEW_TOKENS:
+        # RoPE's tables and the norm weights are step inputs and parameters: read before waiting.
+        half = HEAD_DIM // 2
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        cs_row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs
+        cos = tl.load(cs_row + d % half, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs_row + half + d % half, mask=d_mask, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if HAS_QK_NORM:
+            q_w = tl.load(q_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+            q_wp = tl.load(q_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+            k_w = tl.load(k_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+            k_wp = tl.load(k_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+        else:  # unread
+            q_w = cos
+            q_wp = cos
+            k_w = cos
+            k_wp = cos
+        # The new token's key is the last position; the program whose slice holds it takes it
+        # from registers after the loop, so the loop stops short of it.
+        last = seq_len - 1
+        owns_new = (start <= last) & (last < end)
+        end = tl.minimum(end, last)
     if PDL:
         gdc_wait()
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if NEW_TOKENS:
+        q = norm_rope_rows(q_rows, d, partner, q_mask, cos, sin, sign, q_w, q_wp, eps,
+                            HAS_QK_NORM, HEAD_DIM)
+        row_mask = d_mask[None, :]  # one head: a [1, BLOCK_D] tile
+        k_new = norm_rope_rows(k_new_ptr + token * stride_knt + kv_head * stride_knh, d,
+                                partner, row_mask, cos, sin, sign, k_w, k_wp, eps,
+                                HAS_QK_NORM, HEAD_DIM)
+        v_new = tl.load(v_new_ptr + token * stride_vnt + kv_head * stride_vnh + d[None, :],
+                        mask=row_mask, other=0.0)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        # Padding rows (CUDA-graph batches) carry slot -1: nothing stored.
+        store_mask = tl.where(owns_new & (slot >= 0), row_mask, False)
+        cache_at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+        tl.store(k_cache_ptr + cache_at + kv_head * stride_kh + d[None, :], k_new, mask=store_mask)
+        cache_at = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs
+        tl.store(v_cache_ptr + cache_at + kv_head * stride_vh + d[None, :], v_new, mask=store_mask)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -123,6 +194,19 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    if NEW_TOKENS:
+        # The new key as one more step of the online softmax (zero weight outside its owner).
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+        s_new = tl.where(owns_new, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a program with no keys at all
+        alpha = tl.exp2(m_i - m_safe)
+        p_new = tl.exp2(s_new - m_safe)
+        l_i = l_i * alpha + p_new
+        # Rounded as the loop rounds P before its product with V.
+        acc = acc * alpha[:, None] + (p_new.to(v_new.dtype).to(tl.float32)[:, None]
+                                      * v_new.to(tl.float32))
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -189,7 +273,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
                      num_splits: int | None = None,
                      tuning: DecodeTuning = DecodeTuning(),
-                     seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_order: torch.Tensor | None = None,
+                     new_tokens: NewTokens | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
@@ -198,6 +283,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``tuning`` the tile and launch options (benchmarks sweep them). ``seq_order`` (``[B]`` int32,
     a permutation of the sequences, longest context first) is the order in which programs
     take sequences; without it they go in batch order.
+
+    With ``new_tokens``, ``q`` is the projection's raw q (un-normalised, unrotated, left
+    unmodified) and the kernel finishes and stores each sequence's new k/v itself, at position
+    ``seq_lens[i] - 1`` (see the module docstring); the cache holds only the earlier keys.
     Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -221,6 +310,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:  # the partial buffers are never touched: pass the output as a typed placeholder
         part_max = part_sum = part_acc = out
 
+    new = new_tokens
+    has_qk_norm = new is not None and new.q_weight is not None
+    if new is not None:
+        assert new.k.shape == new.v.shape == (num_tokens, num_kv_heads, head_dim)
+        assert new.positions.shape == new.slot_mapping.shape == (num_tokens,)
+        assert head_dim % 2 == 0 and new.cos_sin.shape[-1] == head_dim
+        assert (new.k_weight is not None) == has_qk_norm, "q and k are normalised together"
+        for t in (new.k, new.v, new.cos_sin):
+            assert t.stride(-1) == 1, "the head dimension must be contiguous"
     pdl = programmatic_launch(device)
     grid = ((num_kv_heads, num_seqs, num_splits) if tuning.heads_first
             else (num_seqs, num_kv_heads, num_splits))
@@ -228,17 +326,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,  # an int32 placeholder when unordered
         out, part_max, part_sum, part_acc,
-        scale * LOG2E, num_heads,
+        # Typed placeholders where there are no new tokens (or no norms): never read.
+        *((q, q, seq_lens, seq_lens, q, q, q) if new is None else
+          (new.k, new.v, new.positions, new.slot_mapping, new.cos_sin,
+           new.q_weight if has_qk_norm else new.cos_sin,
+           new.k_weight if has_qk_norm else new.cos_sin)),
+        scale * LOG2E, 0.0 if new is None else new.eps, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        *((0, 0, 0, 0, 0) if new is None else
+          (new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
+           new.cos_sin.stride(0))),
         GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
         HEADS_FIRST=tuning.heads_first, ORDERED=seq_order is not None, PDL=pdl,
+        NEW_TOKENS=new is not None, HAS_QK_NORM=has_qk_norm,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -55,6 +55,26 @@ def _norm_rope_heads(
 
 
 @triton.jit
+def norm_rope_rows(rows, d, partner, mask, cos, sin, sign, w, w_partner, eps,
+                    HAS_QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Heads at ``rows`` (pointers to each head's start), RMS-normalised (optional) and rotated,
+    as whole ``[heads, D]`` tiles for a kernel that needs them so (decode attention's q group).
+    Rounded as ``_norm_rope_heads``; RoPE pairs element d with ``partner`` = d +- D/2 (a second
+    load of the row), ``sign`` is -1 on the first half, ``cos``/``sin`` run over all of D and
+    ``w``/``w_partner`` are the norm weight at d and at its partner."""
+    x = tl.load(rows + d[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    x_partner = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_QK_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = ((x * rstd).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
+        x_partner = ((x_partner * rstd).to(dtype).to(tl.float32)
+                     * w_partner[None, :]).to(dtype).to(tl.float32)
+    return (x * cos[None, :] + sign[None, :] * x_partner * sin[None, :]).to(dtype)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     positions_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
     k_cache_ptr, v_cache_ptr,

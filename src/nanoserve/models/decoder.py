@@ -43,24 +43,27 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``norm(x + residual)``; returns it with the summed residual. The norm
+        is the qkv projection's to apply, so that it can fuse it."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        meta = get_attention_metadata()
-        q = self.backend.rope_and_store(positions, q, k, v, self.k_cache, self.v_cache,
-                                        meta.slot_mapping, self.rotary, self.q_norm, self.k_norm)
-        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, q_size))
+        out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
+                                     get_attention_metadata(), self.rotary, self.scale,
+                                     self.q_norm, self.k_norm)
+        return self.o_proj(out.reshape(-1, q_size)), residual
 
 
 class MLP(nn.Module):
-    """SiLU-gated feed-forward: merged gate/up (column parallel), then the down projection
-    (row parallel) of silu(gate) * up, which it applies itself (fused into its matmul where a
-    kernel can)."""
+    """SiLU-gated feed-forward of a normalised input: merged gate/up (column parallel), then the
+    down projection (row parallel) of silu(gate) * up. The projections apply the norm before
+    them and the activation between them, fused into their products where a kernel can."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,8 +71,11 @@ class MLP(nn.Module):
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj(gate_up), residual
 
 
 class DecoderLayer(nn.Module):
@@ -82,13 +88,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
