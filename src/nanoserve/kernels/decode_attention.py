@@ -59,6 +59,23 @@ class NewTokens(NamedTuple):
     k_weight: torch.Tensor | None = None
     eps: float = 0.0
 
+    def check(self, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
+        assert self.k.shape == self.v.shape == (num_tokens, num_kv_heads, head_dim)
+        assert self.positions.shape == self.slot_mapping.shape == (num_tokens,)
+        assert head_dim % 2 == 0 and self.cos_sin.shape[-1] == head_dim
+        assert (self.q_weight is None) == (self.k_weight is None), \
+            "q and k are normalised together or not at all"
+        for t in (self.k, self.v, self.cos_sin):
+            assert t.stride(-1) == 1, "the head dimension must be contiguous"
+
+    def kernel_args(self) -> tuple:
+        """The split kernel's new-token pointers, then its new-token strides."""
+        weights = (self.cos_sin, self.cos_sin) if self.q_weight is None else (self.q_weight,
+                                                                               self.k_weight)
+        return ((self.k, self.v, self.positions, self.slot_mapping, self.cos_sin, *weights),
+                (self.k.stride(0), self.k.stride(1), self.v.stride(0), self.v.stride(1),
+                 self.cos_sin.stride(0)))
+
 
 # The split heuristic's knobs.
 MIN_TOKENS_PER_SPLIT = 64
@@ -310,42 +327,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:  # the partial buffers are never touched: pass the output as a typed placeholder
         part_max = part_sum = part_acc = out
 
-    new = new_tokens
-    has_qk_norm = new is not None and new.q_weight is not None
-    if new is not None:
-        assert new.k.shape == new.v.shape == (num_tokens, num_kv_heads, head_dim)
-        assert new.positions.shape == new.slot_mapping.shape == (num_tokens,)
-        assert head_dim % 2 == 0 and new.cos_sin.shape[-1] == head_dim
-        assert (new.k_weight is not None) == has_qk_norm, "q and k are normalised together"
-        for t in (new.k, new.v, new.cos_sin):
-            assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    if new_tokens is None:  # typed placeholders, never read
+        new_pointers, new_strides = (q, q, seq_lens, seq_lens, q, q, q), (0, 0, 0, 0, 0)
+    else:
+        new_tokens.check(num_tokens, num_kv_heads, head_dim)
+        new_pointers, new_strides = new_tokens.kernel_args()
     pdl = programmatic_launch(device)
     grid = ((num_kv_heads, num_seqs, num_splits) if tuning.heads_first
             else (num_seqs, num_kv_heads, num_splits))
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,  # an int32 placeholder when unordered
-        out, part_max, part_sum, part_acc,
-        # Typed placeholders where there are no new tokens (or no norms): never read.
-        *((q, q, seq_lens, seq_lens, q, q, q) if new is None else
-          (new.k, new.v, new.positions, new.slot_mapping, new.cos_sin,
-           new.q_weight if has_qk_norm else new.cos_sin,
-           new.k_weight if has_qk_norm else new.cos_sin)),
-        scale * LOG2E, 0.0 if new is None else new.eps, num_heads,
+        out, part_max, part_sum, part_acc, *new_pointers,
+        scale * LOG2E, 0.0 if new_tokens is None else new_tokens.eps, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        *((0, 0, 0, 0, 0) if new is None else
-          (new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
-           new.cos_sin.stride(0))),
+        out.stride(0), out.stride(1), *new_strides,
         GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
         HEADS_FIRST=tuning.heads_first, ORDERED=seq_order is not None, PDL=pdl,
-        NEW_TOKENS=new is not None, HAS_QK_NORM=has_qk_norm,
+        NEW_TOKENS=new_tokens is not None,
+        HAS_QK_NORM=new_tokens is not None and new_tokens.q_weight is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
