@@ -38,8 +38,9 @@ class DecodeTuning(NamedTuple):
 
 # K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
 # (num_stages - 1) // 2 buffers: 3 stages keep one tile in flight per program, 5 keep two.
-# Programs then hide latency by occupancy (shared memory allows about five per SM at 3
-# stages); 5 stages measured within noise of 3 over the throughput workload (docs/kernels.md).
+# Programs then hide latency by occupancy: four per SM at 64/4/3, set by registers (128 each;
+# shared memory would allow five); 5 stages measured within noise of 3 over the throughput
+# workload (docs/kernels.md, benchmarks/kernel_registers.py).
 
 
 class NewTokens(NamedTuple):
