@@ -40,14 +40,18 @@ Variant = tuple[int, DecodeTuning, bool]
 def tunings(quick: bool) -> list[Variant]:
     """(programs per SM for the split count, kernel tuning, longest first): the engine's first."""
     default = (PROGRAMS_PER_SM, DecodeTuning())
+    narrow = (PROGRAMS_PER_SM, DecodeTuning(narrow_offsets=True))
     if quick:
-        return [(*default, True), (*default, False)]
+        return [(*default, True), (*default, False), (*narrow, True)]
     split_rule = [(pps, DecodeTuning(num_stages=s)) for pps, s in
                   itertools.product((4, 8, 12), (3, 5)) if (pps, s) != (PROGRAMS_PER_SM, 3)]
     shapes = [(4, 3), (4, 7), (8, 3)]
     tiles = [(PROGRAMS_PER_SM, DecodeTuning(bn, w, s)) for bn, (w, s) in
              itertools.product((32, 64, 128), shapes) if (bn, w, s) != (64, 4, 3)]
-    return [(*t, ordered) for ordered in (True, False) for t in [default] + split_rule + tiles]
+    narrow_tiles = [(PROGRAMS_PER_SM, DecodeTuning(bn, 4, 3, narrow_offsets=True))
+                    for bn in (32, 64)]
+    return [(*t, ordered) for ordered in (True, False)
+            for t in [default] + split_rule + tiles + narrow_tiles]
 
 
 def describe(variant: Variant) -> dict:

@@ -6,6 +6,7 @@ Triton version (3.6: ``pip install --no-deps --target DIR triton==3.6.0`` and pu
 PYTHONPATH); others allocate differently. One JSON line per variant:
 
     python benchmarks/kernel_registers.py [--block-n 32 64] [--warps 4 8] [--new-tokens]
+        [--narrow-offsets]
 """
 from __future__ import annotations
 
@@ -62,11 +63,12 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bool,
-                   group: int, head_dim: int) -> dict:
+                   narrow_offsets: bool, group: int, head_dim: int) -> dict:
     constants = dict(GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n,
                      NUM_SPLITS=1, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
-                     PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens)
+                     PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens,
+                     NARROW_OFFSETS=narrow_offsets)
     names = _decode_split_kernel.arg_names
     signature = {name: "constexpr" if name in constants else arg_type(name) for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -76,7 +78,8 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
     usage = resource_usage(kernel.asm["cubin"])
     threads = 32 * num_warps
     return {"kernel": "decode_split", "block_n": block_n, "num_warps": num_warps,
-            "num_stages": num_stages, "new_tokens": new_tokens, "group": group,
+            "num_stages": num_stages, "new_tokens": new_tokens,
+            "narrow_offsets": narrow_offsets, "group": group,
             "head_dim": head_dim, **usage, "shared_bytes": kernel.metadata.shared,
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (usage["registers"] * threads),
             "programs_per_sm_by_shared": SHARED_PER_SM // (kernel.metadata.shared + 1024),
@@ -92,11 +95,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--new-tokens", action="store_true",
                         help="the variant that finishes the new tokens (split decode)")
+    parser.add_argument("--narrow-offsets", action="store_true",
+                        help="DecodeTuning.narrow_offsets: one set of 32-bit K/V offsets")
     args = parser.parse_args()
     for block_n in args.block_n:
         for warps in args.warps:
             print(json.dumps(decode_variant(block_n, warps, args.stages, args.new_tokens,
-                                            args.group, args.head_dim)))
+                                            args.narrow_offsets, args.group, args.head_dim)))
 
 
 if __name__ == "__main__":

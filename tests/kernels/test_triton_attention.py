@@ -105,11 +105,14 @@ def run_prefill(q, k_cache, v_cache, meta):
     (2, 64, 256, 2),
 ])
 @pytest.mark.parametrize("heads_first", [False, True], ids=["seqs-first", "heads-first"])
-def test_decode_matches_reference(group, head_dim, block_size, num_splits, heads_first):
+@pytest.mark.parametrize("narrow_offsets", [False, True], ids=["int64", "int32"])
+def test_decode_matches_reference(group, head_dim, block_size, num_splits, heads_first,
+                                  narrow_offsets):
     seq_lens = [37, 1, 70, 16]  # ragged, one-token, multi-block and exactly-full-block contexts
     q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 4, num_heads=2 * group, num_kv_heads=2,
                                            head_dim=head_dim, block_size=block_size)
-    out = run_decode(q, k_cache, v_cache, meta, num_splits, DecodeTuning(heads_first=heads_first))
+    tuning = DecodeTuning(heads_first=heads_first, narrow_offsets=narrow_offsets)
+    out = run_decode(q, k_cache, v_cache, meta, num_splits, tuning)
     assert_matches_reference(out, q, k_cache, v_cache, meta)
 
 
@@ -202,8 +205,10 @@ def new_token_inputs(q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
-@pytest.mark.parametrize("group,head_dim,num_splits", [(2, 64, 1), (4, 32, 3), (1, 64, 6)])
-def test_decode_finishes_and_stores_the_new_tokens(dtype, qk_norm, group, head_dim, num_splits):
+@pytest.mark.parametrize("group,head_dim,num_splits,narrow_offsets", [
+    (2, 64, 1, False), (4, 32, 3, True), (1, 64, 6, False)])
+def test_decode_finishes_and_stores_the_new_tokens(dtype, qk_norm, group, head_dim, num_splits,
+                                                   narrow_offsets):
     """With NewTokens the split kernel does rope_and_store's work: q/k norms, RoPE, the K/V
     store, and attention that includes the new key, for every split that may own it."""
     seq_lens = [37, 1, 70, 16, 0]  # the new key alone, several splits, a padding row (slot -1)
@@ -219,8 +224,9 @@ def test_decode_finishes_and_stores_the_new_tokens(dtype, qk_norm, group, head_d
     q_before = q.clone()
     out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, meta.max_seq_len, head_dim ** -0.5,
-                           num_splits=num_splits, seq_order=torch.tensor([2, 0, 3, 1, 4],
-                                                                         dtype=torch.int32),
+                           num_splits=num_splits,
+                           tuning=DecodeTuning(narrow_offsets=narrow_offsets),
+                           seq_order=torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32),
                            new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
                                                 rotary.cos_sin, *weights))
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])

@@ -34,6 +34,10 @@ class DecodeTuning(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3  # one K/V tile in flight per program (the note below)
     heads_first: bool = True  # grid (KV head, sequence, split) rather than (sequence, KV head, split)
+    # K and V addressed through one set of 32-bit offsets (when their strides match and the
+    # cache has under 2^31 elements): 96 registers instead of 128 at 64/4, so five programs
+    # fit an SM instead of four (docs/kernels.md). Not yet timed on the device: off by default.
+    narrow_offsets: bool = False
 
 
 # K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
@@ -107,7 +111,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
-    NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -197,13 +201,21 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
-        block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0)
         offset = pos % BLOCK_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)
+        if NARROW_OFFSETS:  # V's strides are K's: one [BLOCK_N, D] tile of int32 offsets
+            offsets = (block * stride_kb + offset * stride_ks)[:, None] + d[None, :]
+            k = tl.load(k_cache_ptr + kv_head * stride_kh + offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_head * stride_vh + offsets, mask=kv_mask, other=0.0)
+        else:
+            block = block.to(tl.int64)
+            k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks
+                                       + kv_head * stride_kh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs
+                                       + kv_head * stride_vh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile holds at least one valid key, so m_new is finite and exp2 never sees inf-inf.
@@ -353,6 +365,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEADS_FIRST=tuning.heads_first, ORDERED=seq_order is not None, PDL=pdl,
         NEW_TOKENS=new_tokens is not None,
         HAS_QK_NORM=new_tokens is not None and new_tokens.q_weight is not None,
+        NARROW_OFFSETS=(tuning.narrow_offsets and k_cache.stride() == v_cache.stride()
+                        and k_cache.numel() < 2 ** 31),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

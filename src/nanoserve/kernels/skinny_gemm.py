@@ -74,7 +74,8 @@ def _add_norm_rows(x_rows, r_rows, sum_rows, norm_w, K, x_mask, eps, is_first,
             tl.store(sum_rows, x, mask=x_mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + eps)
-    return ((xf * rstd[:, None]).to(dtype).to(tl.float32) * norm_w[None, :]).to(dtype).to(tl.float32)
+    normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+    return (normed * norm_w[None, :]).to(dtype).to(tl.float32)
 
 
 @triton.jit
