@@ -2,11 +2,22 @@
 # One device call: GPU parity tests, batch-1 latency, the throughput workload; logs under $OUT.
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
 #   [latency8b] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
-#   [hostprofile] [tputprofile] [serve]
+#   [hostprofile] [tputprofile] [serve] [ablatency] [abthroughput]
+# The ab steps time an older build and this one back to back on the same machine (machines differ
+# by more than most changes): first, here, `git archive REF src | tar -x -C abbase` (an untracked
+# folder travels with the tree; delete it before committing), then BASE=abbase on the device.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+
+ab() {  # ab LOG SCRIPT ARGS...: SCRIPT under BASE's sources, then this tree's; JSON lines labelled
+  local log=$1; shift
+  for tree in "${BASE:?set BASE to the folder of the older build}" .; do
+    PYTHONPATH=$tree/src:$PWD/benchmarks python3 "$@" 2>&1 | grep '^{' \
+      | sed "s|^{|{\"tree\": \"$tree\", |" | tee -a "$OUT/$log"
+  done
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 for step in "$@"; do
   case $step in
@@ -40,6 +51,8 @@ for step in "$@"; do
       PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/serve.py --base-url http://127.0.0.1:8011 \
         --num-prompts 256 --max-concurrency 64 --random-input-len 256 --random-output-len 128 2>&1 | tee -a "$OUT/serve.log"
       kill -INT $server; wait $server ;;
+    ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
+    abthroughput) ab ab_throughput.log benchmarks/throughput.py ;;
   esac
 done
 grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null
