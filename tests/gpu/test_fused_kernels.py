@@ -1,0 +1,106 @@
+"""On a CUDA device, at the real shapes in bf16: the kernels that took over other ops' work
+(split decode finishing the new tokens, the pre-norm inside the batch-1 GEMV) against the
+PyTorch path they replace. tests/kernels checks the same under the interpreter at small sizes.
+Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.attention.torch_backend import TorchAttentionBackend
+from nanoserve.kernels.common import device_sm_count
+from nanoserve.kernels.decode_attention import NewTokens, decode_attention, num_decode_splits
+from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear
+from nanoserve.layers.norm import RMSNorm, add_rms_norm_torch
+from nanoserve.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+MAX_POSITIONS = 40960  # Qwen3's: the split count the decode graphs are captured with
+BF16 = dict(atol=2e-2, rtol=2e-2)
+
+
+def decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int, dtype: torch.dtype, device: str, seed: int):
+    """A decode step over a random paged cache (blocks in shuffled order), with each sequence's
+    new token raw from the projection: (q, k, v, positions, k_cache, v_cache, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    slots, start = [], 0
+    for i, (n, count) in enumerate(zip(seq_lens, blocks_per_seq)):
+        tables[i, :count] = order[start:start + count]
+        start += count
+        last = n - 1
+        slots.append(int(tables[i, last // block_size]) * block_size + last % block_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    num_seqs = len(seq_lens)
+    q = 2 * torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    k = torch.randn(num_seqs, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_seqs, num_kv_heads, head_dim, generator=gen)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=tables.to(device), max_query_len=1, max_seq_len=max(seq_lens))
+    positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=device)
+    on = [t.to(device=device, dtype=dtype) for t in (q, k, v, k_cache, v_cache)]
+    return (*on[:3], positions, *on[3:], meta)
+
+
+def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
+                       device: str, num_kv_heads: int = 8, block_size: int = 16) -> None:
+    q, k, v, positions, k_cache, v_cache, meta = decode_case(
+        seq_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, device,
+        seed=len(seq_lens) + group)
+    rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, 1e6, None).to(device)
+    norms = [RMSNorm(head_dim, 1e-6).to(device=device, dtype=dtype) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data.normal_(1.0, 0.3)
+    scale = head_dim ** -0.5
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    expected = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
+                                                 *expected_caches, meta, rotary, scale, *norms)
+    splits = num_decode_splits(len(seq_lens), num_kv_heads, MAX_POSITIONS,
+                               device_sm_count(q.device))
+    assert splits > 1, "the engine finishes new tokens in the split kernel only when it splits"
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, scale, num_splits=splits,
+                           seq_order=torch.tensor(order, dtype=torch.int32, device=device),
+                           new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
+                                                rotary.cos_sin, norms[0].weight,
+                                                norms[1].weight, 1e-6))
+    torch.testing.assert_close(out.float(), expected.float(), **BF16)
+    torch.testing.assert_close(k_cache.float(), expected_caches[0].float(), **BF16)
+    assert torch.equal(v_cache, expected_caches[1])
+
+
+def check_norm_in_gemv(n: int, k: int, dtype: torch.dtype, device: str) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    x, residual = (torch.randn(1, k, generator=gen).to(device, dtype) for _ in range(2))
+    norm_weight = (1 + 0.3 * torch.randn(k, generator=gen)).to(device, dtype)
+    weight = torch.randn(n, k, generator=gen).div(k ** 0.5).to(device, dtype)
+    normed, summed = add_rms_norm_torch(x, residual, norm_weight, 1e-6)
+    y, out_residual = skinny_norm_linear(x, residual, norm_weight, 1e-6, weight)
+    torch.testing.assert_close(y.double(), normed.double() @ weight.double().T, **BF16)
+    assert torch.equal(out_residual, summed)
+
+
+@pytest.mark.parametrize("seq_lens", [[300], [4000, 17, 1, 900]], ids=["batch1", "batch4"])
+@pytest.mark.parametrize("group", [2, 4], ids=["qwen3-0.6b", "qwen3-8b"])
+def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group):
+    check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024)], ids=["qkv", "gate_up"])
+def test_norm_in_gemv_matches_torch_path(n, k):
+    assert norm_fusable(n, k, torch.device("cuda"))
+    check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
