@@ -10,15 +10,22 @@ import math
 import pytest
 import torch
 
-from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.attention.torch_backend import TorchAttentionBackend
-from nanoserve.kernels.common import device_sm_count
-from nanoserve.kernels.decode_attention import NewTokens, decode_attention, num_decode_splits
-from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear
-from nanoserve.layers.norm import RMSNorm, add_rms_norm_torch
-from nanoserve.layers.rotary import RotaryEmbedding
+if not torch.cuda.is_available():
+    # Before the kernels are imported: in one pytest process tests/kernels later sets
+    # TRITON_INTERPRET=1, and kernels defined without it would not run under the interpreter.
+    pytest.skip("needs a CUDA device", allow_module_level=True)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from nanoserve.kernels.common import device_sm_count  # noqa: E402
+from nanoserve.kernels.decode_attention import (  # noqa: E402
+    NewTokens,
+    decode_attention,
+    num_decode_splits,
+)
+from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear  # noqa: E402
+from nanoserve.layers.norm import RMSNorm, add_rms_norm_torch  # noqa: E402
+from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 MAX_POSITIONS = 40960  # Qwen3's: the split count the decode graphs are captured with
 BF16 = dict(atol=2e-2, rtol=2e-2)
