@@ -36,9 +36,8 @@ class TritonAttentionBackend:
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> torch.Tensor:
         # One fused launch instead of q norm, k norm, RoPE and the store (batch-1 decode latency).
-        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
-                                  slot_mapping, *norms)
+                                  slot_mapping, *_norm_args(q_norm, k_norm))
 
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -52,8 +51,8 @@ class TritonAttentionBackend:
             # fills the GPU and its K/V loop runs better without that work's registers
             # (docs/kernels.md).
             if splits > 1:
-                norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-                new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin, *norms)
+                new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
+                                *_norm_args(q_norm, k_norm))
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_seq_len, scale,
                                         num_splits=splits, seq_order=meta.seq_order,
@@ -70,3 +69,8 @@ class TritonAttentionBackend:
                                     seq_order=meta.seq_order)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, scale)
+
+
+def _norm_args(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> tuple:
+    """The kernels' trailing norm arguments: (q weight, k weight, eps), or none without norms."""
+    return () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
