@@ -4,9 +4,9 @@ The throughput benchmark spends most of its device time in decode attention, at 
 microbenchmarks of uniform batches miss: up to 256 sequences of ragged length, then fewer and
 fewer. This replays every ``--stride``-th decode step of that workload (the sequences still
 running and their context lengths), times the decode kernel on it under each tuning, and
-reports the estimated attention seconds of the whole run, and the K/V read rate. Every tuning
-runs twice: programs taking sequences in batch order, and longest context first (the engine's
-order).
+reports the estimated attention seconds of the whole run, and the K/V read rate. Programs take
+sequences longest context first (the engine's order); the default tuning also runs in batch
+order.
 
     python benchmarks/decode_workload.py [--stride 64] [--quick] [--block-size 16]
 """
@@ -40,18 +40,16 @@ Variant = tuple[int, DecodeTuning, bool]
 def tunings(quick: bool) -> list[Variant]:
     """(programs per SM for the split count, kernel tuning, longest first): the engine's first."""
     default = (PROGRAMS_PER_SM, DecodeTuning())
-    narrow = (PROGRAMS_PER_SM, DecodeTuning(narrow_offsets=True))
+    wide = (4, DecodeTuning(narrow_offsets=False))  # 64-bit offsets: four programs per SM
+    variants = [(*default, True), (*default, False), (*wide, True)]
     if quick:
-        return [(*default, True), (*default, False), (*narrow, True)]
-    split_rule = [(pps, DecodeTuning(num_stages=s)) for pps, s in
-                  itertools.product((4, 8, 12), (3, 5)) if (pps, s) != (PROGRAMS_PER_SM, 3)]
-    shapes = [(4, 3), (4, 7), (8, 3)]
-    tiles = [(PROGRAMS_PER_SM, DecodeTuning(bn, w, s)) for bn, (w, s) in
-             itertools.product((32, 64, 128), shapes) if (bn, w, s) != (64, 4, 3)]
-    narrow_tiles = [(PROGRAMS_PER_SM, DecodeTuning(bn, 4, 3, narrow_offsets=True))
-                    for bn in (32, 64)]
-    return [(*t, ordered) for ordered in (True, False)
-            for t in [default] + split_rule + tiles + narrow_tiles]
+        return variants
+    # Around the default: the split rule's programs per SM, tiles, warps (32-key tiles fit
+    # 7-8 programs per SM, benchmarks/kernel_registers.py), and 5 stages.
+    around = [(pps, DecodeTuning(bn, w, 3)) for pps, bn, w in
+              itertools.product((4, 5, 6, 7, 8), (32, 64), (2, 4))]
+    around.append((PROGRAMS_PER_SM, DecodeTuning(num_stages=5)))
+    return variants + [(*t, True) for t in around if t != default]
 
 
 def describe(variant: Variant) -> dict:

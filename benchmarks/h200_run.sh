@@ -2,7 +2,7 @@
 # One device call: GPU parity tests, batch-1 latency, the throughput workload; logs under $OUT.
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
 #   [latency8b] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
-#   [hostprofile] [tputprofile] [serve] [ablatency] [abthroughput]
+#   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src | tar -x -C abbase` (an untracked
 # folder travels with the tree; delete it before committing), then BASE=abbase on the device.
@@ -52,6 +52,7 @@ for step in "$@"; do
         --num-prompts 256 --max-concurrency 64 --random-input-len 256 --random-output-len 128 2>&1 | tee -a "$OUT/serve.log"
       kill -INT $server; wait $server ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
+    ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;
     abthroughput) ab ab_throughput.log benchmarks/throughput.py ;;
   esac
 done

@@ -6,7 +6,7 @@ Triton version (3.6: ``pip install --no-deps --target DIR triton==3.6.0`` and pu
 PYTHONPATH); others allocate differently. One JSON line per variant:
 
     python benchmarks/kernel_registers.py [--block-n 32 64] [--warps 4 8] [--new-tokens]
-        [--narrow-offsets]
+        [--narrow-offsets] [--splits 32]
 """
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bool,
-                   narrow_offsets: bool, group: int, head_dim: int) -> dict:
+                   narrow_offsets: bool, group: int, head_dim: int, splits: int) -> dict:
     constants = dict(GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n,
-                     NUM_SPLITS=1, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
+                     NUM_SPLITS=splits, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
                      PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens,
                      NARROW_OFFSETS=narrow_offsets)
     names = _decode_split_kernel.arg_names
@@ -79,7 +79,7 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
     threads = 32 * num_warps
     return {"kernel": "decode_split", "block_n": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "new_tokens": new_tokens,
-            "narrow_offsets": narrow_offsets, "group": group,
+            "narrow_offsets": narrow_offsets, "splits": splits, "group": group,
             "head_dim": head_dim, **usage, "shared_bytes": kernel.metadata.shared,
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (usage["registers"] * threads),
             "programs_per_sm_by_shared": SHARED_PER_SM // (kernel.metadata.shared + 1024),
@@ -97,11 +97,13 @@ def main() -> None:
                         help="the variant that finishes the new tokens (split decode)")
     parser.add_argument("--narrow-offsets", action="store_true",
                         help="DecodeTuning.narrow_offsets: one set of 32-bit K/V offsets")
+    parser.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (batch 1: 32)")
     args = parser.parse_args()
     for block_n in args.block_n:
         for warps in args.warps:
             print(json.dumps(decode_variant(block_n, warps, args.stages, args.new_tokens,
-                                            args.narrow_offsets, args.group, args.head_dim)))
+                                            args.narrow_offsets, args.group, args.head_dim,
+                                            args.splits)))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,17 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.kernels.common import device_sm_count
-from nanoserve.kernels.decode_attention import NewTokens, decode_attention, num_decode_splits
+from nanoserve.kernels.decode_attention import (DecodeTuning, NewTokens, decode_attention,
+                                                num_decode_splits)
 from nanoserve.kernels.prefill_attention import prefill_attention
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
 if TYPE_CHECKING:
     from nanoserve.layers.norm import RMSNorm
     from nanoserve.layers.rotary import RotaryEmbedding
+
+
+SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False)
 
 
 class TritonAttentionBackend:
@@ -49,14 +53,15 @@ class TritonAttentionBackend:
             # Split decode means a small batch, bound by the chain of dependent launches: the
             # split kernel finishes the new tokens itself, one launch fewer. Unsplit, the batch
             # fills the GPU and its K/V loop runs better without that work's registers
-            # (docs/kernels.md).
+            # (docs/kernels.md). 64-bit K/V offsets measured faster here, 32-bit ones (more
+            # programs per SM) in large batches.
             if splits > 1:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_seq_len, scale,
                                         num_splits=splits, seq_order=meta.seq_order,
-                                        new_tokens=new)
+                                        new_tokens=new, tuning=SPLIT_DECODE_TUNING)
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale)

@@ -36,15 +36,15 @@ class DecodeTuning(NamedTuple):
     heads_first: bool = True  # grid (KV head, sequence, split) rather than (sequence, KV head, split)
     # K and V addressed through one set of 32-bit offsets (when their strides match and the
     # cache has under 2^31 elements): 96 registers instead of 128 at 64/4, so five programs
-    # fit an SM instead of four (docs/kernels.md). Not yet timed on the device: off by default.
-    narrow_offsets: bool = False
+    # fit an SM instead of four (docs/kernels.md).
+    narrow_offsets: bool = True
 
 
 # K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
 # (num_stages - 1) // 2 buffers: 3 stages keep one tile in flight per program, 5 keep two.
-# Programs then hide latency by occupancy: four per SM at 64/4/3, set by registers (128 each;
-# shared memory would allow five); 5 stages measured within noise of 3 over the throughput
-# workload (docs/kernels.md, benchmarks/kernel_registers.py).
+# Programs then hide latency by occupancy: five per SM at 64/4/3 with narrow offsets, set by
+# registers (96 each) and shared memory alike; 5 stages measured within noise of 3 over the
+# throughput workload (docs/kernels.md, benchmarks/kernel_registers.py).
 
 
 class NewTokens(NamedTuple):
@@ -85,7 +85,7 @@ class NewTokens(NamedTuple):
 # The split heuristic's knobs.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 32
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 5
 # Under TRITON_INTERPRET the "device" is the CPU; small tiles keep the interpreter fast and
 # make short test sequences span several tiles and splits.
 INTERPRETER_BLOCK_N = 16
