@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nanoserve.kernels.decode_attention import _decode_split_kernel
+from nanoserve.kernels.decode_kernels import _decode_split_kernel
 
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024  # Hopper; the driver reserves 1 KB of it per resident program

@@ -1,0 +1,204 @@
+"""Device code of paged decode attention: the split kernel and the kernel that merges splits.
+
+The launch rules, tunings and the step's new tokens are host-side concerns: see
+``decode_attention.py``, which launches these.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nanoserve.kernels.qk_norm_rope import norm_rope_rows
+
+
+# The block table's width follows the longest context of the step: specialising on it (divisible
+# by 16, equal to 1) would compile new variants mid-run, on the serving path.
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    seq_order_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+    scale_log2, eps,
+    num_heads,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    ORDERED: tl.constexpr, PDL: tl.constexpr,
+    NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
+):
+    if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
+        gdc_launch_dependents()
+    # Heads first puts the KV heads of one sequence in neighbouring programs, which read
+    # neighbouring bytes of the same cache blocks.
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        rank = tl.program_id(1)
+    else:
+        rank = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # Programs start in grid order; taking sequences longest first (a step input) keeps one
+    # long context from starting last and running alone after the rest have finished.
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + rank)
+    else:
+        seq = rank
+
+    # The split's slice comes from the on-device length, not the host's max_seq_len, so a
+    # CUDA graph captured once stays correct for any context length it is replayed with.
+    # Lengths and query rows are step inputs, in place before the forward's first kernel, so
+    # with programmatic launch they are read before waiting for q and the new K/V.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    token = tl.load(query_start_loc_ptr + seq)
+    q_rows = q_ptr + token * stride_qt + head[:, None] * stride_qh
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    if NEW_TOKENS:
+        # RoPE's tables and the norm weights are step inputs and parameters: read before waiting.
+        half = HEAD_DIM // 2
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        cs_row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs
+        cos = tl.load(cs_row + d % half, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs_row + half + d % half, mask=d_mask, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if HAS_QK_NORM:
+            q_w = tl.load(q_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+            q_wp = tl.load(q_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+            k_w = tl.load(k_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+            k_wp = tl.load(k_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+        else:  # unread
+            q_w = cos
+            q_wp = cos
+            k_w = cos
+            k_wp = cos
+        # The new token's key is the last position; the program whose slice holds it takes it
+        # from registers after the loop, so the loop stops short of it.
+        last = seq_len - 1
+        owns_new = (start <= last) & (last < end)
+        end = tl.minimum(end, last)
+    if PDL:
+        gdc_wait()
+    if NEW_TOKENS:
+        q = norm_rope_rows(q_rows, d, partner, q_mask, cos, sin, sign, q_w, q_wp, eps,
+                            HAS_QK_NORM, HEAD_DIM)
+        row_mask = d_mask[None, :]  # one head: a [1, BLOCK_D] tile
+        k_new = norm_rope_rows(k_new_ptr + token * stride_knt + kv_head * stride_knh, d,
+                                partner, row_mask, cos, sin, sign, k_w, k_wp, eps,
+                                HAS_QK_NORM, HEAD_DIM)
+        v_new = tl.load(v_new_ptr + token * stride_vnt + kv_head * stride_vnh + d[None, :],
+                        mask=row_mask, other=0.0)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        # Padding rows (CUDA-graph batches) carry slot -1: nothing stored.
+        store_mask = tl.where(owns_new & (slot >= 0), row_mask, False)
+        cache_at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+        tl.store(k_cache_ptr + cache_at + kv_head * stride_kh + d[None, :], k_new, mask=store_mask)
+        cache_at = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs
+        tl.store(v_cache_ptr + cache_at + kv_head * stride_vh + d[None, :], v_new, mask=store_mask)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0)
+        offset = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        if NARROW_OFFSETS:  # V's strides are K's: one [BLOCK_N, D] tile of int32 offsets
+            offsets = (block * stride_kb + offset * stride_ks)[:, None] + d[None, :]
+            k = tl.load(k_cache_ptr + kv_head * stride_kh + offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_head * stride_vh + offsets, mask=kv_mask, other=0.0)
+        else:
+            block = block.to(tl.int64)
+            k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks
+                                       + kv_head * stride_kh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs
+                                       + kv_head * stride_vh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # Every tile holds at least one valid key, so m_new is finite and exp2 never sees inf-inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    if NEW_TOKENS:
+        # The new key as one more step of the online softmax (zero weight outside its owner).
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+        s_new = tl.where(owns_new, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a program with no keys at all
+        alpha = tl.exp2(m_i - m_safe)
+        p_new = tl.exp2(s_new - m_safe)
+        l_i = l_i * alpha + p_new
+        # Rounded as the loop rounds P before its product with V.
+        acc = acc * alpha[:, None] + (p_new.to(v_new.dtype).to(tl.float32)[:, None]
+                                      * v_new.to(tl.float32))
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # Empty sequences (seq_len 0) have l_i == 0: write zeros, not NaN.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (seq * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_max_ptr, part_sum_ptr, part_acc_ptr, query_start_loc_ptr, out_ptr,
+    num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # o_proj's batch-1 GEMV may start fetching its weights
+        gdc_launch_dependents()
+        gdc_wait()  # launched early too: the partial results come from the split kernel
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    part = (seq * num_heads + head) * NUM_SPLITS + s
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    # Empty splits carry max -inf (weight 0); if all are empty, keep exp2 away from -inf - -inf.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    token = tl.load(query_start_loc_ptr + seq)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
