@@ -6,7 +6,7 @@ Triton version (3.6: ``pip install --no-deps --target DIR triton==3.6.0`` and pu
 PYTHONPATH); others allocate differently. One JSON line per variant:
 
     python benchmarks/kernel_registers.py [--block-n 32 64] [--warps 4 8] [--new-tokens]
-        [--narrow-offsets] [--splits 32]
+        [--wide-offsets] [--splits 32]
 """
 from __future__ import annotations
 
@@ -95,14 +95,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--new-tokens", action="store_true",
                         help="the variant that finishes the new tokens (split decode)")
-    parser.add_argument("--narrow-offsets", action="store_true",
-                        help="DecodeTuning.narrow_offsets: one set of 32-bit K/V offsets")
+    parser.add_argument("--wide-offsets", action="store_true",
+                        help="64-bit K/V offsets (DecodeTuning.narrow_offsets=False, as split "
+                             "decode runs); default: the engine's 32-bit ones")
     parser.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (batch 1: 32)")
     args = parser.parse_args()
     for block_n in args.block_n:
         for warps in args.warps:
             print(json.dumps(decode_variant(block_n, warps, args.stages, args.new_tokens,
-                                            args.narrow_offsets, args.group, args.head_dim,
+                                            not args.wide_offsets, args.group, args.head_dim,
                                             args.splits)))
 
 
