@@ -28,32 +28,18 @@ def _one_row_on_cuda(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def use_batch_gemm(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Decode batches (2-256 rows) on CUDA in 16 bits, without bias: the batch GEMM's case."""
-    from nanoserve.kernels.batch_gemm import MAX_ROWS
-    return (bias is None and x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16))
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            gated: bool = False) -> torch.Tensor:
     """``F.linear``; with ``gated``, of ``silu(gate) * up`` where ``x`` is ``[gate | up]``.
 
     One 16-bit row on CUDA (batch-1 decode) goes through the skinny-GEMM Triton kernel: as fast
     as cuBLAS or faster on every projection shape measured there, up to 3x on some
-    (docs/kernels.md), and it applies the gate while loading x, one launch less. Decode
-    batches of 2-256 rows go through the batch GEMM, which prefetches its weights while the
-    kernel before it runs.
+    (docs/kernels.md), and it applies the gate while loading x, one launch less.
     """
     if _one_row_on_cuda(x):
         from nanoserve.kernels.skinny_gemm import skinny_linear
         return skinny_linear(x, weight, bias, gated=gated)
-    if gated:
-        x = silu_and_mul(x)
-    if use_batch_gemm(x, bias):
-        from nanoserve.kernels.batch_gemm import batch_linear
-        return batch_linear(x, weight)
-    return F.linear(x, weight, bias)
+    return F.linear(silu_and_mul(x) if gated else x, weight, bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
