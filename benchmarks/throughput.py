@@ -82,6 +82,67 @@ def kernel_profile(enabled: bool):
           file=sys.stderr)
 
 
+@contextlib.contextmanager
+def host_timing(enabled: bool, llm: LLM):
+    """Yields a dict that gains, per bucket of 32 running requests, the steps' mean host time
+    and the part of it spent waiting for the device (a host that never waits is the limit)."""
+    report: dict = {}
+    if not enabled:
+        yield report
+        return
+    from nanoserve.runner.sampled_step import SampledStep
+
+    engine, waited = llm.engine, [0.0]
+    plain_result, plain_step = SampledStep.result, engine.step
+    buckets: dict[int, list[float]] = {}
+
+    def timed_result(self):
+        start = time.perf_counter()
+        if self.event is not None:
+            self.event.synchronize()
+        waited[0] += time.perf_counter() - start
+        return plain_result(self)
+
+    def timed_step():
+        running, waited[0] = len(engine.scheduler.running), 0.0
+        start = time.perf_counter()
+        out = plain_step()
+        bucket = buckets.setdefault(running // 32 * 32, [0, 0.0, 0.0])
+        bucket[0] += 1
+        bucket[1] += time.perf_counter() - start
+        bucket[2] += waited[0]
+        return out
+
+    SampledStep.result, engine.step = timed_result, timed_step
+    try:
+        yield report
+    finally:
+        SampledStep.result = plain_result
+        del engine.step
+    report["host_ms_by_running"] = {
+        f"{b}-{b + 31}": {"steps": n, "step_ms": round(t / n * 1e3, 3),
+                          "wait_ms": round(w / n * 1e3, 3)}
+        for b, (n, t, w) in sorted(buckets.items())}
+
+
+@contextlib.contextmanager
+def host_profile(enabled: bool):
+    """cProfile of the host over the block, its top functions by own time printed to stderr."""
+    if not enabled:
+        yield
+        return
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(45)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
@@ -93,6 +154,11 @@ def main() -> None:
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also print (to stderr) the device's kernel time over the run, "
                              "by kernel; the profiler slows the host, so seconds grows")
+    parser.add_argument("--host-timing", action="store_true",
+                        help="also report the host's time per step and how much of it waits "
+                             "for the device, by number of running requests")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also print (to stderr) a cProfile of the host over the run")
     args = parser.parse_args()
 
     prompts, max_tokens = workload(args.num_seqs)
@@ -109,7 +175,9 @@ def main() -> None:
                   for n in max_tokens]
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
-        with kernel_profile(args.profile_kernels) as report:
+        with kernel_profile(args.profile_kernels) as report, \
+                host_timing(args.host_timing, llm) as host_report, \
+                host_profile(args.host_profile):
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
@@ -125,7 +193,7 @@ def main() -> None:
                   "bandwidth_gbs": round(bandwidth, 1), "num_kv_blocks": llm.engine.stats().num_total_blocks,
                   "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
                   "cuda_graphs": not args.enforce_eager,
-                  "tensor_parallel_size": args.tensor_parallel_size, **report}
+                  "tensor_parallel_size": args.tensor_parallel_size, **report, **host_report}
         llm.close()
         del llm
         torch.cuda.empty_cache()
