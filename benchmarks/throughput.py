@@ -84,17 +84,21 @@ def kernel_profile(enabled: bool):
 
 @contextlib.contextmanager
 def host_timing(enabled: bool, llm: LLM):
-    """Yields a dict that gains, per bucket of 32 running requests, the steps' mean host time
-    and the part of it spent waiting for the device (a host that never waits is the limit)."""
+    """Yields a dict that gains, per bucket of 32 running requests (decode steps only; steps
+    that admit requests are one bucket of their own), the steps' mean host time, the part of it
+    spent waiting for the device, and the device time of the step's own work (CUDA events
+    around its launch). A host that never waits is the limit."""
     report: dict = {}
     if not enabled:
         yield report
         return
     from nanoserve.runner.sampled_step import SampledStep
 
-    engine, waited = llm.engine, [0.0]
-    plain_result, plain_step = SampledStep.result, engine.step
-    buckets: dict[int, list[float]] = {}
+    engine, runner, waited = llm.engine, llm.engine.executor, [0.0]
+    plain_result, plain_step, plain_launch = SampledStep.result, engine.step, runner.launch
+    buckets: dict[str, list[float]] = {}
+    launched: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    current = [""]
 
     def timed_result(self):
         start = time.perf_counter()
@@ -103,26 +107,39 @@ def host_timing(enabled: bool, llm: LLM):
         waited[0] += time.perf_counter() - start
         return plain_result(self)
 
+    def timed_launch(step):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = plain_launch(step)
+        end.record()
+        launched.append((current[0], begin, end))
+        return out
+
     def timed_step():
         running, waited[0] = len(engine.scheduler.running), 0.0
+        current[0] = "admitting" if engine.scheduler.waiting else \
+            f"{running // 32 * 32}-{running // 32 * 32 + 31}"
         start = time.perf_counter()
         out = plain_step()
-        bucket = buckets.setdefault(running // 32 * 32, [0, 0.0, 0.0])
+        bucket = buckets.setdefault(current[0], [0, 0.0, 0.0, 0.0])
         bucket[0] += 1
         bucket[1] += time.perf_counter() - start
         bucket[2] += waited[0]
         return out
 
-    SampledStep.result, engine.step = timed_result, timed_step
+    SampledStep.result, engine.step, runner.launch = timed_result, timed_step, timed_launch
     try:
         yield report
     finally:
         SampledStep.result = plain_result
-        del engine.step
+        del engine.step, runner.launch
+    torch.cuda.synchronize()
+    for name, begin, end in launched:
+        buckets[name][3] += begin.elapsed_time(end) / 1e3
     report["host_ms_by_running"] = {
-        f"{b}-{b + 31}": {"steps": n, "step_ms": round(t / n * 1e3, 3),
-                          "wait_ms": round(w / n * 1e3, 3)}
-        for b, (n, t, w) in sorted(buckets.items())}
+        name: {"steps": n, "step_ms": round(t / n * 1e3, 3), "wait_ms": round(w / n * 1e3, 3),
+               "device_ms": round(d / n * 1e3, 3)}
+        for name, (n, t, w, d) in sorted(buckets.items())}
 
 
 @contextlib.contextmanager
@@ -140,7 +157,10 @@ def host_profile(enabled: bool):
         yield
     finally:
         profiler.disable()
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(45)
+        stats = pstats.Stats(profiler, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_callees(r"model_runner.py:\d+\(launch\)")
+        stats.print_callees(r"llm_engine.py:\d+\(step\)")
 
 
 def main() -> None:
@@ -151,6 +171,8 @@ def main() -> None:
                         help="also time transformers' generate, capped at this many tokens")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's per-step token budget (default: the engine's)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also print (to stderr) the device's kernel time over the run, "
                              "by kernel; the profiler slows the host, so seconds grows")
@@ -169,7 +191,9 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
                   max_num_seqs=max(args.num_seqs, 1),
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  **({"max_num_batched_tokens": args.max_num_batched_tokens}
+                     if args.max_num_batched_tokens else {}))
         load_s = time.perf_counter() - t0
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
                   for n in max_tokens]
@@ -193,7 +217,8 @@ def main() -> None:
                   "bandwidth_gbs": round(bandwidth, 1), "num_kv_blocks": llm.engine.stats().num_total_blocks,
                   "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
                   "cuda_graphs": not args.enforce_eager,
-                  "tensor_parallel_size": args.tensor_parallel_size, **report, **host_report}
+                  "tensor_parallel_size": args.tensor_parallel_size,
+                  "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens, **report, **host_report}
         llm.close()
         del llm
         torch.cuda.empty_cache()
