@@ -84,3 +84,16 @@ def test_smollm2_gguf_matches_transformers(smollm2_path):
     outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_offline_token_budget_defaults_above_the_servers(tiny_llama):
+    """LLM takes vLLM's offline budget unless told otherwise; EngineConfig (the server's and
+    the CLI's) keeps the smaller one."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+    assert OFFLINE_MAX_NUM_BATCHED_TOKENS > EngineConfig().max_num_batched_tokens
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32")
+    assert llm.engine.scheduler.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_batched_tokens=64)
+    assert llm.engine.scheduler.max_num_batched_tokens == 64
