@@ -145,3 +145,32 @@ def test_fused_sampler_path_with_logprobs():
         again = _fused_sample(logits[[0, 0, 1, 1]], mixed)
     assert first.logprobs is None and torch.equal(first.token_ids, again.token_ids)
     assert first.token_ids[0] == logits[0].argmax() and first.token_ids[2] == logits[1].argmax()
+
+
+def test_tokens_do_not_depend_on_how_the_batch_is_chunked():
+    """Larger batches take wider chunks per program (tiles_per_chunk); the noise is keyed by
+    (row, position), so a row's draw is the same in a batch of 1, 32 or 256."""
+    from nanoserve.kernels.sampling import tiles_per_chunk
+
+    assert tiles_per_chunk(1) == TILES_PER_CHUNK < tiles_per_chunk(32) < tiles_per_chunk(256)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(256, 1000, generator=gen)
+    temperature = torch.full((256,), 0.7)
+    whole = gumbel_max_sample(logits, temperature, seed=99)
+    for rows in (1, 32):
+        assert torch.equal(gumbel_max_sample(logits[:rows], temperature[:rows], seed=99),
+                           whole[:rows])
+    assert len(set(whole.tolist())) > 50  # draws, not one argmax repeated
+
+
+def test_start_up_compile_runs_every_chunk_width_once(monkeypatch):
+    """ModelRunner compiles the kernel variants before serving: one batch per chunk width."""
+    import nanoserve.kernels.sampling as sampling
+
+    batches = []
+    monkeypatch.setattr(sampling, "gumbel_max_sample",
+                        lambda logits, temperature, seed: batches.append(logits.shape[0]))
+    sampling.compile_for_batches(256, 50, torch.float32, torch.device("cpu"))
+    widths = [sampling.tiles_per_chunk(b) for b in batches]
+    assert sorted(widths) == sorted({sampling.tiles_per_chunk(b) for b in range(1, 257)})
+    assert len(widths) == len(set(widths)) == 4

@@ -17,22 +17,36 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from nanoserve.kernels.common import interpreted
+from nanoserve.kernels.common import LOG2E, interpreted
 
-# A chunk is TILES_PER_CHUNK tiles of 4 * QUARTER logits: one Philox call yields 4 numbers, one
-# for each logit of a group of 4 adjacent ones.
-# Untuned: 4096 logits per program gives 38 programs per row of a 152k vocabulary.
+# A chunk is some tiles of 4 * QUARTER logits: one Philox call yields 4 numbers, one for each
+# logit of a group of 4 adjacent ones. Small batches take TILES_PER_CHUNK tiles (4096 logits, 38
+# programs per row of a 152k vocabulary, so batch 1 spreads over the SMs); larger ones take up
+# to MAX_TILES_PER_CHUNK, so each program has more than two tiles to stream
+# (tiles_per_chunk).
 QUARTER = 512
 TILES_PER_CHUNK = 2
+MAX_TILES_PER_CHUNK = 16
 NUM_WARPS = 4
 # Small tiles on CPU so that short test rows still span several tiles and chunks.
 INTERPRETER_QUARTER = 8
 # -log(u) at the largest u, 1 - 2^-24, is ~2^-24: an approximate (fast-math) log could round it
 # to 0 or below and make the noise infinite. Torch's exponential_ guards the same way.
 E_MIN = tl.constexpr(2.0 ** -26)
+_LOG2E = tl.constexpr(LOG2E)
 _INT32_MAX = 2 ** 31 - 1
 _NO_INDEX = tl.constexpr(_INT32_MAX)  # loses every lowest-index tie
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """log2; on the GPU the one-instruction approximation (the interpreter has only the exact
+    one)."""
+    if FAST:
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
 
 
 # The seed changes every call: specialising on its value (== 1, % 16) would recompile the kernel.
@@ -40,7 +54,7 @@ _NO_INDEX = tl.constexpr(_INT32_MAX)  # loses every lowest-index tie
 def _chunk_argmax_kernel(
     logits_ptr, temperature_ptr, best_val_ptr, best_idx_ptr,
     seed_lo, seed_hi, vocab_size, stride_row,
-    QUARTER: tl.constexpr, TILES_PER_CHUNK: tl.constexpr,
+    QUARTER: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -68,7 +82,10 @@ def _chunk_argmax_kernel(
             # The top 23 bits as (n + 1/2) / 2^23: uniform in (0, 1), never 0 or 1, exact in fp32.
             u = ((bits >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
             exponential = tl.maximum(-tl.log(u), E_MIN)  # ~ Exp(1)
-            x = x / temperature - tl.log(exponential)
+            # x / T - ln(E), times log2(e) (the same argmax): x * log2(e) / T - log2(E). The
+            # second log may be approximate (absolute error ~2^-22 against scores of order 1
+            # and more); the first may not: near u = 1 it must resolve -ln(u) ~ 2^-24.
+            x = x * (_LOG2E / temperature) - _log2(exponential, FAST_LOG)
         # Strictly greater: a position sees increasing indices, so it keeps the first of equals.
         better = x > best
         best = tl.where(better, x, best)
@@ -91,6 +108,25 @@ def _row_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_C:
     # Chunks cover increasing index ranges: the lowest index among equal maxima is the first.
     token = tl.min(tl.where(vals == tl.max(vals, 0), idx, _NO_INDEX), 0)
     tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def tiles_per_chunk(batch: int) -> int:
+    """Tiles per program: 2 up to 16 rows, doubling with the batch up to 16 tiles from 65 rows
+    (five programs per row of a 152k vocabulary: 1,280 at 256 rows). The noise is keyed by
+    position, not by chunk, so the tokens do not depend on it."""
+    return min(MAX_TILES_PER_CHUNK, max(TILES_PER_CHUNK, triton.next_power_of_2(batch) // 8))
+
+
+def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
+                        device: torch.device) -> None:
+    """Run the kernels once per chunk width that batches of up to ``max_batch`` rows take, so
+    that none of them compiles in the middle of serving."""
+    first_batch: dict[int, int] = {}
+    for batch in range(1, max_batch + 1):
+        first_batch.setdefault(tiles_per_chunk(batch), batch)
+    for batch in first_batch.values():
+        gumbel_max_sample(torch.zeros(batch, vocab_size, dtype=dtype, device=device),
+                          torch.ones(batch, device=device), seed=0)
 
 
 def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
@@ -116,7 +152,8 @@ def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int
     if batch == 0:
         return token_ids
     quarter = INTERPRETER_QUARTER if interpreted(logits.device) else QUARTER
-    num_chunks = triton.cdiv(vocab_size, TILES_PER_CHUNK * 4 * quarter)
+    tiles = tiles_per_chunk(batch)
+    num_chunks = triton.cdiv(vocab_size, tiles * 4 * quarter)
     best_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     # Two 31-bit halves: Triton types an int argument by its value, and a seed that switched
@@ -124,7 +161,8 @@ def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int
     _chunk_argmax_kernel[(batch, num_chunks)](
         logits, temperature, best_val, best_idx,
         seed & _INT32_MAX, seed >> 31, vocab_size, logits.stride(0),
-        QUARTER=quarter, TILES_PER_CHUNK=TILES_PER_CHUNK, num_warps=NUM_WARPS,
+        QUARTER=quarter, TILES_PER_CHUNK=tiles, FAST_LOG=not interpreted(logits.device),
+        num_warps=NUM_WARPS,
     )
     _row_argmax_kernel[(batch,)](
         best_val, best_idx, token_ids, num_chunks,
