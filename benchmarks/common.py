@@ -39,6 +39,12 @@ SHAPES = {
                      eos_token_id=128001, bos_token_id=128000, hidden_act="silu"),
 }
 
+# Qwen3-0.6B's config shrunk to one small layer: for host-side benchmarks, whose model forward
+# must cost next to nothing.
+SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **dict(
+    hidden_size=64, num_hidden_layers=1, intermediate_size=128, head_dim=32,
+    num_attention_heads=2, num_key_value_heads=1)}
+
 QWEN3_TOKENIZER_DIR = Path(".cache/qwen3-tokenizer")
 
 

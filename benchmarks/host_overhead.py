@@ -66,10 +66,6 @@ def runner_ms(num_seqs: int, prompt_len: int, steps: int) -> tuple[float, float]
     from nanoserve import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=128, head_dim=32,
-                    num_attention_heads=2, num_key_value_heads=1)
-        from common import SHAPES
-        SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **tiny}
         llm = LLM(str(make_model_dir("tiny-qwen3", Path(tmp) / "m")), load_format="dummy",
                   device="cpu", num_kv_blocks=num_seqs * (prompt_len // 16 + 2))
     runner = llm.engine.executor

@@ -50,14 +50,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     prompts, max_tokens = workload(args.num_seqs)
-    tiny = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=128, head_dim=32,
-                num_attention_heads=2, num_key_value_heads=1)
-    SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **tiny}
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(str(make_model_dir("tiny-qwen3", Path(tmp) / "m")), load_format="dummy",
                   device="cpu", max_num_seqs=args.num_seqs, num_kv_blocks=80000)
     runner = llm.engine.executor
-    runner.model = StubModel(64)
+    runner.model = StubModel(SHAPES["tiny-qwen3"]["hidden_size"])
     runner.sampler = stub_sampler
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     profiler = cProfile.Profile() if args.profile else None

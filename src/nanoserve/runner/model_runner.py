@@ -83,7 +83,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, 512), self._blocks_per_seq(),
                 self.max_model_len, self.device)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and get_tp_group().rank == 0:  # the rank that samples
             from nanoserve.kernels.sampling import compile_for_batches
             compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
                                 self.device)
