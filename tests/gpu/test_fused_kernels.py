@@ -1,6 +1,6 @@
 """On a CUDA device, at the real shapes in bf16: the kernels that took over other ops' work
-(split decode finishing the new tokens, the pre-norm inside the batch-1 GEMV) against the
-PyTorch path they replace. tests/kernels checks the same under the interpreter at small sizes.
+(split decode finishing the new tokens, the pre-norm inside the batch-1 GEMV, the norm adding
+up split-K partial sums) against the PyTorch path they replace. tests/kernels checks the same under the interpreter at small sizes.
 Skipped without CUDA.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     num_decode_splits,
 )
 from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear  # noqa: E402
-from nanoserve.layers.norm import RMSNorm, add_rms_norm_torch  # noqa: E402
+from nanoserve.layers.linear import linear, split_k_linear, split_k_parts  # noqa: E402
+from nanoserve.layers.norm import PartialSums, RMSNorm, add_rms_norm_torch  # noqa: E402
 from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 MAX_POSITIONS = 40960  # Qwen3's: the split count the decode graphs are captured with
@@ -111,3 +112,22 @@ def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group):
 def test_norm_in_gemv_matches_torch_path(n, k):
     assert norm_fusable(n, k, torch.device("cuda"))
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("rows", [2, 64, 200])
+@pytest.mark.parametrize("k,gated", [(2048, False), (3072, True)], ids=["o_proj", "down_proj"])
+def test_split_k_projection_and_norm_match_unsplit(rows, k, gated):
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, 2 * k if gated else k, generator=gen).to("cuda", torch.bfloat16)
+    weight = torch.randn(1024, k, generator=gen).div(k ** 0.5).to("cuda", torch.bfloat16)
+    residual = (4 * torch.randn(rows, 1024, generator=gen)).to("cuda", torch.bfloat16)
+    norm = RMSNorm(1024, 1e-6).to("cuda", torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.3)
+    parts = split_k_linear(x, weight, None, gated)
+    assert isinstance(parts, PartialSums)
+    assert parts.parts.shape == (split_k_parts(rows, 1024, k), rows, 1024)
+    expected, expected_residual = add_rms_norm_torch(linear(x, weight, None, gated), residual,
+                                                     norm.weight, 1e-6)
+    out, out_residual = norm(parts, residual.clone())
+    torch.testing.assert_close(out_residual.float(), expected_residual.float(), **BF16)
+    torch.testing.assert_close(out.float(), expected.float(), **BF16)

@@ -10,7 +10,8 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
-from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+from nanoserve.kernels.fused_ops import (add_rms_norm, add_rms_norm_parts, rms_norm,  # noqa: E402
+                                         silu_and_mul)
 
 # fp32 differs from PyTorch only by summation order and exp/rsqrt rounding; 16-bit outputs may
 # flip one ulp (~1e-3 relative) where the fp32 value sits near a rounding boundary.
@@ -103,6 +104,27 @@ def test_add_rms_norm(dtype, dim):
     assert new_residual is residual
     assert torch.equal(new_residual, expected_residual)
     assert torch.equal(x, x_before)
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_parts", [2, 3])
+def test_add_rms_norm_parts(dtype, num_parts):
+    """A split-K GEMM's fp32 partial sums stand for x: summed, rounded to the activation dtype
+    as the unsplit GEMM's output would be, then added to the residual and normalised."""
+    gen = torch.Generator().manual_seed(num_parts)
+    dim = 1100  # not a power of two: masked lanes must add nothing
+    parts = 2 * torch.randn(num_parts, 5, dim, generator=gen)
+    residual = (4 * torch.randn(5, dim, generator=gen)).to(dtype)
+    w = random_weight(dim, dtype, gen)
+    x = parts.sum(0).to(dtype)
+    expected_residual = x + residual
+    expected = ref_rms_norm(expected_residual, w, EPS)
+
+    out, new_residual = add_rms_norm_parts(parts, residual, w, EPS)
+    assert new_residual is residual and out.dtype == dtype
+    # fp32 partials summed in another order may round the 16-bit sum an ulp apart, rarely.
+    assert_matches(new_residual, expected_residual)
     assert_matches(out, expected)
 
 

@@ -31,8 +31,9 @@ def num_warps_for(block: int) -> int:
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     eps,
-    stride_xa, stride_xb, stride_ra, stride_rb, stride_oa, stride_ob,
+    stride_xa, stride_xb, stride_ra, stride_rb, stride_oa, stride_ob, stride_part,
     DIM: tl.constexpr, BLOCK_D: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    NUM_PARTS: tl.constexpr = 1,
 ):
     if PDL:  # the projection after the norm may start fetching its weights (skinny_gemm.py)
         gdc_launch_dependents()
@@ -45,7 +46,12 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
     if PDL:  # launched early too: x and the residual come from the kernel before
         gdc_wait()
-    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + d, mask=mask, other=0.0).to(tl.float32)
+    x_ptrs = x_ptr + a * stride_xa + b * stride_xb + d
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if NUM_PARTS > 1:  # x is a split-K GEMM's fp32 partial sums: add them up, round as its output
+        for part in tl.static_range(1, NUM_PARTS):
+            x += tl.load(x_ptrs + part * stride_part, mask=mask, other=0.0)
+        x = x.to(residual_ptr.dtype.element_ty).to(tl.float32)
     if ADD_RESIDUAL:
         r_ptrs = residual_ptr + a * stride_ra + b * stride_rb + d
         r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -59,7 +65,8 @@ def _rms_norm_kernel(
     y = x * tl.rsqrt(mean_sq + eps)
     # The reference casts to the activation dtype before the weight multiply; the product of two
     # 16-bit floats is exact in fp32, so one final rounding reproduces PyTorch's result.
-    y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    # (The residual's dtype is the activations' even when x holds fp32 partial sums.)
+    y = y.to(residual_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(out_ptr + a * stride_oa + b * stride_ob + d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -71,8 +78,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-    """Shared host side of :func:`rms_norm` and :func:`add_rms_norm` (``residual`` optional).
+                     eps: float, parts: torch.Tensor | None = None) -> torch.Tensor:
+    """Shared host side of :func:`rms_norm`, :func:`add_rms_norm` (``residual`` optional) and
+    :func:`add_rms_norm_parts` (``parts``: ``[S, *x.shape]`` float32 partial sums that stand
+    for ``x``, which is then ``parts[0]``).
 
     Under programmatic launch the kernel reads ``weight`` before waiting for the kernel before
     it, so ``weight`` must not be that kernel's output (the layers pass their parameters).
@@ -80,8 +89,9 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     dim = x.shape[-1]
     assert weight.shape == (dim,) and weight.is_contiguous(), "weight must be a contiguous [D]"
     assert x.stride(-1) == 1, "the normalised (last) dimension must be contiguous"
+    act_dtype = x.dtype if parts is None else residual.dtype
     # The reference's `x.to(dtype) * weight` promotes, e.g. fp16 activations x fp32 weight -> fp32.
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(act_dtype, weight.dtype), device=x.device)
     if x.numel() == 0:
         return out
     x3, o3 = _rows(x), _rows(out)
@@ -92,7 +102,9 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         x3, r3, weight, o3,
         eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
+        parts.stride(0) if parts is not None else 0,
         DIM=dim, BLOCK_D=block_d, ADD_RESIDUAL=residual is not None,
+        NUM_PARTS=parts.shape[0] if parts is not None else 1,
         PDL=pdl, num_warps=num_warps_for(block_d), launch_pdl=pdl,
     )
     return out
@@ -122,6 +134,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         "x and residual must share a shape and dtype"
     assert residual.stride(-1) == 1, "the residual's last dimension must be contiguous"
     return _launch_rms_norm(x, residual, weight, eps), residual
+
+
+def add_rms_norm_parts(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` of ``x = parts.sum(0)``, rounded to ``residual.dtype`` first.
+
+    ``parts`` (``[S, *residual.shape]`` float32) are a split-K GEMM's partial products; summing
+    them here, in the launch that follows the GEMM anyway, costs no launch of its own, and
+    rounding the sum once gives what the unsplit GEMM's 16-bit output would be (up to the
+    order of the fp32 additions). The sum plus the residual is written IN PLACE into
+    ``residual``.
+    """
+    assert parts.dim() == residual.dim() + 1 and parts.shape[1:] == residual.shape, \
+        "parts must be [S, *residual.shape]"
+    assert parts.dtype == torch.float32, "partial sums are float32"
+    assert residual.stride(-1) == 1, "the residual's last dimension must be contiguous"
+    return _launch_rms_norm(parts[0], residual, weight, eps, parts=parts), residual
 
 
 @triton.jit

@@ -16,10 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import RMSNorm
+from nanoserve.layers.norm import PartialSums, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, get_tp_group
 
 ShardId = str | int | None
+
+# Decode-size batches (the CUDA graphs' range) whose narrow projections run split-K.
+SPLIT_K_MAX_ROWS = 256
+# Only outputs this narrow: there cuBLAS runs few output tiles, each with a long K loop
+# (Qwen3-0.6B's o_proj and down_proj, N = 1024; benchmarks/split_k.py).
+SPLIT_K_MAX_FEATURES = 2048
 
 
 def _one_row_on_cuda(x: torch.Tensor) -> bool:
@@ -42,7 +48,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(silu_and_mul(x) if gated else x, weight, bias)
 
 
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+def split_k_parts(rows: int, out_features: int, in_features: int) -> int:
+    """Slices of K for a split-K projection of ``rows`` rows (1: not split).
+
+    Measured on the H200 (run 63, ``benchmarks/split_k.py``): with the partial sums added by
+    the RMSNorm launch after it, 4 slices up to 128 rows and 2 above take 1.0-1.6 us off each
+    o_proj / down_proj + add + RMSNorm pair of Qwen3-0.6B (6.3-8.3 us against 6.9-9.8).
+    """
+    if not 2 <= rows <= SPLIT_K_MAX_ROWS or out_features > SPLIT_K_MAX_FEATURES:
+        return 1
+    parts = 4 if rows <= 128 else 2
+    # Every slice's first element stays 16-byte aligned for cuBLAS.
+    return parts if in_features % (8 * parts) == 0 else 1
+
+
+def split_k_views(x: torch.Tensor, weight: torch.Tensor, parts: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` and ``weight [N, K]`` as ``[S, M, K/S]`` and ``[S, K/S, N]`` views (no
+    copies) of K's ``S`` slices: ``bmm`` of them, summed over S, is ``x @ weight.T``."""
+    (rows, k), n = x.shape, weight.shape[0]
+    return (x.view(rows, parts, k // parts).transpose(0, 1),
+            weight.view(n, parts, k // parts).permute(1, 2, 0))
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   gated: bool = False) -> torch.Tensor | PartialSums:
+    """:func:`linear`, or, for decode-size 16-bit batches on CUDA where ``split_k_parts`` says
+    so, its float32 partial sums over slices of K as one batched cuBLAS GEMM: S times the
+    programs of a narrow projection, and the sum costs no launch of its own in the add + RMSNorm
+    after it (``RMSNorm`` takes :class:`PartialSums`)."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if (not x.is_cuda or bias is not None or x.dtype not in (torch.bfloat16, torch.float16)
+            or (parts := split_k_parts(rows, *weight.shape)) == 1):
+        return linear(x, weight, bias, gated)
+    x = silu_and_mul(x) if gated else x
+    return PartialSums(torch.bmm(*split_k_views(x, weight, parts), out_dtype=torch.float32))
+
+
+def norm_linear(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, norm: RMSNorm,
                 weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)``; without a residual, ``(.. norm(x) .., x)``.
@@ -51,7 +94,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     (``norm_fusable``), the add and the norm run inside the skinny GEMM (two dependent
     launches become one); elsewhere this is the norm module, then :func:`linear`.
     """
-    if _one_row_on_cuda(x) and norm.weight.dtype == x.dtype:
+    if isinstance(x, torch.Tensor) and _one_row_on_cuda(x) and norm.weight.dtype == x.dtype:
         from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear
         if norm_fusable(weight.shape[0], weight.shape[1], x.device):
             return skinny_norm_linear(x, residual, norm.weight, norm.eps, weight, bias)
@@ -90,8 +133,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the summed residual (:func:`norm_linear`)."""
         return norm_linear(x, residual, norm, self.weight, self.bias)
 
@@ -190,3 +233,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight, self.bias, self.gated))
+
+    def forward_for_norm(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
+        """:meth:`forward` for a caller that feeds the result to an add + RMSNorm: on one rank
+        it may return split-K partial sums (:func:`split_k_linear`) for the norm to add up."""
+        if self.tp.size > 1:
+            return self.forward(x)
+        return split_k_linear(x, self.weight, self.bias, self.gated)

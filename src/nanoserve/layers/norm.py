@@ -1,8 +1,18 @@
 """RMSNorm, optionally fused with the residual add that precedes it."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+
+class PartialSums(NamedTuple):
+    """A projection's output left as float32 partial sums over slices of its input features
+    (``parts``: ``[S, rows, N]``), for the add + RMSNorm after it to add up in its own launch
+    (split-K decode projections on CUDA, ``layers.linear.split_k_linear``)."""
+
+    parts: torch.Tensor
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,8 +41,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, PartialSums):  # only produced on CUDA, always before a residual add
+            from nanoserve.kernels.fused_ops import add_rms_norm_parts
+            return add_rms_norm_parts(x.parts, residual, self.weight, self.eps)
         if x.is_cuda:  # one fused Triton kernel instead of ~8 elementwise launches
             from nanoserve.kernels.fused_ops import add_rms_norm, rms_norm
             if residual is None:

@@ -17,7 +17,7 @@ from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanoserve.layers.norm import RMSNorm
+from nanoserve.layers.norm import PartialSums, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -43,10 +43,12 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | PartialSums,
+                residual: torch.Tensor | None, norm: RMSNorm
+                ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
         """Attention of ``norm(x + residual)``; returns it with the summed residual. The norm
-        is the qkv projection's to apply, so that it can fuse it."""
+        is the qkv projection's to apply, so that it can fuse it; the output may be o_proj's
+        split-K partial sums, which the next norm adds up (``RowParallelLinear.forward_for_norm``)."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
@@ -57,7 +59,7 @@ class Attention(nn.Module):
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
                                      self.q_norm, self.k_norm)
-        return self.o_proj(out.reshape(-1, q_size)), residual
+        return self.o_proj.forward_for_norm(out.reshape(-1, q_size)), residual
 
 
 class MLP(nn.Module):
@@ -71,11 +73,11 @@ class MLP(nn.Module):
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj(gate_up), residual
+        return self.down_proj.forward_for_norm(gate_up), residual
 
 
 class DecoderLayer(nn.Module):
@@ -86,8 +88,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | PartialSums,
+                residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
         x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
         return self.mlp(x, residual, self.post_attention_layernorm)
 
