@@ -2,7 +2,10 @@
 (needs CUDA): cProfile of the host and torch.profiler (CUDA API calls, kernels), over those
 steps only. Prints the admitting steps' wall times and both profiles.
 
-    python benchmarks/admit_profile.py [--max-num-batched-tokens N]
+    python benchmarks/admit_profile.py [--max-num-batched-tokens N] [--host-only]
+
+``--host-only`` leaves torch.profiler off (it slows the host, and the admitting steps are
+host-bound: run 65), and adds the host profile sorted by cumulative time.
 """
 from __future__ import annotations
 
@@ -24,17 +27,22 @@ from nanoserve.engine.llm_engine import LLMEngine
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the step budget (default: the offline LLM's)")
+    parser.add_argument("--host-only", action="store_true")
     args = parser.parse_args()
     prompts, max_tokens = workload()
+    budget = {} if args.max_num_batched_tokens is None else dict(
+        max_num_batched_tokens=args.max_num_batched_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(str(make_model_dir("qwen3-0.6b", Path(tmp) / "m")), load_format="dummy",
-                  max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_seqs=256, **budget)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
     host_profile, plain_step, times = cProfile.Profile(), LLMEngine.step, []
     device_profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    device_profile.start()
-    profiling = [True]
+    if not args.host_only:
+        device_profile.start()
+    profiling = [not args.host_only]
 
     def step(self: LLMEngine):
         admitting = bool(self.scheduler.waiting)
@@ -56,8 +64,11 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     LLMEngine.step = plain_step
-    print("admitting step ms (both profilers on):", times)
+    print(f"admitting step ms ({'cProfile' if args.host_only else 'both profilers'} on):", times)
     pstats.Stats(host_profile).sort_stats("tottime").print_stats(25)
+    if args.host_only:
+        pstats.Stats(host_profile).sort_stats("cumulative").print_stats(45)
+        return
     events = device_profile.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
     print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=50))

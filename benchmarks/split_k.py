@@ -21,7 +21,9 @@ from common import emit, environment, graph_us
 from nanoserve.kernels.fused_ops import add_rms_norm, add_rms_norm_parts
 
 SHAPES = {"o_proj": (1024, 2048), "down_proj": (1024, 3072),  # (N, K), Qwen3-0.6B
-          "8b_o_proj": (4096, 4096), "8b_down_proj": (4096, 12288)}
+          "8b_o_proj": (4096, 4096), "8b_down_proj": (4096, 12288),
+          # Wide outputs with short K, for the GEMM-only times (their consumers are not norms).
+          "qkv_proj": (4096, 1024), "gate_up_proj": (6144, 1024)}
 LAYERS = 28
 EPS = 1e-6
 

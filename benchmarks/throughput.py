@@ -202,10 +202,15 @@ def main() -> None:
         with kernel_profile(args.profile_kernels) as report, \
                 host_timing(args.host_timing, llm) as host_report, \
                 host_profile(args.host_profile):
+            allocs_before = torch.cuda.memory_stats()
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
+            allocs_after = torch.cuda.memory_stats()
+            # cudaMalloc/cudaFree inside the run: either can stall the host until the device idles.
+            allocs = {f"{key}_in_run": allocs_after.get(key, 0) - allocs_before.get(key, 0)
+                      for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         assert produced == sum(max_tokens), "every request must run to its max_tokens"
         floor = floor_seconds(shape, prompts, max_tokens, bandwidth, args.tensor_parallel_size)
@@ -218,7 +223,8 @@ def main() -> None:
                   "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
                   "cuda_graphs": not args.enforce_eager,
                   "tensor_parallel_size": args.tensor_parallel_size,
-                  "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens, **report, **host_report}
+                  "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
+                  **allocs, **report, **host_report}
         llm.close()
         del llm
         torch.cuda.empty_cache()

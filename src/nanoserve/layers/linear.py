@@ -23,9 +23,9 @@ ShardId = str | int | None
 
 # Decode-size batches (the CUDA graphs' range) whose narrow projections run split-K.
 SPLIT_K_MAX_ROWS = 256
-# Only outputs this narrow: there cuBLAS runs few output tiles, each with a long K loop
-# (Qwen3-0.6B's o_proj and down_proj, N = 1024; benchmarks/split_k.py).
-SPLIT_K_MAX_FEATURES = 2048
+# Only outputs this narrow (the width measured to gain): there cuBLAS runs few output tiles,
+# each with a long K loop (Qwen3-0.6B's o_proj and down_proj; 4096-wide ones tie, run 64).
+SPLIT_K_MAX_FEATURES = 1024
 
 
 def _one_row_on_cuda(x: torch.Tensor) -> bool:
