@@ -97,3 +97,21 @@ def test_offline_token_budget_defaults_above_the_servers(tiny_llama):
     assert llm.engine.scheduler.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_batched_tokens=64)
     assert llm.engine.scheduler.max_num_batched_tokens == 64
+
+
+def test_norm_weights_folded_into_projections_keep_outputs_exact(tiny_model, expected):
+    """The GPU path folds each layer's pre-norm weights into the qkv and gate/up columns and
+    keeps unit norms; the same model folded on the CPU must still equal transformers."""
+    ids, want = expected
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32")
+    model = llm.engine.executor.model
+    layer = model.model.layers[0]
+    g = layer.input_layernorm.weight.clone()
+    w = layer.self_attn.qkv_proj.weight.clone()
+    model.fold_norm_weights()
+    assert layer.input_layernorm.folded and layer.post_attention_layernorm.folded
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(g))
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, w * g[None, :])
+    assert not model.model.norm.folded  # the LM head may be the embedding: the final norm stays
+    outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -1,7 +1,7 @@
 """On a CUDA device, at the real shapes in bf16: the kernels that took over other ops' work
-(split decode finishing the new tokens, the pre-norm inside the batch-1 GEMV, the norm adding
-up split-K partial sums) against the PyTorch path they replace. tests/kernels checks the same under the interpreter at small sizes.
-Skipped without CUDA.
+(split decode finishing the new tokens, the pre-norm and the residual add inside the batch-1
+GEMVs, the norm adding up split-K partial sums) against the PyTorch path they replace.
+tests/kernels checks the same under the interpreter at small sizes. Skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -23,9 +23,14 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear  # noqa: E402
+from nanoserve.kernels.skinny_gemm import skinny_linear, skinny_rms_linear  # noqa: E402
 from nanoserve.layers.linear import linear, split_k_linear, split_k_parts  # noqa: E402
-from nanoserve.layers.norm import PartialSums, RMSNorm, add_rms_norm_torch  # noqa: E402
+from nanoserve.layers.norm import (  # noqa: E402
+    PartialSums,
+    RMSNorm,
+    add_rms_norm_torch,
+    rms_norm_torch,
+)
 from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 MAX_POSITIONS = 40960  # Qwen3's: the split count the decode graphs are captured with
@@ -92,14 +97,20 @@ def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: to
 
 
 def check_norm_in_gemv(n: int, k: int, dtype: torch.dtype, device: str) -> None:
+    """The pre-norm inside the batch-1 GEMV (its weight folded into W) against the norm
+    module then the product, and the residual add in the GEMV before it."""
     gen = torch.Generator().manual_seed(n + k)
-    x, residual = (torch.randn(1, k, generator=gen).to(device, dtype) for _ in range(2))
+    h = (2 * torch.randn(1, k, generator=gen)).to(device, dtype)
     norm_weight = (1 + 0.3 * torch.randn(k, generator=gen)).to(device, dtype)
     weight = torch.randn(n, k, generator=gen).div(k ** 0.5).to(device, dtype)
-    normed, summed = add_rms_norm_torch(x, residual, norm_weight, 1e-6)
-    y, out_residual = skinny_norm_linear(x, residual, norm_weight, 1e-6, weight)
-    torch.testing.assert_close(y.double(), normed.double() @ weight.double().T, **BF16)
-    assert torch.equal(out_residual, summed)
+    folded = (weight.float() * norm_weight.float()[None, :]).to(dtype)
+    expected = rms_norm_torch(h, norm_weight, 1e-6).double() @ weight.double().T
+    torch.testing.assert_close(skinny_rms_linear(h, 1e-6, folded).double(), expected, **BF16)
+    x = torch.randn(1, n, generator=gen).to(device, dtype)
+    back = torch.randn(k, n, generator=gen).div(n ** 0.5).to(device, dtype)
+    residual = h.clone()
+    assert skinny_linear(x, back, residual=residual) is residual
+    assert torch.equal(residual, skinny_linear(x, back) + h)
 
 
 @pytest.mark.parametrize("seq_lens", [[300], [4000, 17, 1, 900]], ids=["batch1", "batch4"])
@@ -108,9 +119,9 @@ def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group):
     check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda")
 
 
-@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024)], ids=["qkv", "gate_up"])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (6144, 4096), (24576, 4096)],
+                         ids=["qkv", "gate_up", "qkv-8b", "gate_up-8b"])
 def test_norm_in_gemv_matches_torch_path(n, k):
-    assert norm_fusable(n, k, torch.device("cuda"))
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
 
 

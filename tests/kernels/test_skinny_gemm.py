@@ -13,10 +13,9 @@ from nanoserve.kernels.skinny_gemm import (  # noqa: E402
     MAX_ROWS,
     SkinnyConfig,
     skinny_linear,
-    skinny_norm_linear,
+    skinny_rms_linear,
 )
 from nanoserve.layers.activation import silu_and_mul_torch  # noqa: E402
-from nanoserve.layers.norm import add_rms_norm_torch, rms_norm_torch  # noqa: E402
 
 # fp32 differs from float64 by summation order; fp16 by that and one final rounding.
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -73,45 +72,47 @@ def test_gated_input_applies_silu_and_mul_first(dtype, m, n, k):
         skinny_linear(x[:, :k + 1], w, gated=True)
 
 
+RMS_CASES = [(1, 24, 64, SkinnyConfig(8, 64, 1, 1)), (2, 40, 100, SkinnyConfig(16, 32, 2, 1)),
+             (1, 17, 96, SkinnyConfig(2, 128, 1, 1, defer_sum=True)),
+             (3, 9, 200, SkinnyConfig(4, 64, 1, 1, defer_sum=True))]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,n,k,config", [
-    (1, 24, 64, SkinnyConfig(8, 64, 1, 1)), (2, 40, 100, SkinnyConfig(16, 128, 2, 1)),
-    (1, 17, 96, SkinnyConfig(2, 128, 1, 1, defer_sum=True))])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_norm_input_applies_add_rms_norm_first(dtype, m, n, k, config, with_residual):
-    """The qkv and gate/up projections at batch 1: the pre-norm (and its residual add) fused."""
-    gen = torch.Generator().manual_seed(k + m + with_residual)
-    x = torch.randn(m, k, generator=gen).mul(3).to(dtype)
-    residual = torch.randn(m, k, generator=gen).to(dtype) if with_residual else None
-    norm_w = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype)
+@pytest.mark.parametrize("m,n,k,config", RMS_CASES)
+def test_rms_input_normalises_each_row(dtype, m, n, k, config):
+    """qkv and gate/up at batch 1: RMSNorm of the residual stream h (its weight folded into W)
+    applied to the product, whether K takes one chunk or several, masked or not."""
+    gen = torch.Generator().manual_seed(k + m)
+    h = torch.randn(m, k, generator=gen).mul(3).to(dtype)
     w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
     eps = 1e-6
-    if with_residual:
-        normed, summed = add_rms_norm_torch(x, residual, norm_w, eps)
-    else:
-        normed, summed = rms_norm_torch(x, norm_w, eps), x
-    residual_before = None if residual is None else residual.clone()
-    y, out_residual = skinny_norm_linear(x, residual, norm_w, eps, w, b, config=config)
-    torch.testing.assert_close(y, reference(normed, w, b), **TOLERANCE[dtype])
-    assert torch.equal(out_residual, summed)
-    if with_residual:  # out of place: the caller's residual is left as it was
-        assert out_residual.data_ptr() != residual.data_ptr()
-        assert torch.equal(residual, residual_before)
+    hd = h.double()
+    normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)
+    expected = (normed @ w.double().T + b.double()).to(dtype)
+    torch.testing.assert_close(skinny_rms_linear(h, eps, w, b, config=config), expected,
+                               **TOLERANCE[dtype])
 
 
-def test_norm_input_rejects_what_it_cannot_fuse():
-    x, w = torch.randn(1, 64), torch.randn(8, 64)
-    with pytest.raises(ValueError, match="norm weight"):
-        skinny_norm_linear(x, None, torch.ones(63), 1e-6, w, config=SkinnyConfig(8, 64, 1, 1))
-    with pytest.raises(ValueError, match="norm weight"):
-        skinny_norm_linear(x, None, torch.ones(64, dtype=torch.float16), 1e-6, w,
-                           config=SkinnyConfig(8, 64, 1, 1))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_residual_epilogue_adds_the_product_in_place(dtype, gated, with_bias):
+    """o_proj and down_proj at batch 1: the product goes into the residual stream in place,
+    rounded as ``F.linear(...) + residual`` rounds (the product first, then the sum)."""
+    gen = torch.Generator().manual_seed(7 + gated + 2 * with_bias)
+    k, n = 100, 40
+    x = torch.randn(1, 2 * k if gated else k, generator=gen).mul(2).to(dtype)
+    w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    residual = (4 * torch.randn(1, n, generator=gen)).to(dtype)
+    product = skinny_linear(x, w, b, gated=gated, config=SkinnyConfig(8, 32, 1, 1))
+    expected = product + residual
+    out = skinny_linear(x, w, b, gated=gated, residual=residual, config=SkinnyConfig(8, 32, 1, 1))
+    assert out is residual
+    assert torch.equal(residual, expected)
     with pytest.raises(ValueError, match="residual"):
-        skinny_norm_linear(x, torch.randn(1, 32), torch.ones(64), 1e-6, w,
-                           config=SkinnyConfig(8, 64, 1, 1))
-    with pytest.raises(ValueError, match="one chunk"):
-        skinny_norm_linear(x, None, torch.ones(64), 1e-6, w, config=SkinnyConfig(8, 32, 1, 1))
+        skinny_linear(x, w, b, gated=gated, residual=torch.zeros(1, n + 1, dtype=dtype))
 
 
 def test_strided_rows_of_x():

@@ -10,11 +10,14 @@ of its W before it sums anything.
 
 ``gated=True`` fuses the MLP's ``silu(gate) * up`` into the down projection: x is read as
 ``[gate | up]`` and activated chunk by chunk as it is loaded, which saves a launch per layer.
-``skinny_norm_linear`` likewise fuses the residual add + RMSNorm in front of the qkv and gate/up
-projections where the tiles take K in one chunk: each program then holds the whole row anyway,
-so its norm costs a second small load (the residual) and a row sum, and two dependent launches
-per layer go. Where thousands of programs would each re-read the row (Qwen3-8B) it does not
-pay, and the layers keep the separate norm (``norm_fusable``).
+The residual add and RMSNorm between projections cost no launch either. The projection before
+them (o_proj, down_proj) adds its output into the residual in its epilogue
+(``skinny_linear(..., residual=r)``): each program owns its output features, so the update is
+in place. The one after them (qkv, gate/up: ``skinny_rms_linear``) multiplies the residual
+stream h by W as it streams it, sums h's squares on the side and scales its outputs by
+``rsqrt(mean(h^2) + eps)`` at the end. The norm's weight is folded into W's columns at load
+time (``DecoderForCausalLM.fold_norm_weights``), so nothing is read but h and W. That pays
+where K takes one chunk and the programs are few (``rms_fusable``: Qwen3-0.6B, not 8B).
 
 On Hopper the kernel is launched programmatically dependent on the one before it: it fetches its
 first tile of W while that kernel still runs and waits for it only before reading x
@@ -61,31 +64,13 @@ def _x_tile(x_rows, k_start, K, x_mask, GATED: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_rows(x_rows, r_rows, sum_rows, norm_w, K, x_mask, eps, is_first,
-                   HAS_RESIDUAL: tl.constexpr):
-    """RMSNorm(x (+ residual)) of whole rows in fp32, rounded where ``add_rms_norm_torch``
-    rounds: the sum, the normalised value, then its product with the weight. The first program
-    stores the sum (out of place: every program reads the old residual)."""
-    x = tl.load(x_rows, mask=x_mask, other=0.0)
-    dtype = x.dtype
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(r_rows, mask=x_mask, other=0.0).to(tl.float32)).to(dtype)
-        if is_first:
-            tl.store(sum_rows, x, mask=x_mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + eps)
-    normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
-    return (normed * norm_w[None, :]).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, sum_ptr, norm_w_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr,
     M, N, K, eps,
-    stride_xm, stride_wn, stride_ym, stride_rm, stride_sm,
+    stride_xm, stride_wn, stride_ym, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
-    DEFER_SUM: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    DEFER_SUM: tl.constexpr, RMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
@@ -101,16 +86,14 @@ def _skinny_gemm_kernel(
     # kernel that writes x still runs, and x is read only after waiting for that kernel.
     k_mask = k < K
     w = tl.load(w_rows, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    if NORM:  # a parameter, like W: fetched before waiting
-        norm_w = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
-    if NORM:  # one K chunk (the host checks): this tile is the whole row
-        x = _add_norm_rows(x_rows, r_ptr + m[:, None] * stride_rm + k[None, :],
-                           sum_ptr + m[:, None] * stride_sm + k[None, :], norm_w, K,
-                           m_mask[:, None] & k_mask[None, :], eps, pid == 0, HAS_RESIDUAL)
-    else:
-        x = _x_tile(x_rows, 0, K, m_mask[:, None] & k_mask[None, :], GATED)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_RESIDUAL:  # requested now, so that its latency hides behind the K loop
+        r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=out_mask, other=0.0)
+    x = _x_tile(x_rows, 0, K, m_mask[:, None] & k_mask[None, :], GATED)
+    if RMS:  # masked lanes load 0 and add nothing; summed once at the end, as DEFER_SUM does
+        sum_sq = x * x
     if DEFER_SUM:
         acc3 = x[:, None, :] * w.to(tl.float32)[None, :, :]
     else:
@@ -125,16 +108,22 @@ def _skinny_gemm_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k_start, mask=w_mask, other=0.0)
         x = _x_tile(x_rows, k_start, K, x_mask, GATED)
+        if RMS:
+            sum_sq += x * x
         if DEFER_SUM:
             acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if DEFER_SUM:
         acc = tl.sum(acc3, axis=2)
+    if RMS:  # norm(h) W^T = rsqrt(mean(h^2) + eps) (h W^T), the norm's weight being in W
+        acc = acc * tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if ADD_RESIDUAL:  # y_ptr is the residual itself; rounded as `F.linear(...) + residual`
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+             mask=out_mask)
 
 
 # Best tiles for one row on an H200 (benchmarks/skinny_gemm.py --sweep, run 25 in
@@ -166,63 +155,53 @@ def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyCon
     return SkinnyConfig(block_n=4 if n <= 4096 else 8, block_k=1024, num_warps=4, num_stages=4)
 
 
-# Every program of a fused norm re-reads the whole row (x and the residual) from L2: cap those
-# re-reads, in row elements over all programs. Qwen3-0.6B's qkv and gate/up re-read 0.5M and
-# 0.4M; Qwen3-8B's gate/up would re-read 50M, and fused there the token measured 0.34 ms
-# slower (run 32: 4.787 against 4.445 ms).
-MAX_NORM_REREAD = 1 << 20
+# Where the pre-norm runs inside the GEMV (``rms_fusable``): K in one chunk and at most this
+# many (programs x K). Its sum of squares costs each program registers beside its W tile.
+# Qwen3-0.6B's qkv and gate/up (K = 1024, 0.5M and 0.4M) gained: forward 0.660 ms against
+# 0.670 (run 72). Qwen3-8B's (K = 4096: four chunks, and 50M) lost more in GEMV occupancy
+# than the norm launch costs: 4.489 ms against 4.075 (run 72).
+MAX_FUSED_NORM_WORK = 1 << 20
 
 
-def norm_fusable(n: int, k: int, device: torch.device) -> bool:
-    """Whether ``skinny_norm_linear`` pays for one row: its tiles take K in one chunk, and the
-    programs' re-reads of the row stay within ``MAX_NORM_REREAD``."""
+def rms_fusable(n: int, k: int, device: torch.device) -> bool:
+    """Whether ``skinny_rms_linear`` pays for one row of this shape (``MAX_FUSED_NORM_WORK``)."""
     cfg = default_config(n, k, 1, device)
     return (cfg.block_k >= triton.next_power_of_2(k)
-            and triton.cdiv(n, cfg.block_n) * k <= MAX_NORM_REREAD)
+            and triton.cdiv(n, cfg.block_n) * k <= MAX_FUSED_NORM_WORK)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, gated: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows.
 
     ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
     result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32. With ``gated``,
     ``x`` is ``[M, 2K] = [gate | up]`` and the product is ``F.linear(silu(gate) * up, ...)``.
+    With ``residual`` (``[M, N]`` in x's dtype, contiguous rows) the product is added into it
+    IN PLACE, rounded as ``F.linear(...) + residual``, and ``residual`` is returned.
     Launch shapes depend on shapes alone, so the call is CUDA-graph capturable.
     """
-    return _launch(x, weight, bias, config, gated=gated)[0]
+    return _launch(x, weight, bias, config, gated=gated, residual=residual)
 
 
-def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                       eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(F.linear(rms_norm(x + residual), weight, bias), x + residual)`` in one launch.
+def skinny_rms_linear(h: torch.Tensor, eps: float, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None,
+                      config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``F.linear(h / sqrt(mean(h^2) + eps), weight, bias)`` in one pass over ``h``: RMSNorm
+    without its weight, which the caller has folded into ``weight``'s columns.
 
-    Without ``residual`` it is ``(F.linear(rms_norm(x), ...), x)``. Rounds as
-    ``add_rms_norm_torch`` then ``F.linear`` do. The sum goes to a new tensor: every program
-    reads the old residual, so it is never updated in place. ``norm_weight`` is ``[K]`` in x's
-    dtype; the tiles must take K in one chunk (:func:`norm_fusable`); the rest as
+    The norm is applied to the product, in float32, not to ``h`` (the reference rounds the
+    normalised row to 16 bits before the product; this does not). Otherwise as
     :func:`skinny_linear`.
     """
-    k = x.shape[-1]
-    if norm_weight.shape != (k,) or not norm_weight.is_contiguous() or norm_weight.dtype != x.dtype:
-        raise ValueError(f"norm weight must be a contiguous [{k}] in {x.dtype}, got "
-                         f"{tuple(norm_weight.shape)} in {norm_weight.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1
-                                 or residual.dtype != x.dtype):
-        raise ValueError(f"residual must match x {tuple(x.shape)} ({x.dtype}) with contiguous "
-                         f"rows, got {tuple(residual.shape)} ({residual.dtype})")
-    cfg = config or default_config(weight.shape[0], k, x.shape[0], x.device)
-    if cfg.block_k < triton.next_power_of_2(k):
-        raise ValueError(f"the fused norm needs K ({k}) in one chunk, got BLOCK_K {cfg.block_k}")
-    return _launch(x, weight, bias, cfg, residual=residual, norm_weight=norm_weight, eps=eps)
+    return _launch(h, weight, bias, config, rms_eps=eps)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: SkinnyConfig | None, gated: bool = False,
-            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks, then one kernel launch; returns ``(y, x + residual, or x)``."""
+            residual: torch.Tensor | None = None, rms_eps: float | None = None) -> torch.Tensor:
+    """Checks, then one kernel launch."""
     m, width = x.shape
     k = width // 2 if gated else width
     n = weight.shape[0]
@@ -233,22 +212,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"skinny_linear needs x [M, K] ([M, 2K] when gated) and weight [N, K] "
                          f"with contiguous rows; "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else x
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [{m}, {n}] in {x.dtype} with contiguous rows, got "
+                         f"{tuple(residual.shape)} in {residual.dtype}")
+    y = residual if residual is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y, summed
+        return y
     cfg = config or default_config(n, k, m, x.device)
     pdl = programmatic_launch(x.device)
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
-    r = residual if residual is not None else x  # typed placeholders where unread
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else y, y, r, summed,
-        norm_weight if norm_weight is not None else y,
-        m, n, k, eps,
-        x.stride(0), weight.stride(0), y.stride(0), r.stride(0), summed.stride(0),
+        x, weight, bias if bias is not None else y, y, y,
+        m, n, k, rms_eps or 0.0,
+        x.stride(0), weight.stride(0), y.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, PDL=pdl,
-        DEFER_SUM=cfg.defer_sum, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        DEFER_SUM=cfg.defer_sum, RMS=rms_eps is not None, ADD_RESIDUAL=residual is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-    return y, summed
+    return y

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import PartialSums, RMSNorm
+from nanoserve.layers.norm import ADDED_TO_RESIDUAL, AddedToResidual, PartialSums, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, get_tp_group
 
 ShardId = str | int | None
@@ -85,19 +85,22 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return PartialSums(torch.bmm(*split_k_views(x, weight, parts), out_dtype=torch.float32))
 
 
-def norm_linear(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, norm: RMSNorm,
-                weight: torch.Tensor, bias: torch.Tensor | None
+def norm_linear(x: torch.Tensor | PartialSums | AddedToResidual, residual: torch.Tensor | None,
+                norm: RMSNorm, weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)``; without a residual, ``(.. norm(x) .., x)``.
 
-    At batch 1 on CUDA, where the projection's tiles take the whole row at once and are few
-    (``norm_fusable``), the add and the norm run inside the skinny GEMM (two dependent
-    launches become one); elsewhere this is the norm module, then :func:`linear`.
+    At batch 1 on CUDA, once the norm's weight is folded into ``weight`` and the residual
+    stream is one tensor (the first layer's input, or a residual the projection before
+    already added its output into), the norm runs inside the skinny GEMV where that pays
+    (``rms_fusable``): one launch, no norm kernel. Elsewhere this is the norm module (which
+    takes every form of ``x``), then :func:`linear`.
     """
-    if isinstance(x, torch.Tensor) and _one_row_on_cuda(x) and norm.weight.dtype == x.dtype:
-        from nanoserve.kernels.skinny_gemm import norm_fusable, skinny_norm_linear
-        if norm_fusable(weight.shape[0], weight.shape[1], x.device):
-            return skinny_norm_linear(x, residual, norm.weight, norm.eps, weight, bias)
+    stream = residual if isinstance(x, AddedToResidual) else x if residual is None else None
+    if norm.folded and stream is not None and _one_row_on_cuda(stream):
+        from nanoserve.kernels.skinny_gemm import rms_fusable, skinny_rms_linear
+        if rms_fusable(weight.shape[0], weight.shape[1], stream.device):
+            return skinny_rms_linear(stream, norm.eps, weight, bias), stream
     if residual is None:
         return linear(norm(x), weight, bias), x
     normed, residual = norm(x, residual)
@@ -133,10 +136,22 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def forward_normed(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(self, x: torch.Tensor | PartialSums | AddedToResidual,
+                       residual: torch.Tensor | None, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the summed residual (:func:`norm_linear`)."""
         return norm_linear(x, residual, norm, self.weight, self.bias)
+
+    @torch.no_grad()
+    def fold_norm(self, norm: RMSNorm) -> None:
+        """Carry ``norm``'s weight in this projection's columns (``W[:, k] * g[k]``, computed
+        in float32) and set the norm's weight to ones: the same product, with the weight
+        multiply done once at load time. The batch-1 GEMV then applies the norm itself
+        (:func:`norm_linear`)."""
+        folded = self.weight.float() * norm.weight.float()[None, :]
+        self.weight.copy_(folded.to(self.weight.dtype))
+        norm.weight.fill_(1.0)
+        norm.folded = True
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -234,9 +249,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight, self.bias, self.gated))
 
-    def forward_for_norm(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
-        """:meth:`forward` for a caller that feeds the result to an add + RMSNorm: on one rank
-        it may return split-K partial sums (:func:`split_k_linear`) for the norm to add up."""
+    def forward_for_norm(self, x: torch.Tensor, residual: torch.Tensor
+                         ) -> tuple[torch.Tensor | PartialSums | AddedToResidual, torch.Tensor]:
+        """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
+        RMSNorm: on one rank the result may instead be split-K partial sums
+        (:func:`split_k_linear`) for the norm to add up, or, at batch 1 on CUDA, already added
+        into ``residual`` in place by the GEMV's epilogue (``ADDED_TO_RESIDUAL``)."""
         if self.tp.size > 1:
-            return self.forward(x)
-        return split_k_linear(x, self.weight, self.bias, self.gated)
+            return self.forward(x), residual
+        if (self.bias is None and _one_row_on_cuda(x) and residual.dtype == x.dtype
+                and residual.is_contiguous()):
+            from nanoserve.kernels.skinny_gemm import skinny_linear
+            skinny_linear(x, self.weight, gated=self.gated, residual=residual)
+            return ADDED_TO_RESIDUAL, residual
+        return split_k_linear(x, self.weight, self.bias, self.gated), residual

@@ -15,6 +15,14 @@ class PartialSums(NamedTuple):
     parts: torch.Tensor
 
 
+class AddedToResidual:
+    """Stands for a projection's output that its kernel already added into the residual, in
+    place (the batch-1 GEMV's epilogue): the norm after it normalises the residual alone."""
+
+
+ADDED_TO_RESIDUAL = AddedToResidual()
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The PyTorch formula (CPU path and reference): float32 maths, rounded before the weight."""
     dtype = x.dtype
@@ -40,9 +48,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        # True once the projection that reads this norm's output carries the weight in its own
+        # columns (``ColumnParallelLinear.fold_norm``); the weight is then all ones.
+        self.folded = False
 
-    def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | PartialSums | AddedToResidual,
+                residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, AddedToResidual):
+            return self(residual), residual
         if isinstance(x, PartialSums):  # only produced on CUDA, always before a residual add
             from nanoserve.kernels.fused_ops import add_rms_norm_parts
             return add_rms_norm_parts(x.parts, residual, self.weight, self.eps)

@@ -17,11 +17,16 @@ from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanoserve.layers.norm import PartialSums, RMSNorm
+from nanoserve.layers.norm import AddedToResidual, PartialSums, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from nanoserve.models.loader import CheckpointTensor
+
+
+# What a layer hands the norm after it: a tensor, split-K partial sums, or the marker that the
+# projection already added its output into the residual (layers/linear.py).
+Hidden = torch.Tensor | PartialSums | AddedToResidual
 
 
 class Attention(nn.Module):
@@ -43,12 +48,11 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | PartialSums,
-                residual: torch.Tensor | None, norm: RMSNorm
-                ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: Hidden, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[Hidden, torch.Tensor]:
         """Attention of ``norm(x + residual)``; returns it with the summed residual. The norm
-        is the qkv projection's to apply, so that it can fuse it; the output may be o_proj's
-        split-K partial sums, which the next norm adds up (``RowParallelLinear.forward_for_norm``)."""
+        is the qkv projection's to apply, so that it can fuse it; the output is o_proj's in one
+        of the forms the next norm takes (``RowParallelLinear.forward_for_norm``)."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
@@ -59,7 +63,7 @@ class Attention(nn.Module):
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
                                      self.q_norm, self.k_norm)
-        return self.o_proj.forward_for_norm(out.reshape(-1, q_size)), residual
+        return self.o_proj.forward_for_norm(out.reshape(-1, q_size), residual)
 
 
 class MLP(nn.Module):
@@ -73,11 +77,11 @@ class MLP(nn.Module):
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
 
-    def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
+    def forward(self, x: Hidden, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[Hidden, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj.forward_for_norm(gate_up), residual
+        return self.down_proj.forward_for_norm(gate_up, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -88,9 +92,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | PartialSums,
-                residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: Hidden, residual: torch.Tensor | None
+                ) -> tuple[Hidden, torch.Tensor]:
         x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
         return self.mlp(x, residual, self.post_attention_layernorm)
 
@@ -134,6 +137,14 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions)
+
+    def fold_norm_weights(self) -> None:
+        """Fold each layer's two pre-norm weights into the qkv and gate/up columns (the GPU
+        path: the batch-1 GEMV then applies those norms itself, with no launch of their own).
+        The final norm stays, since the LM head may share the embedding's weights."""
+        for layer in self.model.layers:
+            layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
+            layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0."""

@@ -70,6 +70,8 @@ class ModelRunner:
             init_dummy_weights(self.model)
         else:
             self.model.load_weights(iter_weights(path, self.dtype))
+        if self.device.type == "cuda":  # the batch-1 GEMVs then apply the pre-norms themselves
+            self.model.fold_norm_weights()
         self.model.eval()
         self.sampler = Sampler()
         self.stopped = False
