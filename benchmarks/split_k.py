@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from common import emit, environment, graph_us
 from nanoserve.kernels.fused_ops import add_rms_norm, add_rms_norm_parts
+from nanoserve.layers.split_k import split_k_views
 
 SHAPES = {"o_proj": (1024, 2048), "down_proj": (1024, 3072),  # (N, K), Qwen3-0.6B
           "8b_o_proj": (4096, 4096), "8b_down_proj": (4096, 12288),
@@ -26,14 +27,6 @@ SHAPES = {"o_proj": (1024, 2048), "down_proj": (1024, 3072),  # (N, K), Qwen3-0.
           "qkv_proj": (4096, 1024), "gate_up_proj": (6144, 1024)}
 LAYERS = 28
 EPS = 1e-6
-
-
-def split_views(x: torch.Tensor, w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` and ``w [N, K]`` as ``[S, M, K/S]`` and ``[S, K/S, N]`` views of K's slices."""
-    m, k = x.shape
-    n = w.shape[0]
-    return (x.view(m, parts, k // parts).transpose(0, 1),
-            w.view(n, parts, k // parts).permute(1, 2, 0))
 
 
 def main() -> None:
@@ -65,12 +58,13 @@ def main() -> None:
             for parts in args.parts:
                 if k % (8 * parts):
                     continue
-                views = [split_views(x, w, parts) for w in weights]
+                views = [split_k_views(x, w, parts) for w in weights]
                 xs, ws0 = views[0]
                 out, res = add_rms_norm_parts(torch.bmm(xs, ws0, out_dtype=torch.float32),
                                               residual.clone(), g, EPS)
                 scale = ref_out.float().abs().max().item()
-                record[f"s{parts}_out_err"] = (out.float() - ref_out.float()).abs().max().item() / scale
+                out_err = (out.float() - ref_out.float()).abs().max().item()
+                record[f"s{parts}_out_err"] = out_err / scale
                 record[f"s{parts}_res_err"] = (res.float() - ref_res.float()).abs().max().item()
                 r = residual.clone()
                 record[f"s{parts}_pair_us"] = graph_us(
@@ -80,9 +74,9 @@ def main() -> None:
                     [lambda v=v: torch.bmm(*v, out_dtype=torch.float32) for v in views],
                     args.replays)
             emit(record)
+        x256 = torch.randn(256, k, device=dev, dtype=torch.bfloat16)
         emit({"shape": name, "kernels_s4_rows256": kernel_names(
-            lambda: torch.bmm(*split_views(torch.randn(256, k, device=dev, dtype=torch.bfloat16),
-                                           weights[0], 4), out_dtype=torch.float32))})
+            lambda: torch.bmm(*split_k_views(x256, weights[0], 4), out_dtype=torch.float32))})
 
 
 def kernel_names(call) -> list[str]:

@@ -24,7 +24,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     num_decode_splits,
 )
 from nanoserve.kernels.skinny_gemm import skinny_linear, skinny_rms_linear  # noqa: E402
-from nanoserve.layers.linear import linear, split_k_linear, split_k_parts  # noqa: E402
+from nanoserve.layers.linear import linear  # noqa: E402
 from nanoserve.layers.norm import (  # noqa: E402
     PartialSums,
     RMSNorm,
@@ -32,6 +32,7 @@ from nanoserve.layers.norm import (  # noqa: E402
     rms_norm_torch,
 )
 from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from nanoserve.layers.split_k import split_k_partial_sums, split_k_parts  # noqa: E402
 
 MAX_POSITIONS = 40960  # Qwen3's: the split count the decode graphs are captured with
 BF16 = dict(atol=2e-2, rtol=2e-2)
@@ -134,7 +135,7 @@ def test_split_k_projection_and_norm_match_unsplit(rows, k, gated):
     residual = (4 * torch.randn(rows, 1024, generator=gen)).to("cuda", torch.bfloat16)
     norm = RMSNorm(1024, 1e-6).to("cuda", torch.bfloat16)
     norm.weight.data.normal_(1.0, 0.3)
-    parts = split_k_linear(x, weight, None, gated)
+    parts = split_k_partial_sums(x, weight, None, gated)
     assert isinstance(parts, PartialSums)
     assert parts.parts.shape == (split_k_parts(rows, 1024, k), rows, 1024)
     expected, expected_residual = add_rms_norm_torch(linear(x, weight, None, gated), residual,

@@ -18,15 +18,9 @@ from torch import nn
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import ADDED_TO_RESIDUAL, AddedToResidual, PartialSums, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, get_tp_group
+from nanoserve.layers.split_k import split_k_partial_sums
 
 ShardId = str | int | None
-
-# Decode-size batches (the CUDA graphs' range) whose narrow projections run split-K.
-SPLIT_K_MAX_ROWS = 256
-# Only outputs this narrow (the width measured to gain): there cuBLAS runs few output tiles,
-# each with a long K loop (Qwen3-0.6B's o_proj and down_proj; 4096-wide ones tie, run 64).
-SPLIT_K_MAX_FEATURES = 1024
-
 
 def _one_row_on_cuda(x: torch.Tensor) -> bool:
     """Batch-1 decode on CUDA in 16 bits: the skinny-GEMM kernel's case."""
@@ -46,43 +40,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         from nanoserve.kernels.skinny_gemm import skinny_linear
         return skinny_linear(x, weight, bias, gated=gated)
     return F.linear(silu_and_mul(x) if gated else x, weight, bias)
-
-
-def split_k_parts(rows: int, out_features: int, in_features: int) -> int:
-    """Slices of K for a split-K projection of ``rows`` rows (1: not split).
-
-    Measured on the H200 (run 63, ``benchmarks/split_k.py``): with the partial sums added by
-    the RMSNorm launch after it, 4 slices up to 128 rows and 2 above take 1.0-1.6 us off each
-    o_proj / down_proj + add + RMSNorm pair of Qwen3-0.6B (6.3-8.3 us against 6.9-9.8).
-    """
-    if not 2 <= rows <= SPLIT_K_MAX_ROWS or out_features > SPLIT_K_MAX_FEATURES:
-        return 1
-    parts = 4 if rows <= 128 else 2
-    # Every slice's first element stays 16-byte aligned for cuBLAS.
-    return parts if in_features % (8 * parts) == 0 else 1
-
-
-def split_k_views(x: torch.Tensor, weight: torch.Tensor, parts: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` and ``weight [N, K]`` as ``[S, M, K/S]`` and ``[S, K/S, N]`` views (no
-    copies) of K's ``S`` slices: ``bmm`` of them, summed over S, is ``x @ weight.T``."""
-    (rows, k), n = x.shape, weight.shape[0]
-    return (x.view(rows, parts, k // parts).transpose(0, 1),
-            weight.view(n, parts, k // parts).permute(1, 2, 0))
-
-
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   gated: bool = False) -> torch.Tensor | PartialSums:
-    """:func:`linear`, or, for decode-size 16-bit batches on CUDA where ``split_k_parts`` says
-    so, its float32 partial sums over slices of K as one batched cuBLAS GEMM: S times the
-    programs of a narrow projection, and the sum costs no launch of its own in the add + RMSNorm
-    after it (``RMSNorm`` takes :class:`PartialSums`)."""
-    rows = x.shape[0] if x.dim() == 2 else 0
-    if (not x.is_cuda or bias is not None or x.dtype not in (torch.bfloat16, torch.float16)
-            or (parts := split_k_parts(rows, *weight.shape)) == 1):
-        return linear(x, weight, bias, gated)
-    x = silu_and_mul(x) if gated else x
-    return PartialSums(torch.bmm(*split_k_views(x, weight, parts), out_dtype=torch.float32))
 
 
 def norm_linear(x: torch.Tensor | PartialSums | AddedToResidual, residual: torch.Tensor | None,
@@ -253,7 +210,7 @@ class RowParallelLinear(nn.Module):
                          ) -> tuple[torch.Tensor | PartialSums | AddedToResidual, torch.Tensor]:
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
-        (:func:`split_k_linear`) for the norm to add up, or, at batch 1 on CUDA, already added
+        (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
         into ``residual`` in place by the GEMV's epilogue (``ADDED_TO_RESIDUAL``)."""
         if self.tp.size > 1:
             return self.forward(x), residual
@@ -262,4 +219,6 @@ class RowParallelLinear(nn.Module):
             from nanoserve.kernels.skinny_gemm import skinny_linear
             skinny_linear(x, self.weight, gated=self.gated, residual=residual)
             return ADDED_TO_RESIDUAL, residual
-        return split_k_linear(x, self.weight, self.bias, self.gated), residual
+        parts = split_k_partial_sums(x, self.weight, self.bias, self.gated)
+        return (parts if parts is not None
+                else linear(x, self.weight, self.bias, self.gated)), residual

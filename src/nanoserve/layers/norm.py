@@ -10,7 +10,7 @@ from torch import nn
 class PartialSums(NamedTuple):
     """A projection's output left as float32 partial sums over slices of its input features
     (``parts``: ``[S, rows, N]``), for the add + RMSNorm after it to add up in its own launch
-    (split-K decode projections on CUDA, ``layers.linear.split_k_linear``)."""
+    (split-K decode projections on CUDA, ``layers.split_k``)."""
 
     parts: torch.Tensor
 
