@@ -22,6 +22,7 @@ from nanoserve.layers.split_k import split_k_partial_sums
 
 ShardId = str | int | None
 
+
 def _one_row_on_cuda(x: torch.Tensor) -> bool:
     """Batch-1 decode on CUDA in 16 bits: the skinny-GEMM kernel's case."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1

@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add before it, and the forms in which a
+projection's output may reach it (a tensor, split-K partial sums, or already in the residual)."""
 from __future__ import annotations
 
 from typing import NamedTuple
