@@ -143,6 +143,23 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
+# ~0.2 s of GPU sleep on an H200: longer than any host-timed loop queued behind it.
+SLEEP_CYCLES = 400_000_000
+
+
+def host_us(fn: Callable[[], object], calls: int = 1) -> float:
+    """Host microseconds per call of ``fn``, queued behind a sleep kernel so that no call waits
+    for the device to finish earlier work (one that does shows as ~200,000 us)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return round(elapsed, 1)
+
+
 def kernel_us(events: list) -> float:
     """Device time of the CUDA kernels among torch.profiler ``events`` (``key_averages()``).
 

@@ -8,24 +8,13 @@ that copy. Prints one JSON object.
     python benchmarks/gemm_shape_cost.py
 """
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+from common import host_us
 
 DEV = "cuda"
 ROWS = [16001, 15003, 14007, 13009, 12011, 11013, 10007, 9001]
-SLEEP_CYCLES = 400_000_000  # ~0.2 s on an H200
-
-
-def host_us(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start = time.perf_counter()
-    fn()
-    elapsed = (time.perf_counter() - start) * 1e6
-    torch.cuda.synchronize()
-    return round(elapsed, 1)
 
 
 def main() -> None:

@@ -8,28 +8,15 @@ step). Prints one JSON object: F.linear per BLAS backend and shape, and two Trit
     python benchmarks/launch_cost.py
 """
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
+from common import host_us
 from nanoserve.kernels.fused_ops import add_rms_norm, silu_and_mul
 
 DEV = "cuda"
-SLEEP_CYCLES = 400_000_000  # ~0.2 s on an H200: longer than any timed loop here
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]  # (N, K)
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Host microseconds per call of ``fn``, queued behind a sleep kernel."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return round(elapsed, 1)
 
 
 def main() -> None:
@@ -50,10 +37,10 @@ def main() -> None:
     r = x.clone()
     g = torch.ones(1024, device=DEV, dtype=torch.bfloat16)
     add_rms_norm(x, r, g, 1e-6)
-    res["add_rms_norm 16384"] = host_us(lambda: add_rms_norm(x, r, g, 1e-6))
+    res["add_rms_norm 16384"] = host_us(lambda: add_rms_norm(x, r, g, 1e-6), 200)
     y = torch.randn(16384, 6144, device=DEV, dtype=torch.bfloat16)
     silu_and_mul(y)
-    res["silu 16384"] = host_us(lambda: silu_and_mul(y))
+    res["silu 16384"] = host_us(lambda: silu_and_mul(y), 200)
     print(json.dumps(res))
 
 

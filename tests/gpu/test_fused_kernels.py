@@ -23,7 +23,11 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.skinny_gemm import skinny_linear, skinny_rms_linear  # noqa: E402
+from nanoserve.kernels.skinny_gemm import (  # noqa: E402
+    rms_fusable,
+    skinny_linear,
+    skinny_rms_linear,
+)
 from nanoserve.layers.linear import linear  # noqa: E402
 from nanoserve.layers.norm import (  # noqa: E402
     PartialSums,
@@ -124,6 +128,13 @@ def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group):
                          ids=["qkv", "gate_up", "qkv-8b", "gate_up-8b"])
 def test_norm_in_gemv_matches_torch_path(n, k):
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
+
+
+def test_norm_fuses_into_the_qwen3_0_6b_gemvs_only():
+    """The measured rule (run 72): fused, 0.6B's qkv and gate/up gain; 8B's lose occupancy."""
+    cuda = torch.device("cuda")
+    assert rms_fusable(4096, 1024, cuda) and rms_fusable(6144, 1024, cuda)
+    assert not rms_fusable(6144, 4096, cuda) and not rms_fusable(24576, 4096, cuda)
 
 
 @pytest.mark.parametrize("rows", [2, 64, 200])

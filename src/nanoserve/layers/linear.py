@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import ADDED_TO_RESIDUAL, AddedToResidual, PartialSums, RMSNorm
+from nanoserve.layers.norm import ADDED_TO_RESIDUAL, AddedToResidual, NormInput, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, get_tp_group
 from nanoserve.layers.split_k import split_k_partial_sums
 
@@ -43,8 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(silu_and_mul(x) if gated else x, weight, bias)
 
 
-def norm_linear(x: torch.Tensor | PartialSums | AddedToResidual, residual: torch.Tensor | None,
-                norm: RMSNorm, weight: torch.Tensor, bias: torch.Tensor | None
+def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
+                weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)``; without a residual, ``(.. norm(x) .., x)``.
 
@@ -94,8 +94,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def forward_normed(self, x: torch.Tensor | PartialSums | AddedToResidual,
-                       residual: torch.Tensor | None, norm: RMSNorm
+    def forward_normed(self, x: NormInput, residual: torch.Tensor | None, norm: RMSNorm
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the summed residual (:func:`norm_linear`)."""
         return norm_linear(x, residual, norm, self.weight, self.bias)
@@ -208,7 +207,7 @@ class RowParallelLinear(nn.Module):
         return self.tp.all_reduce(linear(x, self.weight, self.bias, self.gated))
 
     def forward_for_norm(self, x: torch.Tensor, residual: torch.Tensor
-                         ) -> tuple[torch.Tensor | PartialSums | AddedToResidual, torch.Tensor]:
+                         ) -> tuple[NormInput, torch.Tensor]:
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
         (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added

@@ -23,6 +23,10 @@ class AddedToResidual:
 
 ADDED_TO_RESIDUAL = AddedToResidual()
 
+# What a projection hands the add + RMSNorm after it: its output, split-K partial sums, or the
+# marker that it already added its output into the residual.
+NormInput = torch.Tensor | PartialSums | AddedToResidual
+
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The PyTorch formula (CPU path and reference): float32 maths, rounded before the weight."""
@@ -53,8 +57,7 @@ class RMSNorm(nn.Module):
         # columns (``ColumnParallelLinear.fold_norm``); the weight is then all ones.
         self.folded = False
 
-    def forward(self, x: torch.Tensor | PartialSums | AddedToResidual,
-                residual: torch.Tensor | None = None
+    def forward(self, x: NormInput, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if isinstance(x, AddedToResidual):
             return self(residual), residual

@@ -17,16 +17,11 @@ from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanoserve.layers.norm import AddedToResidual, PartialSums, RMSNorm
+from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from nanoserve.models.loader import CheckpointTensor
-
-
-# What a layer hands the norm after it: a tensor, split-K partial sums, or the marker that the
-# projection already added its output into the residual (layers/linear.py).
-Hidden = torch.Tensor | PartialSums | AddedToResidual
 
 
 class Attention(nn.Module):
@@ -48,8 +43,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: Hidden, residual: torch.Tensor | None,
-                norm: RMSNorm) -> tuple[Hidden, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: NormInput, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[NormInput, torch.Tensor]:
         """Attention of ``norm(x + residual)``; returns it with the summed residual. The norm
         is the qkv projection's to apply, so that it can fuse it; the output is o_proj's in one
         of the forms the next norm takes (``RowParallelLinear.forward_for_norm``)."""
@@ -77,8 +72,8 @@ class MLP(nn.Module):
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
 
-    def forward(self, x: Hidden, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[Hidden, torch.Tensor]:
+    def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[NormInput, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_for_norm(gate_up, residual)
@@ -92,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: Hidden, residual: torch.Tensor | None
-                ) -> tuple[Hidden, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: NormInput, residual: torch.Tensor | None
+                ) -> tuple[NormInput, torch.Tensor]:
         x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
         return self.mlp(x, residual, self.post_attention_layernorm)
 
