@@ -80,8 +80,9 @@ RMS_CASES = [(1, 24, 64, SkinnyConfig(8, 64, 1, 1)), (2, 40, 100, SkinnyConfig(1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k,config", RMS_CASES)
 def test_rms_input_normalises_each_row(dtype, m, n, k, config):
-    """qkv and gate/up at batch 1: RMSNorm of the residual stream h (its weight folded into W)
-    applied to the product, whether K takes one chunk or several, masked or not."""
+    """qkv and gate/up at batch 1: RMSNorm of the residual stream h (its weight folded into W,
+    its rows' sums of squares given) applied to the product, whether K takes one chunk or
+    several, masked or not."""
     gen = torch.Generator().manual_seed(k + m)
     h = torch.randn(m, k, generator=gen).mul(3).to(dtype)
     w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
@@ -90,8 +91,9 @@ def test_rms_input_normalises_each_row(dtype, m, n, k, config):
     hd = h.double()
     normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)
     expected = (normed @ w.double().T + b.double()).to(dtype)
-    torch.testing.assert_close(skinny_rms_linear(h, eps, w, b, config=config), expected,
-                               **TOLERANCE[dtype])
+    sum_squares = hd.pow(2).sum(-1).float()
+    torch.testing.assert_close(skinny_rms_linear(h, sum_squares, eps, w, b, config=config),
+                               expected, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -113,6 +115,40 @@ def test_residual_epilogue_adds_the_product_in_place(dtype, gated, with_bias):
     assert torch.equal(residual, expected)
     with pytest.raises(ValueError, match="residual"):
         skinny_linear(x, w, b, gated=gated, residual=torch.zeros(1, n + 1, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_residual_epilogue_sums_squares_for_the_next_norm(dtype, m):
+    """o_proj / down_proj sum the squares of the residual they update (several programs adding
+    into each row's slot), and qkv / gate-up normalise with that sum: together, the norm of
+    the updated residual, then the product."""
+    gen = torch.Generator().manual_seed(11 + m)
+    k, n, n_next = 72, 37, 29  # 37 features over 8-wide programs: a masked last program
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
+    residual = (3 * torch.randn(m, n, generator=gen)).to(dtype)
+    w_next = torch.randn(n_next, n, generator=gen).div(n ** 0.5).to(dtype)
+    sum_squares = torch.zeros(m)
+    skinny_linear(x, w, residual=residual, sum_squares=sum_squares,
+                  config=SkinnyConfig(8, 32, 1, 1))
+    torch.testing.assert_close(sum_squares, residual.double().pow(2).sum(-1).float(),
+                               atol=1e-5, rtol=1e-5)
+    eps = 1e-6
+    given = skinny_rms_linear(residual, sum_squares, eps, w_next, config=SkinnyConfig(4, 16, 1, 1))
+    hd = residual.double()
+    expected = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)) @ w_next.double().T
+    torch.testing.assert_close(given, expected.to(dtype), **TOLERANCE[dtype])
+
+
+def test_sum_squares_needs_a_residual_and_a_float32_row_slot():
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="needs residual"):
+        skinny_linear(x, w, sum_squares=torch.zeros(1))
+    with pytest.raises(ValueError, match="sum_squares"):
+        skinny_linear(x, w, residual=torch.zeros(1, 8), sum_squares=torch.zeros(2))
+    with pytest.raises(ValueError, match="sum_squares"):
+        skinny_rms_linear(x, torch.zeros(1, dtype=torch.float16), 1e-6, w)
 
 
 def test_strided_rows_of_x():

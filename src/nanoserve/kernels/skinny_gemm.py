@@ -12,12 +12,13 @@ of its W before it sums anything.
 ``[gate | up]`` and activated chunk by chunk as it is loaded, which saves a launch per layer.
 The residual add and RMSNorm between projections cost no launch either. The projection before
 them (o_proj, down_proj) adds its output into the residual in its epilogue
-(``skinny_linear(..., residual=r)``): each program owns its output features, so the update is
-in place. The one after them (qkv, gate/up: ``skinny_rms_linear``) multiplies the residual
-stream h by W as it streams it, sums h's squares on the side and scales its outputs by
-``rsqrt(mean(h^2) + eps)`` at the end. The norm's weight is folded into W's columns at load
-time (``DecoderForCausalLM.fold_norm_weights``), so nothing is read but h and W. That pays
-where K takes one chunk and the programs are few (``rms_fusable``: Qwen3-0.6B, not 8B).
+(``skinny_linear(..., residual=r, sum_squares=s)``): each program owns its output features, so
+the update is in place, and it adds its share of each updated row's sum of squares into ``s``
+(one float32 atomic per program and row). The one after them (qkv, gate/up:
+``skinny_rms_linear``) multiplies the residual stream h by W and scales its outputs by
+``rsqrt(s / K + eps)`` at the end. The norm's weight is folded into W's columns at load time
+(``DecoderForCausalLM.fold_norm_weights``), so the K loop reads nothing but h and W and holds
+no register for the norm.
 
 On Hopper the kernel is launched programmatically dependent on the one before it: it fetches its
 first tile of W while that kernel still runs and waits for it only before reading x
@@ -65,12 +66,13 @@ def _x_tile(x_rows, k_start, K, x_mask, GATED: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr,
     M, N, K, eps,
     stride_xm, stride_wn, stride_ym, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
     DEFER_SUM: tl.constexpr, RMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    SUM_SQUARES_OUT: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
@@ -91,9 +93,9 @@ def _skinny_gemm_kernel(
     out_mask = m_mask[:, None] & n_mask[None, :]
     if ADD_RESIDUAL:  # requested now, so that its latency hides behind the K loop
         r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=out_mask, other=0.0)
+    if RMS:  # x's rows' sums of squares, from the GEMV that wrote x (SUM_SQUARES_OUT)
+        row_sum_sq = tl.load(ss_ptr + m, mask=m_mask, other=0.0)
     x = _x_tile(x_rows, 0, K, m_mask[:, None] & k_mask[None, :], GATED)
-    if RMS:  # masked lanes load 0 and add nothing; summed once at the end, as DEFER_SUM does
-        sum_sq = x * x
     if DEFER_SUM:
         acc3 = x[:, None, :] * w.to(tl.float32)[None, :, :]
     else:
@@ -108,8 +110,6 @@ def _skinny_gemm_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k_start, mask=w_mask, other=0.0)
         x = _x_tile(x_rows, k_start, K, x_mask, GATED)
-        if RMS:
-            sum_sq += x * x
         if DEFER_SUM:
             acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
@@ -117,13 +117,16 @@ def _skinny_gemm_kernel(
     if DEFER_SUM:
         acc = tl.sum(acc3, axis=2)
     if RMS:  # norm(h) W^T = rsqrt(mean(h^2) + eps) (h W^T), the norm's weight being in W
-        acc = acc * tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
+        acc = acc * tl.rsqrt(row_sum_sq / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if ADD_RESIDUAL:  # y_ptr is the residual itself; rounded as `F.linear(...) + residual`
         acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=out_mask)
+    out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], out, mask=out_mask)
+    if SUM_SQUARES_OUT:  # this program's share of each output row's sum of squares, as stored
+        stored = tl.where(out_mask, out.to(tl.float32), 0.0)
+        tl.atomic_add(ss_ptr + m, tl.sum(stored * stored, axis=1), mask=m_mask, sem="relaxed")
 
 
 # Best tiles for one row on an H200 (benchmarks/skinny_gemm.py --sweep, run 25 in
@@ -155,52 +158,46 @@ def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyCon
     return SkinnyConfig(block_n=4 if n <= 4096 else 8, block_k=1024, num_warps=4, num_stages=4)
 
 
-# Where the pre-norm runs inside the GEMV (``rms_fusable``): K in one chunk and at most this
-# many (programs x K). Its sum of squares costs each program registers beside its W tile.
-# Qwen3-0.6B's qkv and gate/up (K = 1024, 0.5M and 0.4M) gained: forward 0.660 ms against
-# 0.670 (run 72). Qwen3-8B's (K = 4096: four chunks, and 50M) lost more in GEMV occupancy
-# than the norm launch costs: 4.489 ms against 4.075 (run 72).
-MAX_FUSED_NORM_WORK = 1 << 20
-
-
-def rms_fusable(n: int, k: int, device: torch.device) -> bool:
-    """Whether ``skinny_rms_linear`` pays for one row of this shape (``MAX_FUSED_NORM_WORK``)."""
-    cfg = default_config(n, k, 1, device)
-    return (cfg.block_k >= triton.next_power_of_2(k)
-            and triton.cdiv(n, cfg.block_n) * k <= MAX_FUSED_NORM_WORK)
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None, gated: bool = False,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None,
+                  sum_squares: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows.
 
     ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
     result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32. With ``gated``,
     ``x`` is ``[M, 2K] = [gate | up]`` and the product is ``F.linear(silu(gate) * up, ...)``.
     With ``residual`` (``[M, N]`` in x's dtype, contiguous rows) the product is added into it
-    IN PLACE, rounded as ``F.linear(...) + residual``, and ``residual`` is returned.
-    Launch shapes depend on shapes alone, so the call is CUDA-graph capturable.
+    IN PLACE, rounded as ``F.linear(...) + residual``, and ``residual`` is returned; with
+    ``sum_squares`` too (float32 ``[M]``, zero on entry) each row's sum of squares of the
+    updated residual, as stored, is added into it, for the norm that follows
+    (:func:`skinny_rms_linear`). Launch shapes depend on shapes alone, so the call is CUDA-graph
+    capturable.
     """
-    return _launch(x, weight, bias, config, gated=gated, residual=residual)
+    if sum_squares is not None and residual is None:
+        raise ValueError("sum_squares is the updated residual's: it needs residual")
+    return _launch(x, weight, bias, config, gated=gated, residual=residual,
+                   sum_squares=sum_squares)
 
 
-def skinny_rms_linear(h: torch.Tensor, eps: float, weight: torch.Tensor,
-                      bias: torch.Tensor | None = None,
+def skinny_rms_linear(h: torch.Tensor, sum_squares: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None,
                       config: SkinnyConfig | None = None) -> torch.Tensor:
-    """``F.linear(h / sqrt(mean(h^2) + eps), weight, bias)`` in one pass over ``h``: RMSNorm
-    without its weight, which the caller has folded into ``weight``'s columns.
+    """``F.linear(h / sqrt(mean(h^2) + eps), weight, bias)``: RMSNorm without its weight, which
+    the caller has folded into ``weight``'s columns, for an ``h`` whose rows' sums of squares
+    ``sum_squares`` (float32 ``[M]``) the GEMV that wrote it has taken (``skinny_linear``'s).
 
     The norm is applied to the product, in float32, not to ``h`` (the reference rounds the
     normalised row to 16 bits before the product; this does not). Otherwise as
     :func:`skinny_linear`.
     """
-    return _launch(h, weight, bias, config, rms_eps=eps)
+    return _launch(h, weight, bias, config, rms_eps=eps, sum_squares=sum_squares)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: SkinnyConfig | None, gated: bool = False,
-            residual: torch.Tensor | None = None, rms_eps: float | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, rms_eps: float | None = None,
+            sum_squares: torch.Tensor | None = None) -> torch.Tensor:
     """Checks, then one kernel launch."""
     m, width = x.shape
     k = width // 2 if gated else width
@@ -216,6 +213,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                  or residual.dtype != x.dtype):
         raise ValueError(f"residual must be [{m}, {n}] in {x.dtype} with contiguous rows, got "
                          f"{tuple(residual.shape)} in {residual.dtype}")
+    if sum_squares is not None and (sum_squares.shape != (m,) or sum_squares.stride(0) != 1
+                                    or sum_squares.dtype != torch.float32):
+        raise ValueError(f"sum_squares must be a contiguous float32 [{m}], got "
+                         f"{tuple(sum_squares.shape)} in {sum_squares.dtype}")
     y = residual if residual is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -224,11 +225,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else y, y, y,
+        sum_squares if sum_squares is not None else y,
         m, n, k, rms_eps or 0.0,
         x.stride(0), weight.stride(0), y.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, PDL=pdl,
         DEFER_SUM=cfg.defer_sum, RMS=rms_eps is not None, ADD_RESIDUAL=residual is not None,
+        SUM_SQUARES_OUT=residual is not None and sum_squares is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y

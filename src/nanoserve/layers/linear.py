@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import ADDED_TO_RESIDUAL, AddedToResidual, NormInput, RMSNorm
+from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, get_tp_group
 from nanoserve.layers.split_k import split_k_partial_sums
 
@@ -48,17 +48,15 @@ def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)``; without a residual, ``(.. norm(x) .., x)``.
 
-    At batch 1 on CUDA, once the norm's weight is folded into ``weight`` and the residual
-    stream is one tensor (the first layer's input, or a residual the projection before
-    already added its output into), the norm runs inside the skinny GEMV where that pays
-    (``rms_fusable``): one launch, no norm kernel. Elsewhere this is the norm module (which
-    takes every form of ``x``), then :func:`linear`.
+    At batch 1 on CUDA, where the norm's weight is folded into ``weight`` and the projection
+    before added its output into the residual and summed the squares of each updated row
+    (``AddedToResidual.sum_squares``), the skinny GEMV applies the norm itself: one launch,
+    no norm kernel. Elsewhere this is the norm module (which takes every form of ``x``),
+    then :func:`linear`.
     """
-    stream = residual if isinstance(x, AddedToResidual) else x if residual is None else None
-    if norm.folded and stream is not None and _one_row_on_cuda(stream):
-        from nanoserve.kernels.skinny_gemm import rms_fusable, skinny_rms_linear
-        if rms_fusable(weight.shape[0], weight.shape[1], stream.device):
-            return skinny_rms_linear(stream, norm.eps, weight, bias), stream
+    if norm.folded and isinstance(x, AddedToResidual) and x.sum_squares is not None:
+        from nanoserve.kernels.skinny_gemm import skinny_rms_linear
+        return skinny_rms_linear(residual, x.sum_squares, norm.eps, weight, bias), residual
     if residual is None:
         return linear(norm(x), weight, bias), x
     normed, residual = norm(x, residual)
@@ -189,6 +187,9 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
             if bias else None
+        # float32 [1], zeroed before each forward, where the batch-1 GEMV sums the squares of
+        # the residual rows it updates, for the norm after it (``DecoderModel.track_sum_squares``).
+        self.sum_squares: torch.Tensor | None = None
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
         if param.dim() == 1:  # the bias is whole on every rank
@@ -211,14 +212,16 @@ class RowParallelLinear(nn.Module):
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
         (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
-        into ``residual`` in place by the GEMV's epilogue (``ADDED_TO_RESIDUAL``)."""
+        into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
+        updated rows' sums of squares where ``sum_squares`` is set)."""
         if self.tp.size > 1:
             return self.forward(x), residual
         if (self.bias is None and _one_row_on_cuda(x) and residual.dtype == x.dtype
                 and residual.is_contiguous()):
             from nanoserve.kernels.skinny_gemm import skinny_linear
-            skinny_linear(x, self.weight, gated=self.gated, residual=residual)
-            return ADDED_TO_RESIDUAL, residual
+            skinny_linear(x, self.weight, gated=self.gated, residual=residual,
+                          sum_squares=self.sum_squares)
+            return AddedToResidual(self.sum_squares), residual
         parts = split_k_partial_sums(x, self.weight, self.bias, self.gated)
         return (parts if parts is not None
                 else linear(x, self.weight, self.bias, self.gated)), residual

@@ -16,12 +16,13 @@ class PartialSums(NamedTuple):
     parts: torch.Tensor
 
 
-class AddedToResidual:
+class AddedToResidual(NamedTuple):
     """Stands for a projection's output that its kernel already added into the residual, in
-    place (the batch-1 GEMV's epilogue): the norm after it normalises the residual alone."""
+    place (the batch-1 GEMV's epilogue): the norm after it normalises the residual alone.
+    ``sum_squares`` (float32 ``[rows]``), where the kernel also summed the updated residual's
+    squares, spares the norm that pass."""
 
-
-ADDED_TO_RESIDUAL = AddedToResidual()
+    sum_squares: torch.Tensor | None = None
 
 # What a projection hands the add + RMSNorm after it: its output, split-K partial sums, or the
 # marker that it already added its output into the residual.

@@ -99,8 +99,22 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sum_squares: torch.Tensor | None = None  # see track_sum_squares
+
+    def track_sum_squares(self) -> None:
+        """Give each o_proj and down_proj a float32 slot where its batch-1 GEMV sums the
+        squares of the residual row it updates, for the GEMV after the norm to normalise with
+        (``norm_linear``). The slots are one buffer, zeroed at the start of each forward."""
+        producers = [p for layer in self.layers
+                     for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+        self.sum_squares = torch.zeros(len(producers), dtype=torch.float32,
+                                       device=self.norm.weight.device)
+        for i, producer in enumerate(producers):
+            producer.sum_squares = self.sum_squares[i:i + 1]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.sum_squares is not None:
+            self.sum_squares.zero_()
         x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -134,12 +148,15 @@ class DecoderForCausalLM(nn.Module):
         return self.model(ids, positions)
 
     def fold_norm_weights(self) -> None:
-        """Fold each layer's two pre-norm weights into the qkv and gate/up columns (the GPU
-        path: the batch-1 GEMV then applies those norms itself, with no launch of their own).
-        The final norm stays, since the LM head may share the embedding's weights."""
+        """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have
+        the projections before them sum the squares of the residual they update (the GPU
+        path: at batch 1 the qkv and gate/up GEMVs then apply those norms themselves, with no
+        launch of their own). The final norm stays, since the LM head may share the
+        embedding's weights."""
         for layer in self.model.layers:
             layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
             layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
+        self.model.track_sum_squares()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0."""
