@@ -113,5 +113,12 @@ def test_norm_weights_folded_into_projections_keep_outputs_exact(tiny_model, exp
     assert torch.equal(layer.input_layernorm.weight, torch.ones_like(g))
     torch.testing.assert_close(layer.self_attn.qkv_proj.weight, w * g[None, :])
     assert not model.model.norm.folded  # the LM head may be the embedding: the final norm stays
+    # Each o_proj and down_proj sums its squares into a slot of its own, zeroed every forward
+    # (on the CPU nothing adds into them, so a forward leaves them zero).
+    slots = [p.sum_squares for lay in model.model.layers
+             for p in (lay.self_attn.o_proj, lay.mlp.down_proj)]
+    assert len({s.data_ptr() for s in slots}) == len(slots) == 2 * len(model.model.layers)
+    model.model.sum_squares.fill_(7.0)
     outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+    assert not model.model.sum_squares.any()

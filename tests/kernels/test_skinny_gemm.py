@@ -176,3 +176,28 @@ def test_interpreter_never_uses_programmatic_launch():
     """gdc_wait / launch_pdl exist only on Hopper GPUs; the CPU path must never ask for them."""
     from nanoserve.kernels.common import programmatic_launch
     assert not programmatic_launch(torch.device("cpu"))
+
+
+def test_norm_linear_normalises_with_the_producers_statistic():
+    """The layer contract at batch 1: a projection that added its output into the residual
+    hands the norm after it that row's sum of squares (``AddedToResidual``), and
+    ``norm_linear`` then applies the folded norm inside the GEMV, with that sum."""
+    from nanoserve.layers.linear import ColumnParallelLinear, norm_linear
+    from nanoserve.layers.norm import AddedToResidual, RMSNorm, rms_norm_torch
+
+    gen = torch.Generator().manual_seed(5)
+    k, n = 64, 24
+    residual = (3 * torch.randn(1, k, generator=gen))
+    norm = RMSNorm(k, eps=1e-6)
+    norm.weight.copy_(1 + 0.3 * torch.randn(k, generator=gen))
+    proj = ColumnParallelLinear(k, n)
+    proj.weight.copy_(torch.randn(n, k, generator=gen).div(k ** 0.5))
+    expected = rms_norm_torch(residual, norm.weight, 1e-6) @ proj.weight.T
+    proj.fold_norm(norm)
+    # A wrong statistic must show: half the true sum scales the output by sqrt(2).
+    true_sum = residual.pow(2).sum(-1)
+    out, stream = norm_linear(AddedToResidual(true_sum), residual, norm, proj.weight, None)
+    assert stream is residual
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    halved, _ = norm_linear(AddedToResidual(true_sum / 2), residual, norm, proj.weight, None)
+    torch.testing.assert_close(halved, expected * 2 ** 0.5, **TOLERANCE[torch.float32])
