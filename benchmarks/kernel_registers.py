@@ -1,4 +1,5 @@
-"""Registers and stack (spills) of the decode split kernel, compiled for an H200 on any machine.
+"""Registers and stack (spills) of the decode split kernel, or with ``--skinny`` of the batch-1
+GEMV as each projection of the Qwen3 shapes runs it, compiled for an H200 on any machine.
 
 No GPU needed: Triton compiles for sm_90 and its bundled cuobjdump reports what each program
 uses, which sets how many programs an SM can hold (65,536 registers per SM). Use the device's
@@ -7,6 +8,7 @@ PYTHONPATH); others allocate differently. One JSON line per variant:
 
     python benchmarks/kernel_registers.py [--block-n 32 64] [--warps 4 8] [--new-tokens]
         [--wide-offsets] [--splits 32]
+    python benchmarks/kernel_registers.py --skinny
 """
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from common import SHAPES
+
 from nanoserve.kernels.decode_kernels import _decode_split_kernel
+from nanoserve.kernels.skinny_gemm import _skinny_gemm_kernel, default_config
 
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024  # Hopper; the driver reserves 1 KB of it per resident program
@@ -86,6 +92,49 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
             "triton": triton.__version__}
 
 
+def skinny_variant(n: int, k: int, **flags: bool) -> dict:
+    """The batch-1 GEMV for ``n`` x ``k`` with the engine's tiles and the given epilogue flags
+    (``RMS``, ``GATED``, ``ADD_RESIDUAL``, ``SUM_SQUARES_OUT``), in bf16 with a bf16 residual."""
+    cfg = default_config(n, k, 1, torch.device("cuda"))
+    block_k = min(cfg.block_k, triton.next_power_of_2(k))
+    constants = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=block_k, HAS_BIAS=False,
+                     EVEN_K=k % block_k == 0, GATED=False, PDL=True, DEFER_SUM=cfg.defer_sum,
+                     RMS=False, ADD_RESIDUAL=False, SUM_SQUARES_OUT=False)
+    constants.update(flags)
+    names = _skinny_gemm_kernel.arg_names
+    signature = {name: "constexpr" if name in constants
+                 else "*fp32" if name == "ss_ptr" else "*bf16" if name.endswith("_ptr")
+                 else "fp32" if name == "eps" else "i32" for name in names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+                 if name.endswith("_ptr") or name.startswith("stride") or name in ("N", "K")}
+    kernel = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constants, divisible),
+                            target=H200, options=dict(num_warps=cfg.num_warps,
+                                                      num_stages=cfg.num_stages))
+    usage = resource_usage(kernel.asm["cubin"])
+    return {"kernel": "skinny_gemm", "n": n, "k": k, "block_n": cfg.block_n, "block_k": block_k,
+            "defer_sum": cfg.defer_sum, **{f: True for f, on in flags.items() if on}, **usage,
+            "programs_per_sm_by_registers":
+                REGISTERS_PER_SM // (usage["registers"] * 32 * cfg.num_warps),
+            "triton": triton.__version__}
+
+
+def skinny_report() -> None:
+    """Each projection of the Qwen3 shapes plain, then with the epilogue the model gives it."""
+    for shape in ("qwen3-0.6b", "qwen3-8b"):
+        c = SHAPES[shape]
+        hidden, inter = c["hidden_size"], c["intermediate_size"]
+        q = c["num_attention_heads"] * c["head_dim"]
+        qkv = q + 2 * c["num_key_value_heads"] * c["head_dim"]
+        roles = [("qkv", qkv, hidden, dict(RMS=True)), ("o_proj", hidden, q,
+                 dict(ADD_RESIDUAL=True, SUM_SQUARES_OUT=True)),
+                 ("gate_up", 2 * inter, hidden, dict(RMS=True)),
+                 ("down_proj", hidden, inter,
+                  dict(GATED=True, ADD_RESIDUAL=True, SUM_SQUARES_OUT=True))]
+        for role, n, k, flags in roles:
+            for variant in ({"GATED": True} if flags.get("GATED") else {}, flags):
+                print(json.dumps({"shape": shape, "role": role, **skinny_variant(n, k, **variant)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
@@ -99,7 +148,12 @@ def main() -> None:
                         help="64-bit K/V offsets (DecodeTuning.narrow_offsets=False, as split "
                              "decode runs); default: the engine's 32-bit ones")
     parser.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (batch 1: 32)")
+    parser.add_argument("--skinny", action="store_true",
+                        help="the batch-1 GEMV of each Qwen3 projection instead")
     args = parser.parse_args()
+    if args.skinny:
+        skinny_report()
+        return
     for block_n in args.block_n:
         for warps in args.warps:
             print(json.dumps(decode_variant(block_n, warps, args.stages, args.new_tokens,
