@@ -39,6 +39,16 @@ SHAPES = {
                      eos_token_id=128001, bos_token_id=128000, hidden_act="silu"),
 }
 
+# Qwen3-30B-A3B's layer shape (128 experts, top 8, 768 intermediate features each) in 4 layers:
+# big enough to route like the real model, small enough to save and load within a device call.
+SHAPES["qwen3-moe-small"] = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+    num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+    tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643, hidden_act="silu")
+
 # Qwen3-0.6B's config shrunk to one small layer: for host-side benchmarks, whose model forward
 # must cost next to nothing.
 SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **dict(
@@ -73,7 +83,10 @@ def save_random_hf_model(shape: str, out: Path, seed: int = 0) -> Path:
 
 
 def weight_bytes(shape: dict) -> int:
-    """bf16 bytes a decode step reads: every layer's matrices plus the LM head."""
+    """bf16 bytes a decode step reads: every layer's matrices plus the LM head (dense models:
+    what an MoE step reads depends on how many experts its tokens pick)."""
+    if shape.get("num_experts"):
+        raise ValueError("weight_bytes counts dense layers; this shape has experts")
     h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     q = shape["num_attention_heads"] * shape["head_dim"]
     kv = shape["num_key_value_heads"] * shape["head_dim"]

@@ -20,7 +20,7 @@ TINY_COMMON = dict(
 
 
 def _tiny_config(arch: str, vocab_size: int, eos_id: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch == "llama":
         return LlamaConfig(**TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=False,
@@ -38,6 +38,16 @@ def _tiny_config(arch: str, vocab_size: int, eos_id: int):
     if arch == "qwen3":
         return Qwen3Config(**TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=False,
                            head_dim=32, rope_theta=1e6, eos_token_id=eos_id)
+    if arch == "qwen3-moe":  # layer 0 sparse, layer 1 dense; top-2 weights renormalised
+        return Qwen3MoeConfig(**TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=False,
+                              head_dim=32, rope_theta=1e6, eos_token_id=eos_id, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True, mlp_only_layers=[1])
+    if arch == "qwen3-moe-every-layer":  # top-3 of 6, raw softmax weights
+        return Qwen3MoeConfig(**TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=True,
+                              head_dim=32, rope_theta=1e6, eos_token_id=eos_id, num_experts=6,
+                              num_experts_per_tok=3, moe_intermediate_size=48,
+                              norm_topk_prob=False)
     raise ValueError(arch)
 
 

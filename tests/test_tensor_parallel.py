@@ -66,7 +66,7 @@ def tp_workers() -> list[multiprocessing.Process]:
     return [p for p in multiprocessing.active_children() if p.name.startswith("nanoserve-tp")]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3-moe"])
 def tp_model(request, tmp_path_factory, tokenizer_dir):
     return build_tp_model(request.param, tmp_path_factory.mktemp(f"tp_{request.param}"),
                           tokenizer_dir)
@@ -119,6 +119,7 @@ def reassemble(shards: list[dict], cfg: ModelConfig, size: int) -> dict[str, tor
     kv = max(1, cfg.num_kv_heads // size) * cfg.head_dim
     copies = max(1, size // cfg.num_kv_heads)  # consecutive ranks holding one replicated KV head
     inter = cfg.intermediate_size // size
+    moe_inter = cfg.moe_intermediate_size // size
     out = {}
     for name in shards[0]:
         parts = [s[name] for s in shards]
@@ -129,6 +130,15 @@ def reassemble(shards: list[dict], cfg: ModelConfig, size: int) -> dict[str, tor
             out[name.replace("qkv_proj", "q_proj")] = torch.cat([p[:q] for p in parts])
             out[name.replace("qkv_proj", "k_proj")] = torch.cat([p[q:q + kv] for p in heads])
             out[name.replace("qkv_proj", "v_proj")] = torch.cat([p[q + kv:] for p in heads])
+        elif name.endswith("experts.gate_up_proj"):  # [E, 2I/size, H]: one tensor per expert
+            prefix = name.removesuffix("gate_up_proj")
+            for e in range(parts[0].shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = torch.cat([p[e, :moe_inter] for p in parts])
+                out[f"{prefix}{e}.up_proj.weight"] = torch.cat([p[e, moe_inter:] for p in parts])
+        elif name.endswith("experts.down_proj"):  # [E, H, I/size]
+            prefix = name.removesuffix("down_proj")
+            for e in range(parts[0].shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = torch.cat([p[e] for p in parts], dim=1)
         elif "gate_up_proj" in name:
             out[name.replace("gate_up_proj", "gate_proj")] = torch.cat([p[:inter] for p in parts])
             out[name.replace("gate_up_proj", "up_proj")] = torch.cat([p[inter:] for p in parts])
@@ -136,7 +146,7 @@ def reassemble(shards: list[dict], cfg: ModelConfig, size: int) -> dict[str, tor
             out[name] = torch.cat(parts, dim=1)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = torch.cat(parts)[:cfg.vocab_size]  # minus the vocab padding
-        else:  # replicated: norms, Qwen3's per-head q/k norms
+        else:  # replicated: norms, Qwen3's per-head q/k norms, routers
             assert all(torch.equal(p, parts[0]) for p in parts), name
             out[name] = parts[0]
     return out

@@ -92,6 +92,12 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (Qwen3-MoE): 0 experts means every layer has a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts
 
     @classmethod
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
@@ -102,6 +108,8 @@ class ModelConfig:
         theta, scaling = _rope_of(hf_config)
         eos = as_id_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        num_experts = int(getattr(hf_config, "num_experts", None)
+                          or getattr(hf_config, "num_local_experts", None) or 0)
         return cls(
             architecture=arch,
             hidden_size=hf_config.hidden_size,
@@ -118,10 +126,25 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf_config, "attention_bias", False))
             or arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=str(dtype).replace("torch.", "") if dtype else "float32",
             eos_token_ids=sorted(set(eos)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+            moe_layers=_moe_layers(hf_config, num_experts),
         )
+
+
+def _moe_layers(hf_config: Any, num_experts: int) -> tuple[int, ...]:
+    """Qwen3-MoE's rule: every ``decoder_sparse_step``-th layer, less ``mlp_only_layers``."""
+    if num_experts == 0:
+        return ()
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    return tuple(i for i in range(hf_config.num_hidden_layers)
+                 if i not in dense and (i + 1) % step == 0)
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -133,7 +156,8 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
 def arch_from_model_type(hf_config: Any) -> str:
     """The model class for a config that names only its model_type (GGUF configs do)."""
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "mistral": "LlamaForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "mistral": "LlamaForCausalLM"}
     return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
 
 

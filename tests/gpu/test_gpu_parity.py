@@ -58,7 +58,7 @@ def engine_greedy_with_top5(model_dir: Path, prompts: list[list[int]], **engine_
     return tokens, top5
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b"])
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen3-moe-small"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factory):
     from common import save_random_hf_model

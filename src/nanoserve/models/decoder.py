@@ -1,11 +1,13 @@
 """One decoder-only transformer for Llama, Qwen2 and Qwen3: they differ by a few switches.
 
 Llama: no biases. Qwen2: q/k/v biases. Qwen3: RMSNorm on each head of q and k before RoPE.
+Qwen3-MoE: Qwen3 with a mixture of experts in place of the MLP in some or all layers.
 Everything device- or parallelism-specific comes in through the layer classes and the
 attention metadata, never through branches here.
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 from collections.abc import Iterable
 
@@ -17,6 +19,7 @@ from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoserve.layers.moe import SparseMoeBlock
 from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
@@ -80,10 +83,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int):
         super().__init__()
         self.self_attn = Attention(cfg, backend)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                  cfg.moe_intermediate_size, cfg.norm_topk_prob) \
+            if index in cfg.moe_layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -97,7 +102,8 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sum_squares: torch.Tensor | None = None  # see track_sum_squares
 
@@ -105,7 +111,7 @@ class DecoderModel(nn.Module):
         """Give each o_proj and down_proj a float32 slot where its batch-1 GEMV sums the
         squares of the residual row it updates, for the GEMV after the norm to normalise with
         (``norm_linear``). The slots are one buffer, zeroed at the start of each forward."""
-        producers = [p for layer in self.layers
+        producers = [p for layer in self.layers if isinstance(layer.mlp, MLP)
                      for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]
         self.sum_squares = torch.zeros(len(producers), dtype=torch.float32,
                                        device=self.norm.weight.device)
@@ -122,15 +128,34 @@ class DecoderModel(nn.Module):
         return x
 
 
+# One expert's tensor in a Qwen3-MoE checkpoint; here every expert lives in one stacked parameter.
+EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
 # Checkpoint names of the tensors that live packed in one parameter here: (part, our name, slot).
 PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
           ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
 
-def _parts_of(param_name: str) -> list[str | int | None]:
+def _parts_of(param_name: str, param: torch.Tensor) -> list:
     """The checkpoint parts a parameter is packed from: every one must be loaded."""
+    if param_name.endswith(".experts.gate_up_proj"):
+        return [(e, part) for e in range(param.shape[0]) for part in ("gate", "up")]
+    if param_name.endswith(".experts.down_proj"):
+        return [(e, "down") for e in range(param.shape[0])]
     slots = [slot for _, packed, slot in PACKED if f".{packed}." in param_name]
     return slots or [None]
+
+
+def _target_of(name: str) -> tuple[str, object]:
+    """The parameter a checkpoint tensor goes into, and which part of it (None: all)."""
+    expert = EXPERT_TENSOR.fullmatch(name)
+    if expert:
+        prefix, index, part = expert.groups()
+        return f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}", (int(index), part)
+    for part, packed, slot in PACKED:
+        if f".{part}." in name:
+            return name.replace(part, packed), slot
+    return name, None
 
 
 class DecoderForCausalLM(nn.Module):
@@ -147,6 +172,11 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions)
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """False with experts: their loop reads the routing back to the host."""
+        return not self.config.moe_layers
+
     def fold_norm_weights(self) -> None:
         """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have
         the projections before them sum the squares of the residual they update (the GPU
@@ -155,7 +185,8 @@ class DecoderForCausalLM(nn.Module):
         embedding's weights."""
         for layer in self.model.layers:
             layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
-            layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
+            if isinstance(layer.mlp, MLP):  # a router reads the normalised row too: no fold
+                layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
         self.model.track_sum_squares()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -165,17 +196,13 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        missing = {(n, slot) for n, _ in self.named_parameters() for slot in _parts_of(n)}
+        missing = {(n, slot) for n, p in self.named_parameters() for slot in _parts_of(n, p)}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard = name, None
-            for part, packed, slot in PACKED:
-                if f".{part}." in name:
-                    target, shard = name.replace(part, packed), slot
-                    break
+            target, shard = _target_of(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{self.config.architecture}")
@@ -186,6 +213,8 @@ class DecoderForCausalLM(nn.Module):
                 owner.weight_loader(param, part.to(param.dtype), shard)
             else:  # replicated on every rank (norms, Qwen3's per-head q/k norms)
                 param.data.copy_(tensor.read())
+            if shard is None:  # a whole parameter, e.g. every expert in one fused tensor
+                missing -= {m for m in missing if m[0] == target}
             missing.discard((target, shard))
         if missing:
             names = sorted(f"{n} ({slot})" if slot is not None else n for n, slot in missing)

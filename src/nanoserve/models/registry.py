@@ -12,6 +12,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": DecoderForCausalLM,
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
+    "Qwen3MoeForCausalLM": DecoderForCausalLM,
 }
 
 

@@ -1,0 +1,120 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): a router picks the top-k experts of each token, each
+expert is a SiLU-gated MLP, and a token's output is its experts' outputs weighted by the router.
+
+Tensor parallelism splits every expert's intermediate features across ranks, as the dense MLP
+splits its own: gate/up by rows, down by columns, one all-reduce at the end. The router is
+replicated, so every rank routes every token the same way.
+
+The experts run one after another over the tokens routed to them, which needs the routing on
+the host: this path is eager (no CUDA graphs) until a fused MoE kernel replaces the loop.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.layers.activation import silu_and_mul
+from nanoserve.layers.norm import NormInput, RMSNorm
+from nanoserve.layers.parallel_state import Narrow, get_tp_group
+
+# A checkpoint tensor of one expert: (expert index, "gate" | "up" | "down"); None for the
+# fused layout that holds every expert in one tensor (transformers 5's own parameters).
+ExpertShard = tuple[int, str] | None
+
+
+class Router(nn.Module):
+    """Top-k routing: softmax over the experts in float32, the k largest, optionally
+    renormalised to sum to one, returned in the input's dtype with the experts' indices."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalise: bool):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.renormalise = renormalise
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked: ``gate_up_proj`` ``[E, 2 * I / tp, H]`` ([gate | up] of
+    this rank's intermediate features) and ``down_proj`` ``[E, H, I / tp]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.tp = get_tp_group()
+        if intermediate_size % self.tp.size:
+            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
+                             f"tensor_parallel_size ({self.tp.size})")
+        self.full = intermediate_size
+        self.per_rank = intermediate_size // self.tp.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.per_rank,
+                                                     hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.per_rank),
+                                      requires_grad=False)
+
+    def _mine(self) -> slice:
+        return slice(self.tp.rank * self.per_rank, (self.tp.rank + 1) * self.per_rank)
+
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: ExpertShard = None
+                         ) -> Narrow | None:
+        start = self.tp.rank * self.per_rank
+        if shard_id is None:  # fused: gate and up rows are apart, so gate/up is read whole
+            return None if param is self.gate_up_proj else Narrow(2, start, self.per_rank)
+        return Narrow(1 if shard_id[1] == "down" else 0, start, self.per_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: ExpertShard = None) -> None:
+        if shard_id is None:
+            if param is self.gate_up_proj:
+                mine = self._mine()
+                gate, up = loaded[:, :self.full], loaded[:, self.full:]
+                loaded = torch.cat([gate[:, mine], up[:, mine]], dim=1)
+            param.data.copy_(loaded)
+            return
+        expert, part = shard_id
+        if expert >= param.shape[0]:
+            raise ValueError(f"checkpoint has expert {expert}; the config has {param.shape[0]}")
+        if part == "down":
+            param.data[expert].copy_(loaded)
+        else:
+            rows = slice(0, self.per_rank) if part == "gate" else slice(self.per_rank, None)
+            param.data[expert, rows].copy_(loaded)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                ) -> torch.Tensor:
+        """This rank's share of ``sum_j weights[:, j] * expert_{experts[:, j]}(x)``."""
+        out = torch.zeros_like(x)
+        # Ascending expert order, each adding into its tokens' rows: the reference's order.
+        for e in torch.unique(experts).tolist():
+            tokens, slots = torch.where(experts == e)
+            h = silu_and_mul(F.linear(x[tokens], self.gate_up_proj[e]))
+            h = F.linear(h, self.down_proj[e]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, h)
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a mixture-of-experts layer, taking its pre-norm as the dense MLP does."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalise: bool):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.gate = Router(hidden_size, num_experts, top_k, renormalise)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' mix of ``norm(x + residual)``, and the summed residual."""
+        normed, residual = norm(x, residual)
+        weights, experts = self.gate(normed)
+        return self.tp.all_reduce(self.experts(normed, weights, experts)), residual
