@@ -83,14 +83,17 @@ def save_random_hf_model(shape: str, out: Path, seed: int = 0) -> Path:
 
 
 def weight_bytes(shape: dict) -> int:
-    """bf16 bytes a decode step reads: every layer's matrices plus the LM head (dense models:
-    what an MoE step reads depends on how many experts its tokens pick)."""
-    if shape.get("num_experts"):
-        raise ValueError("weight_bytes counts dense layers; this shape has experts")
+    """bf16 bytes a decode step reads: every layer's matrices plus the LM head. A
+    mixture-of-experts layer counts its router and the top-k experts one token reads, the
+    least a step reads (a lower bound for batches whose tokens pick different experts)."""
     h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     q = shape["num_attention_heads"] * shape["head_dim"]
     kv = shape["num_key_value_heads"] * shape["head_dim"]
-    return 2 * (layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + shape["vocab_size"] * h)
+    mlp = 3 * h * i
+    if shape.get("num_experts"):  # every layer sparse in the shapes here
+        mlp = shape["num_experts"] * h + shape["num_experts_per_tok"] * 3 * h * \
+            shape["moe_intermediate_size"]
+    return 2 * (layers * (h * (q + 2 * kv) + q * h + mlp) + shape["vocab_size"] * h)
 
 
 def copy_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
