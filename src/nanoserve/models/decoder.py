@@ -18,8 +18,9 @@ from nanoserve.attention.backend import AttentionBackend
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanoserve.layers.moe import SparseMoeBlock
+from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear, ShardId)
+from nanoserve.layers.moe import ExpertShard, SparseMoeBlock
 from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
@@ -136,7 +137,11 @@ PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "
           ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
 
-def _parts_of(param_name: str, param: torch.Tensor) -> list:
+# Which part of a parameter one checkpoint tensor fills (None: all of it).
+Part = ShardId | ExpertShard
+
+
+def _parts_of(param_name: str, param: torch.Tensor) -> list[Part]:
     """The checkpoint parts a parameter is packed from: every one must be loaded."""
     if param_name.endswith(".experts.gate_up_proj"):
         return [(e, part) for e in range(param.shape[0]) for part in ("gate", "up")]
@@ -146,7 +151,7 @@ def _parts_of(param_name: str, param: torch.Tensor) -> list:
     return slots or [None]
 
 
-def _target_of(name: str) -> tuple[str, object]:
+def _target_of(name: str) -> tuple[str, Part]:
     """The parameter a checkpoint tensor goes into, and which part of it (None: all)."""
     expert = EXPERT_TENSOR.fullmatch(name)
     if expert:
