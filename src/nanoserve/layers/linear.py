@@ -17,7 +17,7 @@ from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm
-from nanoserve.layers.parallel_state import Narrow, get_tp_group
+from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 from nanoserve.layers.split_k import split_k_partial_sums
 
 ShardId = str | int | None
@@ -63,19 +63,13 @@ def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
     return linear(normed, weight, bias), residual
 
 
-def _divide(total: int, parts: int, what: str) -> int:
-    if total % parts:
-        raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
-    return total // parts
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp = get_tp_group()
-        self.out_per_rank = _divide(out_features, self.tp.size, "output features")
+        self.out_per_rank = divide(out_features, self.tp.size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) \
@@ -118,7 +112,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def _slot(self, shard_id: ShardId) -> tuple[int, int]:
         """(offset, size) of checkpoint tensor ``shard_id``'s shard in this rank's parameter."""
-        sizes = [_divide(s, self.tp.size, "output features") for s in self.out_sizes]
+        sizes = [divide(s, self.tp.size, "output features") for s in self.out_sizes]
         index = int(shard_id)
         return sum(sizes[:index]), sizes[index]
 
@@ -143,9 +137,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
         tp_size = get_tp_group().size
-        self.num_heads = _divide(num_heads, tp_size, "attention heads")
+        self.num_heads = divide(num_heads, tp_size, "attention heads")
         if num_kv_heads >= tp_size:
-            self.num_kv_heads = _divide(num_kv_heads, tp_size, "KV heads")
+            self.num_kv_heads = divide(num_kv_heads, tp_size, "KV heads")
         elif tp_size % num_kv_heads:
             raise ValueError(f"tensor_parallel_size ({tp_size}) must be a multiple of the "
                              f"KV heads ({num_kv_heads}) when it exceeds them")
@@ -182,7 +176,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.gated = gated
         self.tp = get_tp_group()
-        self.in_per_rank = _divide(in_features, self.tp.size, "input features")
+        self.in_per_rank = divide(in_features, self.tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \

@@ -16,7 +16,7 @@ from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import NormInput, RMSNorm
-from nanoserve.layers.parallel_state import Narrow, get_tp_group
+from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 
 # A checkpoint tensor of one expert: (expert index, "gate" | "up" | "down"); None for the
 # fused layout that holds every expert in one tensor (transformers 5's own parameters).
@@ -51,11 +51,8 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.tp = get_tp_group()
-        if intermediate_size % self.tp.size:
-            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
-                             f"tensor_parallel_size ({self.tp.size})")
         self.full = intermediate_size
-        self.per_rank = intermediate_size // self.tp.size
+        self.per_rank = divide(intermediate_size, self.tp.size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.per_rank,
                                                      hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.per_rank),

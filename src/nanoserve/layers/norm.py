@@ -24,6 +24,7 @@ class AddedToResidual(NamedTuple):
 
     sum_squares: torch.Tensor | None = None
 
+
 # What a projection hands the add + RMSNorm after it: its output, split-K partial sums, or the
 # marker that it already added its output into the residual.
 NormInput = torch.Tensor | PartialSums | AddedToResidual

@@ -61,6 +61,13 @@ class TensorParallelGroup:
 _group = TensorParallelGroup()
 
 
+def divide(total: int, parts: int, what: str) -> int:
+    """``total / parts``, or a clear error naming ``what`` when the ranks cannot share it."""
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
+    return total // parts
+
+
 def get_tp_group() -> TensorParallelGroup:
     return _group
 
