@@ -1,6 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE) against transformers, token for token, on the CPU."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from conftest import build_tiny_model
@@ -69,26 +71,35 @@ def test_fused_expert_checkpoint_loads_the_same(moe_model, expected, tmp_path):
         fused[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat(
             [stack["gate_proj"], stack["up_proj"]], dim=1)
         fused[f"{prefix}.mlp.experts.down_proj"] = stack["down_proj"]
-    for f in moe_model.iterdir():
-        if f.name != "model.safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    save_file(fused, str(tmp_path / "model.safetensors"))
+    folder = tmp_path / "fused"
+    shutil.copytree(moe_model, folder)
+    save_file(fused, str(folder / "model.safetensors"))
     ids, want = expected
-    assert generate(tmp_path, ids[:3]) == want[:3]
+    assert generate(folder, ids[:3]) == want[:3]
 
 
 def test_missing_or_extra_experts_are_named(moe_model, tmp_path):
-    tensors = load_file(str(moe_model / "model.safetensors"))
-    for f in moe_model.iterdir():
-        if f.name != "model.safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
+    folder = tmp_path / "edited"
+    shutil.copytree(moe_model, folder)
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
     dropped = {k: v for k, v in tensors.items() if ".experts.1.up_proj." not in k}
-    save_file(dropped, str(tmp_path / "model.safetensors"))
+    save_file(dropped, str(weights))
     with pytest.raises(ValueError, match=r"experts\.gate_up_proj \(\(1, 'up'\)\)"):
-        LLM(str(tmp_path), device="cpu", dtype="float32")
+        LLM(str(folder), device="cpu", dtype="float32")
     extra = dict(tensors)
     extra["model.layers.0.mlp.experts.99.down_proj.weight"] = \
         tensors["model.layers.0.mlp.experts.0.down_proj.weight"].clone()
-    save_file(extra, str(tmp_path / "model.safetensors"))
+    save_file(extra, str(weights))
     with pytest.raises(ValueError, match="expert 99"):
-        LLM(str(tmp_path), device="cpu", dtype="float32")
+        LLM(str(folder), device="cpu", dtype="float32")
+
+
+def test_experts_must_split_evenly_across_ranks():
+    from nanoserve.layers.moe import Experts
+    from nanoserve.layers.parallel_state import tensor_parallel_group
+
+    with tensor_parallel_group(0, 3), torch.device("meta"):
+        with pytest.raises(ValueError, match=r"moe_intermediate_size \(32\) is not divisible"):
+            Experts(num_experts=4, hidden_size=8, intermediate_size=32)
+        assert Experts(num_experts=4, hidden_size=8, intermediate_size=48).per_rank == 16
