@@ -5,8 +5,10 @@ Tensor parallelism splits every expert's intermediate features across ranks, as 
 splits its own: gate/up by rows, down by columns, one all-reduce at the end. The router is
 replicated, so every rank routes every token the same way.
 
-The experts run one after another over the tokens routed to them, which needs the routing on
-the host: this path is eager (no CUDA graphs) until a fused MoE kernel replaces the loop.
+On the CPU the experts run one after another over the tokens routed to them, which reads the
+routing on the host. On CUDA two grouped GEMMs over expert-sorted blocks of tokens do the same
+with the routing left on the device (``kernels/fused_moe.py``), so decode steps can be CUDA
+graphs.
 """
 from __future__ import annotations
 
@@ -21,6 +23,21 @@ from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 # A checkpoint tensor of one expert: (expert index, "gate" | "up" | "down"); None for the
 # fused layout that holds every expert in one tensor (transformers 5's own parameters).
 ExpertShard = tuple[int, str] | None
+
+
+def experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` with the experts' weights stacked
+    (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``), one expert at a time: the CPU path
+    and the reference of the fused GPU kernels."""
+    out = torch.zeros_like(x)
+    # Ascending expert order, each adding into its tokens' rows: transformers' order.
+    for e in torch.unique(experts).tolist():
+        tokens, slots = torch.where(experts == e)
+        h = silu_and_mul(F.linear(x[tokens], gate_up[e]))
+        h = F.linear(h, down[e]) * weights[tokens, slots, None]
+        out.index_add_(0, tokens, h)
+    return out
 
 
 class Router(nn.Module):
@@ -89,14 +106,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ) -> torch.Tensor:
         """This rank's share of ``sum_j weights[:, j] * expert_{experts[:, j]}(x)``."""
-        out = torch.zeros_like(x)
-        # Ascending expert order, each adding into its tokens' rows: the reference's order.
-        for e in torch.unique(experts).tolist():
-            tokens, slots = torch.where(experts == e)
-            h = silu_and_mul(F.linear(x[tokens], self.gate_up_proj[e]))
-            h = F.linear(h, self.down_proj[e]) * weights[tokens, slots, None]
-            out.index_add_(0, tokens, h)
-        return out
+        if x.is_cuda:
+            from nanoserve.kernels.fused_moe import fused_experts
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
+        return experts_loop(x, self.gate_up_proj, self.down_proj, weights, experts)
 
 
 class SparseMoeBlock(nn.Module):

@@ -177,11 +177,6 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions)
 
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        """False with experts: their loop reads the routing back to the host."""
-        return not self.config.moe_layers
-
     def fold_norm_weights(self) -> None:
         """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have
         the projections before them sum the squares of the residual they update (the GPU

@@ -81,8 +81,7 @@ class ModelRunner:
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
-        if (self.device.type == "cuda" and not config.enforce_eager
-                and self.model.supports_cuda_graphs):
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, 512), self._blocks_per_seq(),
                 self.max_model_len, self.device)
