@@ -49,6 +49,9 @@ SHAPES["qwen3-moe-small"] = dict(
     tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
     torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643, hidden_act="silu")
 
+# Qwen3-30B-A3B's whole shape (48 layers, ~61 GB in bf16): random weights on the device only.
+SHAPES["qwen3-30b-a3b"] = {**SHAPES["qwen3-moe-small"], "num_hidden_layers": 48}
+
 # Qwen3-0.6B's config shrunk to one small layer: for host-side benchmarks, whose model forward
 # must cost next to nothing.
 SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **dict(

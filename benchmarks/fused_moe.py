@@ -8,6 +8,9 @@ around all layers. ``floor_us`` is the bytes of the experts the batch's routing 
 the measured copy bandwidth.
 
     python benchmarks/fused_moe.py [--tokens 1 16 256] [--tiles BM:BN:BK:WARPS:STAGES ...]
+
+The first line per batch size has ``moe_tiles``' tiles, then one per ``--tiles`` override;
+``group_us`` is the grouping launch alone.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import argparse
 import torch
 from common import copy_bandwidth_gbs, emit, environment, graph_us
 
-from nanoserve.kernels.fused_moe import MoeTiles, fused_experts, moe_tiles
+from nanoserve.kernels.fused_moe import MoeTiles, fused_experts, group_by_expert, moe_tiles
 from nanoserve.layers.moe import experts_loop
 
 
@@ -61,19 +64,19 @@ def main() -> None:
         weights = weights.to(torch.bfloat16)
         touched = torch.unique(experts).numel()
         floor_us = touched * expert_bytes / (bandwidth * 1e3)
-        variants = [None] + [MoeTiles(*map(int, spec.split(":"))) for spec in args.tiles]
+        blocks_tiles = moe_tiles(tokens * args.top_k, e, x.device)
         loop = None
         if not args.no_loop:
             loop = loop_us([lambda g=g, d=d: experts_loop(x, g, d, weights, experts)
                             for g, d in zip(gate_ups, downs)])
-        for tiles in variants:
+        group = graph_us([lambda: group_by_expert(experts, e, blocks_tiles.block_m)])
+        for tiles in [blocks_tiles] + [MoeTiles(*map(int, t.split(":"))) for t in args.tiles]:
             fused = graph_us([lambda g=g, d=d: fused_experts(x, g, d, weights, experts, tiles)
                               for g, d in zip(gate_ups, downs)])
-            used = tiles or moe_tiles(tokens * args.top_k, e, x.device)
-            emit({"bench": "fused_moe", "tokens": tokens, "experts_touched": touched,
-                  "tiles": list(used), "fused_us": round(fused, 2),
-                  "loop_us": loop and round(loop, 1), "floor_us": round(floor_us, 2),
-                  "fraction_of_floor": round(floor_us / fused, 3),
+            emit({"bench": "fused_moe", "tokens": tokens, "tiles": ":".join(map(str, tiles)),
+                  "experts_touched": touched, "fused_us": round(fused, 2),
+                  "group_us": round(group, 2), "loop_us": loop and round(loop, 1),
+                  "floor_us": round(floor_us, 2), "fraction_of_floor": round(floor_us / fused, 3),
                   "bandwidth_gbs": round(bandwidth, 1), **environment()})
 
 

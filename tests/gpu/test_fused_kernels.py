@@ -23,7 +23,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.fused_moe import fused_experts  # noqa: E402
+from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
 from nanoserve.kernels.skinny_gemm import (  # noqa: E402
     skinny_linear,
     skinny_rms_linear,
@@ -178,3 +178,16 @@ def test_fused_experts_match_per_expert_loop(num_tokens):
     graph.replay()
     expected = experts_loop(*(t.double() for t in (x, gate_up, down, weights)), experts)
     torch.testing.assert_close(captured.double(), expected, **BF16)
+
+
+def test_route_top_k_matches_softmax_topk():
+    gen = torch.Generator().manual_seed(5)
+    # 0.05 apart in a random order per token: no ties in bf16, so the top 8 are unique.
+    ranks = torch.stack([torch.randperm(128, generator=gen) for _ in range(300)])
+    logits = (0.05 * ranks - 2.0).to("cuda", torch.bfloat16)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    expected_weights, expected_experts = torch.topk(probs, 8, dim=-1)
+    expected_weights = expected_weights / expected_weights.sum(-1, keepdim=True)
+    weights, experts = route_top_k(logits, 8, renormalise=True)
+    assert torch.equal(experts.long(), expected_experts)
+    torch.testing.assert_close(weights, expected_weights.to(torch.bfloat16), atol=1e-2, rtol=1e-2)

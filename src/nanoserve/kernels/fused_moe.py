@@ -3,15 +3,18 @@
 The CPU path (``layers/moe.py``) runs the experts one by one over their tokens, which needs
 the routing on the host. Here the routing stays on the device:
 
-1. ``group_by_expert`` sorts the (token, slot) pairs of the routing by expert and pads each
-   expert's group to a multiple of ``block_m`` rows, with tensor ops of fixed shapes, so a
-   CUDA graph can hold them: the number of blocks is bounded by the batch alone, and blocks
-   past the last used one carry expert -1 and exit at once.
+1. ``group_by_expert`` gathers the (token, slot) pairs of the routing by expert and pads each
+   expert's group to a multiple of ``block_m`` rows, in one single-program launch of fixed
+   shape, so a CUDA graph can hold it: the number of blocks is bounded by the batch alone,
+   and blocks past the last used one carry expert -1 and exit at once.
 2. ``_moe_gemm_kernel`` multiplies each block of rows by its expert's weights (one program per
    block and ``BLOCK_N`` output features, ``tl.dot`` on the tensor cores). The gate/up GEMM
    gathers its rows from the tokens; the down GEMM reads the activated rows of the pairs and
    scales each by its routing weight.
 3. Each token's ``top_k`` results are summed.
+
+Before them, ``route_top_k`` turns the router's logits into the routing in one launch
+(softmax, top-k and renormalisation are five or more launches in PyTorch).
 
 This is vLLM's fused-MoE design (sorted, padded expert blocks) written small; the grid is
 sized for the worst case, so a block's expert decides its work at run time.
@@ -48,28 +51,117 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, experts_ptr, num_experts, stride_lt,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    RENORMALISE: tl.constexpr,
+):
+    """One token: softmax over its experts' logits in float32, the TOP_K largest (largest
+    first), optionally renormalised to sum to one."""
+    token = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token * stride_lt + e, mask=e < num_experts,
+                     other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = probs / tl.sum(probs, 0)
+    slot = tl.arange(0, BLOCK_K)
+    top_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_experts = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, 0)  # the lowest index among ties, as torch.topk takes them
+        top_weights = tl.where(slot == j, tl.max(probs, 0), top_weights)
+        top_experts = tl.where(slot == j, best, top_experts)
+        probs = tl.where(e == best, -1.0, probs)
+    if RENORMALISE:
+        top_weights = top_weights / tl.sum(top_weights, 0)
+    tl.store(weights_ptr + token * TOP_K + slot,
+             top_weights.to(weights_ptr.dtype.element_ty), mask=slot < TOP_K)
+    tl.store(experts_ptr + token * TOP_K + slot, top_experts, mask=slot < TOP_K)
+
+
+def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice from its ``[T, E]`` logits in one launch: ``[T, top_k]`` weights
+    in the logits' dtype (softmax in float32, optionally renormalised) and int32 experts,
+    largest weight first, as ``softmax`` + ``topk`` (+ division) give them."""
+    num_tokens, num_experts = logits.shape
+    if not 0 < top_k <= num_experts or logits.stride(-1) != 1:
+        raise ValueError(f"route_top_k needs 0 < top_k <= {num_experts} experts and logits with "
+                         f"contiguous rows; got top_k {top_k}")
+    weights = torch.empty((num_tokens, top_k), dtype=logits.dtype, device=logits.device)
+    experts = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            logits, weights, experts, num_experts, logits.stride(0),
+            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k), RENORMALISE=renormalise,
+            num_warps=1 if interpreted(logits.device) else 4,
+        )
+    return weights, experts
+
+
+# Pairs the grouping kernel reads at a time.
+GROUP_CHUNK = 1024
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _group_by_expert_kernel(
+    experts_ptr, pair_ids_ptr, block_expert_ptr, next_row_ptr,
+    num_pairs, num_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """One program: count each expert's pairs, lay out the padded blocks, then give each pair
+    the next free row of its expert's group (``next_row``, int32 ``[BLOCK_E]``, by atomics).
+    Within a group the rows' order is the atomics' order, which changes no result: each row's
+    products are its own."""
+    p = tl.arange(0, BLOCK_P)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for chunk in range(0, num_pairs, BLOCK_P):
+        valid = chunk + p < num_pairs
+        expert = tl.load(experts_ptr + chunk + p, mask=valid, other=0).to(tl.int32)
+        counts += tl.histogram(expert, BLOCK_E, mask=valid)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    # A block's expert: how many experts' padded groups end at or before the block's start
+    # (experts past the last, BLOCK_E's padding, end at the total: never before a used block).
+    for first in range(0, num_blocks, BLOCK_B):
+        b = first + tl.arange(0, BLOCK_B)
+        ended = padded_end[None, :] <= (b * BLOCK_M)[:, None]
+        expert_of = tl.sum(ended.to(tl.int32), 1)
+        tl.store(block_expert_ptr + b, tl.where(b * BLOCK_M < total, expert_of, -1),
+                 mask=b < num_blocks)
+    for first in range(0, num_blocks * BLOCK_M, BLOCK_P):  # every row padding until placed
+        tl.store(pair_ids_ptr + first + p, num_pairs, mask=first + p < num_blocks * BLOCK_M)
+    # Atomically, like the increments after it, so that all of them act on the L2's copy.
+    tl.atomic_xchg(next_row_ptr + e, padded_end - padded, sem="relaxed")
+    tl.debug_barrier()  # the offsets and the padding fill, before any pair is placed
+    for chunk in range(0, num_pairs, BLOCK_P):
+        valid = chunk + p < num_pairs
+        expert = tl.load(experts_ptr + chunk + p, mask=valid, other=0).to(tl.int32)
+        row = tl.atomic_add(next_row_ptr + expert, 1, mask=valid, sem="relaxed")
+        tl.store(pair_ids_ptr + row, chunk + p, mask=valid)
+
+
 def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Group the pairs of ``experts`` (``[T, top_k]`` expert indices) by expert; within an
-    expert the pairs stay in token order. Device ops of fixed shapes only (graph-capturable)."""
-    device = experts.device
-    flat = experts.reshape(-1).long()
+    """Group the pairs of ``experts`` (``[T, top_k]`` expert indices) by expert. One launch of
+    fixed shape (graph-capturable)."""
+    flat = experts.reshape(-1)
     num_pairs = flat.numel()
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_end = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
-    padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
-    sorted_expert = flat[order]
-    # A pair's row: its expert's first padded row + its rank among the expert's pairs.
-    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
-    pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    pair_ids[padded_start[sorted_expert] + rank] = order.to(torch.int32)
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    # Empty experts have padded_start == padded_end, so the first end past a block's start is
-    # its expert's.
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_start < padded_end[-1], block_expert, -1).to(torch.int32)
+    device = experts.device
+    pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    next_row = torch.empty(block_e, dtype=torch.int32, device=device)
+    small = interpreted(device)  # small chunks: the tests' routings cross chunk edges
+    _group_by_expert_kernel[(1,)](
+        flat, pair_ids, block_expert, next_row, num_pairs, num_blocks,
+        BLOCK_M=block_m, BLOCK_P=8 if small else GROUP_CHUNK, BLOCK_E=block_e,
+        BLOCK_B=16 if small else 64, num_warps=4,
+    )
     return ExpertBlocks(pair_ids, block_expert, block_m, num_pairs)
 
 
@@ -84,16 +176,23 @@ class MoeTiles(NamedTuple):
 
 
 def moe_tiles(num_pairs: int, num_experts: int, device: torch.device) -> MoeTiles:
-    """Blocks of 16 rows (the smallest ``tl.dot`` tile) while experts get a few pairs each, as
-    in decode; 64 once they get many, as in prefill."""
+    """Taller blocks as experts get more pairs each: 16 rows (the smallest ``tl.dot`` tile)
+    while they get a few, as in decode, up to 128 in long prefills (run 83's sweep at
+    Qwen3-30B-A3B's shapes, docs/kernels.md)."""
     if interpreted(device):
         return MoeTiles(16, 16, 32, 1, 1)
-    if num_pairs <= 4 * num_experts:
+    per_expert = num_pairs / num_experts
+    if per_expert <= 4:
         return MoeTiles(16, 64, 128, 4, 4)
-    return MoeTiles(64, 128, 64, 8, 3)
+    if per_expert <= 16:
+        return MoeTiles(32, 64, 128, 4, 4)
+    if per_expert <= 64:
+        return MoeTiles(64, 128, 64, 8, 3)
+    return MoeTiles(128, 128, 64, 8, 3)
 
 
-@triton.jit
+# num_pairs changes with every batch: specialising on it would compile new variants mid-run.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, route_w_ptr,
     num_pairs, N, K,
@@ -158,18 +257,10 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     ``[T, top_k]``. Rounds where the per-expert loop does (each product, the activation, the
     weighted output) but sums a token's ``top_k`` outputs in float32, once.
     """
+    _check_experts_call(x, gate_up, down, route_weights, experts)
     num_tokens, hidden = x.shape
-    num_experts, width, _ = gate_up.shape
+    num_experts = gate_up.shape[0]
     top_k = experts.shape[1]
-    if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):
-        raise ValueError(f"experts must be gate_up [E, 2I, {hidden}] and down [E, {hidden}, I]; "
-                         f"got {tuple(gate_up.shape)} and {tuple(down.shape)}")
-    if experts.shape != route_weights.shape or experts.shape[0] != num_tokens:
-        raise ValueError(f"routing must be [{num_tokens}, top_k] weights and experts; got "
-                         f"{tuple(route_weights.shape)} and {tuple(experts.shape)}")
-    for t in (x, gate_up, down):
-        if t.stride(-1) != 1:
-            raise ValueError("x and the experts' weights need contiguous rows")
     if num_tokens == 0:
         return torch.zeros_like(x)
     tiles = tiles or moe_tiles(num_tokens * top_k, num_experts, x.device)
@@ -179,3 +270,18 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1,
                         route_weights=route_weights.reshape(-1).contiguous())
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def _check_experts_call(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                        route_weights: torch.Tensor, experts: torch.Tensor) -> None:
+    num_tokens, hidden = x.shape
+    num_experts, width, _ = gate_up.shape
+    if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):
+        raise ValueError(f"experts must be gate_up [E, 2I, {hidden}] and down [E, {hidden}, I]; "
+                         f"got {tuple(gate_up.shape)} and {tuple(down.shape)}")
+    if experts.shape != route_weights.shape or experts.shape[0] != num_tokens:
+        raise ValueError(f"routing must be [{num_tokens}, top_k] weights and experts; got "
+                         f"{tuple(route_weights.shape)} and {tuple(experts.shape)}")
+    for t in (x, gate_up, down):
+        if t.stride(-1) != 1:
+            raise ValueError("x and the experts' weights need contiguous rows")

@@ -54,6 +54,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
+        if x.is_cuda:
+            from nanoserve.kernels.fused_moe import route_top_k
+            return route_top_k(logits, self.top_k, self.renormalise)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
