@@ -26,8 +26,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanoserve.kernels.common import dot_precision, interpreted
+from nanoserve.kernels.common import dot_precision, interpreted, programmatic_launch
 from nanoserve.kernels.fused_ops import silu_and_mul
 
 
@@ -55,10 +56,13 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _route_kernel(
     logits_ptr, weights_ptr, experts_ptr, num_experts, stride_lt,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    RENORMALISE: tl.constexpr,
+    RENORMALISE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token: softmax over its experts' logits in float32, the TOP_K largest (largest
     first), optionally renormalised to sum to one."""
+    if PDL:  # every kernel of the MoE chain reads only what the one before it wrote
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * stride_lt + e, mask=e < num_experts,
@@ -96,7 +100,9 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool
             logits, weights, experts, num_experts, logits.stride(0),
             TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=triton.next_power_of_2(top_k), RENORMALISE=renormalise,
+            PDL=programmatic_launch(logits.device),
             num_warps=1 if interpreted(logits.device) else 4,
+            launch_pdl=programmatic_launch(logits.device),
         )
     return weights, experts
 
@@ -110,11 +116,15 @@ def _group_by_expert_kernel(
     experts_ptr, pair_ids_ptr, block_expert_ptr, next_row_ptr,
     num_pairs, num_blocks,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: count each expert's pairs, lay out the padded blocks, then give each pair
     the next free row of its expert's group (``next_row``, int32 ``[BLOCK_E]``, by atomics).
     Within a group the rows' order is the atomics' order, which changes no result: each row's
     products are its own."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     p = tl.arange(0, BLOCK_P)
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -160,7 +170,8 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
     _group_by_expert_kernel[(1,)](
         flat, pair_ids, block_expert, next_row, num_pairs, num_blocks,
         BLOCK_M=block_m, BLOCK_P=8 if small else GROUP_CHUNK, BLOCK_E=block_e,
-        BLOCK_B=16 if small else 64, num_warps=4,
+        BLOCK_B=16 if small else 64, PDL=programmatic_launch(device), num_warps=4,
+        launch_pdl=programmatic_launch(device),
     )
     return ExpertBlocks(pair_ids, block_expert, block_m, num_pairs)
 
@@ -198,9 +209,12 @@ def _moe_gemm_kernel(
     num_pairs, N, K,
     stride_am, stride_we, stride_wn, stride_om,
     A_ROW_DIV: tl.constexpr, MUL_ROUTE_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[pair] = a[pair // A_ROW_DIV] @ w[expert].T (times the pair's routing weight)."""
+    if PDL:  # even the block's expert comes from a kernel before
+        gdc_launch_dependents()
+        gdc_wait()
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -242,7 +256,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
         A_ROW_DIV=a_row_div, MUL_ROUTE_WEIGHT=route_weights is not None,
         DOT_PRECISION=dot_precision(a.dtype),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PDL=programmatic_launch(a.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        launch_pdl=programmatic_launch(a.device),
     )
     return out
 
@@ -269,7 +285,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     h = silu_and_mul(h)
     out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1,
                         route_weights=route_weights.reshape(-1).contiguous())
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    # Accumulated in float32 and rounded once, in one launch, for 16-bit outputs too.
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def _check_experts_call(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

@@ -156,8 +156,11 @@ def add_rms_norm_parts(parts: torch.Tensor, residual: torch.Tensor, weight: torc
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_xt, stride_ot,
-    N: tl.constexpr, BLOCK_N: tl.constexpr,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # in the MoE chain between two Triton GEMMs (fused_moe.py)
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -187,7 +190,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block_n = min(triton.next_power_of_2(n), SILU_BLOCK_N)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block_n))](
         x2, o2, x2.stride(0), o2.stride(0),
-        N=n, BLOCK_N=block_n,
-        num_warps=num_warps_for(block_n),
+        N=n, BLOCK_N=block_n, PDL=programmatic_launch(x.device),
+        num_warps=num_warps_for(block_n), launch_pdl=programmatic_launch(x.device),
     )
     return out

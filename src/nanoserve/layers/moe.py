@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
+from nanoserve.layers.linear import linear
 from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 
@@ -53,7 +54,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight, None)  # batch 1 on CUDA: the skinny GEMV
         if x.is_cuda:
             from nanoserve.kernels.fused_moe import route_top_k
             return route_top_k(logits, self.top_k, self.renormalise)
