@@ -16,8 +16,10 @@ the routing on the host. Here the routing stays on the device:
 Before them, ``route_top_k`` turns the router's logits into the routing in one launch
 (softmax, top-k and renormalisation are five or more launches in PyTorch).
 
-This is vLLM's fused-MoE design (sorted, padded expert blocks) written small; the grid is
-sized for the worst case, so a block's expert decides its work at run time.
+This is vLLM's fused-MoE design (pairs grouped by expert into padded blocks) written small;
+the grid is sized for the worst case, so a block's expert decides its work at run time. Every
+kernel of the chain is launched programmatically dependent (docs/kernels.md) and waits first
+thing: all its inputs come from kernels before it.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def _route_kernel(
 ):
     """One token: softmax over its experts' logits in float32, the TOP_K largest (largest
     first), optionally renormalised to sum to one."""
-    if PDL:  # every kernel of the MoE chain reads only what the one before it wrote
+    if PDL:
         gdc_launch_dependents()
         gdc_wait()
     token = tl.program_id(0).to(tl.int64)
@@ -73,7 +75,7 @@ def _route_kernel(
     top_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_experts = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(probs, 0)  # the lowest index among ties, as torch.topk takes them
+        best = tl.argmax(probs, 0)  # the lowest index among ties
         top_weights = tl.where(slot == j, tl.max(probs, 0), top_weights)
         top_experts = tl.where(slot == j, best, top_experts)
         probs = tl.where(e == best, -1.0, probs)
@@ -212,7 +214,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[pair] = a[pair // A_ROW_DIV] @ w[expert].T (times the pair's routing weight)."""
-    if PDL:  # even the block's expert comes from a kernel before
+    if PDL:
         gdc_launch_dependents()
         gdc_wait()
     block = tl.program_id(0)
@@ -291,6 +293,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 def _check_experts_call(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                         route_weights: torch.Tensor, experts: torch.Tensor) -> None:
+    """:func:`fused_experts`' shape and layout contract, as ValueErrors that say what is wrong."""
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape
     if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):
