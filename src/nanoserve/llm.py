@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nanoserve.config import EngineConfig
 from nanoserve.engine.chat import render_chat
 from nanoserve.engine.llm_engine import LLMEngine
@@ -52,6 +53,12 @@ class LLM:
             self._drain()
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Each prompt's ``params.beam_width`` best continuations by beam search
+        (``nanoserve.beam_search``), in the order of the prompts."""
+        return beam_search(self, prompts, params)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

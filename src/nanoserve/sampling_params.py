@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Top logprobs a request may ask for per token (vLLM's default cap).
+MAX_LOGPROBS = 20
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop; mirrors vLLM's SamplingParams.
@@ -59,8 +62,8 @@ class SamplingParams:
                              f"got {self.min_tokens}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= 20:
-                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self.stop_strings = self._normalise_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
