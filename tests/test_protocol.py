@@ -181,3 +181,13 @@ def test_serve_command_and_async_engine_need_no_web_packages():
         "assert args.host == '127.0.0.1'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("model,body", [
+    (CompletionRequest, {"prompt": "hi", "use_beam_search": True, "n": 4}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                             "use_beam_search": True}),
+])
+def test_beam_search_requests_are_refused_not_ignored(model, body):
+    error = _error(model, body)
+    assert error.param == "use_beam_search" and "LLM.beam_search" in error.message

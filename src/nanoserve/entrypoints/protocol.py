@@ -46,8 +46,12 @@ class _GenerationRequest(_Strict):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     user: str | None = None
+    use_beam_search: bool | None = False  # vLLM's extra field, refused rather than ignored
 
     def check_supported(self) -> None:
+        if self.use_beam_search:
+            raise APIError("use_beam_search is not supported by this server; beam search is "
+                           "offered offline, by LLM.beam_search", param="use_beam_search")
         if self.n is not None and self.n != 1:
             if self.n < 1:
                 raise APIError(f"n must be >= 1, got {self.n}", param="n")
