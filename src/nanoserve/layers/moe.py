@@ -6,9 +6,9 @@ splits its own: gate/up by rows, down by columns, one all-reduce at the end. The
 replicated, so every rank routes every token the same way.
 
 On the CPU the experts run one after another over the tokens routed to them, which reads the
-routing on the host. On CUDA two grouped GEMMs over expert-sorted blocks of tokens do the same
-with the routing left on the device (``kernels/fused_moe.py``), so decode steps can be CUDA
-graphs.
+routing on the host. On CUDA two grouped GEMMs over blocks of tokens grouped by expert do the
+same with the routing left on the device (``kernels/fused_moe.py``), so decode steps can be
+CUDA graphs.
 """
 from __future__ import annotations
 
