@@ -10,7 +10,7 @@ from nanoserve.engine.metrics import ServerMetrics
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.protocol import (
     ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, CompletionRequest,
-    DeltaMessage, value_error_to_api)
+    DeltaMessage, UsageInfo, value_error_to_api)
 from nanoserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -61,8 +61,8 @@ def test_defaults_are_openai_defaults():
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop": ["a", 3]}, "stop[1]"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 1.5}, "n"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"prompt": ["a", 1]}, "prompt[1]"),
@@ -191,3 +191,17 @@ def test_serve_command_and_async_engine_need_no_web_packages():
 def test_beam_search_requests_are_refused_not_ignored(model, body):
     error = _error(model, body)
     assert error.param == "use_beam_search" and "LLM.beam_search" in error.message
+
+
+def test_n_samples_reach_sampling_params_and_count_the_prompt_once():
+    req = parse_request(CompletionRequest, {"prompt": "hi", "n": 3, "seed": 7})
+    req.check_supported()
+    params = req.sampling_params(5)
+    assert params.n == 3
+    assert [params.for_sample(k).seed for k in range(3)] == [7, 8, 9]
+    assert all(params.for_sample(k).n == 1 for k in range(3))
+    finals = [RequestOutput(str(k), None, [1, 2, 3, 4],
+                            [CompletionOutput(0, "x", [5] * (k + 1), "length")], True)
+              for k in range(3)]
+    usage = UsageInfo.from_outputs(finals, samples_per_prompt=3)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 6)

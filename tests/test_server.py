@@ -370,6 +370,39 @@ def test_stop_strings_and_batch_prompts(client):
         assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
 
 
+def test_n_samples_are_the_seeded_single_requests(client):
+    """n = 3 with a seed gives choices 0-2 equal to three requests seeded seed, seed+1, seed+2;
+    with two prompts, choice i * 3 + k is prompt i's sample k."""
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt=["Hello", "Bye"], n=3, seed=11, **kwargs)
+    assert [c.index for c in full.choices] == list(range(6))
+    prompt_tokens = 0
+    for i, prompt in enumerate(["Hello", "Bye"]):
+        alone = [client.completions.create(prompt=prompt, seed=11 + k, **kwargs)
+                 for k in range(3)]
+        assert [full.choices[i * 3 + k].text for k in range(3)] == \
+            [a.choices[0].text for a in alone]
+        prompt_tokens += alone[0].usage.prompt_tokens
+    assert len({c.text for c in full.choices[:3]}) > 1, "three samples, one text: not sampled"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, 6 * 8)
+
+
+def test_chat_n_samples_stream_equals_full(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                  max_completion_tokens=8, temperature=1.0, n=2, seed=3,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    assert [c.index for c in full.choices] == [0, 1]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in full.choices]
+    roles = {c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"}
+    assert roles == {0, 1}
+
+
 def test_fifty_concurrent_streams(server):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, int, str]:
         stream = await client.completions.create(
@@ -443,7 +476,7 @@ LONG_PROMPT = "word " * 600  # more tokens than max_model_len (512)
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "", "max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**7]}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),

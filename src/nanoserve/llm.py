@@ -1,8 +1,9 @@
 """The offline API: `LLM(...).generate(prompts, params)`, shaped like vLLM's."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -35,7 +36,9 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of the prompts."""
+        """Complete every prompt; outputs come back in the order of the prompts. A prompt
+        whose params ask for ``n`` samples runs as ``n`` engine requests
+        (``SamplingParams.for_sample``) and comes back as one output holding ``n``."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -43,16 +46,21 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = []
+        ids: list[list[str]] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(str(next(self._ids)))
-                self.engine.add_request(ids[-1], prompt, p, stream=False)
+                ids.append([])
+                if not isinstance(p, SamplingParams):  # before reading its n
+                    raise ValueError(f"params must be a SamplingParams, got {type(p).__name__}")
+                for k in range(p.n):
+                    ids[-1].append(str(next(self._ids)))
+                    self.engine.add_request(ids[-1][-1], prompt, p.for_sample(k), stream=False)
         except Exception:  # leave no part of the batch queued
-            self.engine.abort_request(ids)
+            self.engine.abort_request([rid for group in ids for rid in group])
             self._drain()
             raise
-        return self._run(ids, use_tqdm)
+        done = self._run([rid for group in ids for rid in group], use_tqdm)
+        return [_samples_as_one(done[rid] for rid in group) for group in ids]
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -89,7 +97,7 @@ class LLM:
             self.engine.abort_request(rid)
             self._drain()
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
@@ -99,7 +107,7 @@ class LLM:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [done[i] for i in ids]
+        return done
 
     def _drain(self) -> None:
         while self.engine.aborted:
@@ -107,3 +115,12 @@ class LLM:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _samples_as_one(samples: Iterable[RequestOutput]) -> RequestOutput:
+    """The ``n`` finished samples of one prompt as one output: the first's request, with every
+    sample's completion, indexed in order."""
+    samples = list(samples)
+    first = samples[0]
+    completions = [dataclasses.replace(s.outputs[0], index=k) for k, s in enumerate(samples)]
+    return dataclasses.replace(first, outputs=completions)

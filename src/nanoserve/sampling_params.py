@@ -1,11 +1,11 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from dataclasses import dataclass, field, replace
 
 # Top logprobs a request may ask for per token (vLLM's default cap).
 MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    n: int = 1  # independent samples of the prompt (LLM.generate and the server fan them out)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +65,9 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         self.stop_strings = self._normalise_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -76,6 +80,13 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of ``n``: one sequence each; seeded requests
+        give sample ``index`` the seed ``seed + index``, so the samples differ and each is
+        reproducible alone."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return replace(self, n=1, seed=seed)
 
     @property
     def needs_token_history(self) -> bool:

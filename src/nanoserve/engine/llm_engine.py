@@ -108,6 +108,9 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request; n > 1 is fanned out "
+                             "into requests by LLM.generate and the server")
         text, ids = self._tokenize(prompt)
         check_context_length(len(ids), params.max_tokens, self.max_model_len)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)

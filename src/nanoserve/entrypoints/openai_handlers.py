@@ -130,11 +130,16 @@ class OpenAIServing:
     async def _generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                         req: CompletionRequest | ChatCompletionRequest, arrival: float,
                         request: Request, chat: bool) -> Response:
+        # One engine request per prompt and sample; choice i * n + k is prompt i's sample k,
+        # OpenAI's numbering.
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, ids, params, arrival))
+                for k in range(params.n):
+                    rid = request_id if len(prompts) == params.n == 1 else \
+                        f"{request_id}-{i * params.n + k}"
+                    streams.append(await self.engine.add_request(rid, ids, params.for_sample(k),
+                                                                 arrival))
         except ValueError as exc:
             cancel_all(streams)
             raise value_error_to_api(exc, "messages" if chat else "prompt") from None
@@ -142,14 +147,14 @@ class OpenAIServing:
             cancel_all(streams)
             raise
         if req.stream:
-            events = ChunkWriter(request_id, self.served_model_name, chat,
-                                 req.include_usage()).events(streams)
+            events = ChunkWriter(request_id, self.served_model_name, chat, req.include_usage(),
+                                 params.n).events(streams)
             return ClosingStreamingResponse(events, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
         finals = await _unless_disconnected(request, _collect(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        body = _full_response(request_id, self.served_model_name, chat, finals)
+        body = _full_response(request_id, self.served_model_name, chat, finals, params.n)
         return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -182,16 +187,17 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result() if task in done else None
 
 
-def _full_response(request_id: str, model: str, chat: bool,
-                   finals: list[RequestOutput]) -> BaseModel:
+def _full_response(request_id: str, model: str, chat: bool, finals: list[RequestOutput],
+                   samples_per_prompt: int) -> BaseModel:
     outs = [o.outputs[0] for o in finals]
+    usage = UsageInfo.from_outputs(finals, samples_per_prompt)
     if chat:
         return ChatCompletionResponse(
-            id=request_id, model=model, usage=UsageInfo.from_outputs(finals),
-            choices=[ChatChoice(index=0, message=ChatMessageOut(content=outs[0].text),
-                                finish_reason=outs[0].finish_reason,
-                                stop_reason=outs[0].stop_reason)])
+            id=request_id, model=model, usage=usage,
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content=o.text),
+                                finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                     for i, o in enumerate(outs)])
     return CompletionResponse(
-        id=request_id, model=model, usage=UsageInfo.from_outputs(finals),
+        id=request_id, model=model, usage=usage,
         choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason,
                                   stop_reason=o.stop_reason) for i, o in enumerate(outs)])

@@ -52,10 +52,8 @@ class _GenerationRequest(_Strict):
         if self.use_beam_search:
             raise APIError("use_beam_search is not supported by this server; beam search is "
                            "offered offline, by LLM.beam_search", param="use_beam_search")
-        if self.n is not None and self.n != 1:
-            if self.n < 1:
-                raise APIError(f"n must be >= 1, got {self.n}", param="n")
-            raise APIError("n > 1 is not supported (no parallel sampling yet)", param="n")
+        if self.n is not None and self.n < 1:
+            raise APIError(f"n must be >= 1, got {self.n}", param="n")
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -70,7 +68,7 @@ class _GenerationRequest(_Strict):
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens, "n": self.n,
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
@@ -167,8 +165,10 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def from_outputs(cls, finals: list[RequestOutput]) -> UsageInfo:
-        prompt = sum(len(o.prompt_token_ids) for o in finals)
+    def from_outputs(cls, finals: list[RequestOutput], samples_per_prompt: int = 1) -> UsageInfo:
+        """Usage of a request's finished engine requests, ``samples_per_prompt`` of them for
+        each prompt (its ``n``): a prompt counts once, as vLLM and OpenAI count it."""
+        prompt = sum(len(o.prompt_token_ids) for o in finals) // samples_per_prompt
         completion = sum(len(o.outputs[0].token_ids) for o in finals)
         return cls(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion)

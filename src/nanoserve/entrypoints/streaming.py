@@ -52,17 +52,21 @@ def cancel_all(streams: list[RequestStream]) -> None:
 class ChunkWriter:
     """Turns the cumulative outputs of a request's streams into OpenAI SSE chunks."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool):
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool,
+                 samples_per_prompt: int = 1):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
+        self.samples_per_prompt = samples_per_prompt
         self.created = int(time.time())
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         sent = [""] * len(streams)
         finals: list[RequestOutput] = []
         try:
-            if self.chat:
-                yield sse(self._chat_chunk(0, DeltaMessage(role="assistant", content=""), None))
+            if self.chat:  # every choice opens with the assistant's role
+                for i in range(len(streams)):
+                    yield sse(self._chat_chunk(i, DeltaMessage(role="assistant", content=""),
+                                               None))
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, out in outputs:
                     completion = out.outputs[0]
@@ -73,7 +77,8 @@ class ChunkWriter:
                     if out.finished:
                         finals.append(out)
             if self.include_usage:
-                yield sse(self._usage_chunk(UsageInfo.from_outputs(finals)))
+                yield sse(self._usage_chunk(UsageInfo.from_outputs(finals,
+                                                                   self.samples_per_prompt)))
             yield SSE_DONE
         except Exception as exc:  # a failed request ends its stream with an error event
             yield sse(APIError(str(exc), status=500, type="internal_server_error").body())
