@@ -184,13 +184,14 @@ def test_serve_command_and_async_engine_need_no_web_packages():
 
 
 @pytest.mark.parametrize("model,body", [
-    (CompletionRequest, {"prompt": "hi", "use_beam_search": True, "n": 4}),
+    (CompletionRequest, {"prompt": "hi", "use_beam_search": True, "n": 4, "stream": True}),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                             "use_beam_search": True}),
+                             "use_beam_search": True, "stream": True}),
 ])
-def test_beam_search_requests_are_refused_not_ignored(model, body):
+def test_beam_search_does_not_stream(model, body):
     error = _error(model, body)
-    assert error.param == "use_beam_search" and "LLM.beam_search" in error.message
+    assert error.param == "stream" and "use_beam_search" in error.message
+    parse_request(model, {**body, "stream": False}).check_supported()
 
 
 def test_n_samples_reach_sampling_params_and_count_the_prompt_once():

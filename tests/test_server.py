@@ -403,6 +403,28 @@ def test_chat_n_samples_stream_equals_full(client):
     assert roles == {0, 1}
 
 
+def test_beam_search_equals_the_offline_search(client, tiny_llama):
+    """vLLM's use_beam_search: n beams per prompt, best first, as LLM.beam_search finds them."""
+    from nanoserve import LLM, BeamSearchParams
+
+    prompts = ["Hello", "The sky is"]
+    full = client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=5,
+                                     extra_body={"use_beam_search": True, "ignore_eos": True,
+                                                 "length_penalty": 0.5})
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=256)
+    offline = llm.beam_search(prompts, BeamSearchParams(3, 5, ignore_eos=True,
+                                                        length_penalty=0.5))
+    llm.close()
+    assert [c.text for c in full.choices] == [h.text for out in offline for h in out.sequences]
+    assert [c.index for c in full.choices] == list(range(6))
+    assert {c.finish_reason for c in full.choices} == {"length"}
+    assert full.usage.completion_tokens == 6 * 5
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2, max_completion_tokens=3,
+        extra_body={"use_beam_search": True})
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
 def test_fifty_concurrent_streams(server):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, int, str]:
         stream = await client.completions.create(
@@ -477,6 +499,8 @@ LONG_PROMPT = "word " * 600  # more tokens than max_model_len (512)
     ("/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 11, "use_beam_search": True}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": "", "max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**7]}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),

@@ -1,9 +1,10 @@
-"""Beam search over the engine: ``LLM.beam_search(prompts, BeamSearchParams(...))``.
+"""Beam search over the engine: ``LLM.beam_search(prompts, BeamSearchParams(...))``, and the
+server's ``use_beam_search``.
 
 As in vLLM, beam search is a loop around the engine rather than a mode of it: each step asks
 the engine for one token of every live beam, with the top ``2 * beam_width`` logprobs, and the
-loop keeps the best. Prefix caching makes re-submitting a beam's tokens cost about one new
-token each step. The rules are transformers' beam search with ``early_stopping=True``:
+loop keeps the best (``BeamSearch`` holds the state; the offline API and the server each drive
+it). Prefix caching spares recomputing a beam's earlier full blocks each step. The rules are transformers' beam search with ``early_stopping=True``:
 
 - the candidates are the ``2 * beam_width`` best (beam, token) continuations by cumulative
   logprob; walking them best first, an EOS ranked within the first ``beam_width`` ends a
@@ -17,7 +18,7 @@ token each step. The rules are transformers' beam search with ``early_stopping=T
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,26 +71,40 @@ class BeamSearchOutput:
     sequences: list[BeamSequence] = field(default_factory=list)
 
 
-def beam_search(llm: LLM, prompts: str | Sequence[str] | Sequence[list[int]],
-                params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search of every prompt (see the module docstring), the prompts batched together."""
-    prompt_ids = [p if isinstance(p, list) else llm.tokenizer.encode(p)
-                  for p in as_prompt_list(prompts)]
-    eos = frozenset() if params.ignore_eos else frozenset(llm.engine.model_config.eos_token_ids)
-    width = params.beam_width
-    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width,
-                                 ignore_eos=True)
-    live = [[BeamSequence([], 0.0)] for _ in prompt_ids]
-    done: list[list[BeamSequence]] = [[] for _ in prompt_ids]
-    for _ in range(params.max_tokens):
-        asking = [(i, beam) for i, beams in enumerate(live) for beam in beams]
-        if not asking:
-            break
-        outs = llm.generate([prompt_ids[i] + beam.token_ids for i, beam in asking],
-                            step_params, use_tqdm=False)
-        candidates: list[list[BeamSequence]] = [[] for _ in prompt_ids]
-        for (i, beam), out in zip(asking, outs):
-            top = sorted(out.outputs[0].logprobs[0].items(), key=lambda kv: -kv[1])[:2 * width]
+class BeamSearch:
+    """The state of one beam search over a batch of prompts, apart from how the engine is
+    driven: ``requests()`` gives the token ids the engine must extend by one token (one
+    request per live beam, with ``step_params``), ``advance()`` takes each one's top logprobs
+    back, until ``done``; then ``results()``. ``LLM.beam_search`` drives it synchronously, the
+    server through the async engine."""
+
+    def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams,
+                 eos_token_ids: Sequence[int]):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.step_params = SamplingParams(temperature=0.0, max_tokens=1,
+                                          logprobs=2 * params.beam_width, ignore_eos=True)
+        self.live = [[BeamSequence([], 0.0)] for _ in prompt_ids]
+        self.ended: list[list[BeamSequence]] = [[] for _ in prompt_ids]
+        self.steps = 0
+        self._asking: list[tuple[int, BeamSequence]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.steps == self.params.max_tokens or not any(self.live)
+
+    def requests(self) -> list[list[int]]:
+        """Prompt + tokens of every live beam, prompt by prompt."""
+        self._asking = [(i, beam) for i, beams in enumerate(self.live) for beam in beams]
+        return [self.prompt_ids[i] + beam.token_ids for i, beam in self._asking]
+
+    def advance(self, top_logprobs: list[dict[int, float]]) -> None:
+        """One step, from the logprobs the engine gave each of ``requests()``, in its order."""
+        width = self.params.beam_width
+        candidates: list[list[BeamSequence]] = [[] for _ in self.prompt_ids]
+        for (i, beam), logprobs in zip(self._asking, top_logprobs, strict=True):
+            top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:2 * width]
             candidates[i] += [BeamSequence(beam.token_ids + [token],
                                            beam.cumulative_logprob + logprob)
                               for token, logprob in top]
@@ -97,31 +112,48 @@ def beam_search(llm: LLM, prompts: str | Sequence[str] | Sequence[list[int]],
             if not options:
                 continue
             options.sort(key=lambda c: -c.cumulative_logprob)
-            live[i] = []
+            self.live[i] = []
             for rank, candidate in enumerate(options[:2 * width]):
-                if candidate.token_ids[-1] in eos:
+                if candidate.token_ids[-1] in self.eos:
                     if rank < width:
                         candidate.finished = True
-                        _keep(done[i], candidate, params.length_penalty, width)
-                elif len(live[i]) < width:
-                    live[i].append(candidate)
-            if len(done[i]) >= width:
-                live[i] = []
-    outputs = []
-    for i, ids in enumerate(prompt_ids):
-        for beam in live[i]:  # out of steps: the live beams compete with the ended ones
-            _keep(done[i], beam, params.length_penalty, width)
-        best = sorted(done[i], key=lambda h: -h.score)
-        for hypothesis in best:
-            hypothesis.text = llm.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True)
-        outputs.append(BeamSearchOutput(ids, best))
-    return outputs
+                        self._keep(i, candidate)
+                elif len(self.live[i]) < width:
+                    self.live[i].append(candidate)
+            if len(self.ended[i]) >= width:
+                self.live[i] = []
+        self.steps += 1
+
+    def results(self, decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
+        """Each prompt's best hypotheses, best first, with ``decode``'s text."""
+        outputs = []
+        for i, ids in enumerate(self.prompt_ids):
+            for beam in self.live[i]:  # out of steps: the live beams compete with the ended ones
+                self._keep(i, beam)
+            self.live[i] = []
+            best = sorted(self.ended[i], key=lambda h: -h.score)
+            for hypothesis in best:
+                hypothesis.text = decode(hypothesis.token_ids)
+            outputs.append(BeamSearchOutput(ids, best))
+        return outputs
+
+    def _keep(self, i: int, candidate: BeamSequence) -> None:
+        """Score ``candidate`` and add it to prompt ``i``'s hypotheses, keeping the best."""
+        candidate.score = (candidate.cumulative_logprob
+                           / len(candidate.token_ids) ** self.params.length_penalty)
+        hypotheses = self.ended[i]
+        hypotheses.append(candidate)
+        if len(hypotheses) > self.params.beam_width:
+            hypotheses.remove(min(hypotheses, key=lambda h: h.score))
 
 
-def _keep(hypotheses: list[BeamSequence], candidate: BeamSequence, length_penalty: float,
-          width: int) -> None:
-    """Score ``candidate`` and add it to ``hypotheses``, keeping the ``width`` best."""
-    candidate.score = candidate.cumulative_logprob / len(candidate.token_ids) ** length_penalty
-    hypotheses.append(candidate)
-    if len(hypotheses) > width:
-        hypotheses.remove(min(hypotheses, key=lambda h: h.score))
+def beam_search(llm: LLM, prompts: str | Sequence[str] | Sequence[list[int]],
+                params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search of every prompt (see the module docstring), the prompts batched together."""
+    prompt_ids = [p if isinstance(p, list) else llm.tokenizer.encode(p)
+                  for p in as_prompt_list(prompts)]
+    search = BeamSearch(prompt_ids, params, llm.engine.model_config.eos_token_ids)
+    while not search.done:
+        outs = llm.generate(search.requests(), search.step_params, use_tqdm=False)
+        search.advance([out.outputs[0].logprobs[0] for out in outs])
+    return search.results(lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True))

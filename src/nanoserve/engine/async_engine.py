@@ -93,6 +93,10 @@ class AsyncLLMEngine:
         return self._require_engine().max_model_len
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        return self._require_engine().model_config.eos_token_ids
+
+    @property
     def model_name(self) -> str:
         return self._require_engine().model_name
 

@@ -23,7 +23,8 @@ from nanoserve.entrypoints.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
     UsageInfo, value_error_to_api)
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
-from nanoserve.outputs import RequestOutput
+from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.prompts import ContextLengthError, as_prompt_list, check_context_length
 from nanoserve.sampling_params import SamplingParams
 
@@ -130,6 +131,9 @@ class OpenAIServing:
     async def _generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                         req: CompletionRequest | ChatCompletionRequest, arrival: float,
                         request: Request, chat: bool) -> Response:
+        if req.use_beam_search:
+            return await self._beam_search(request_id, prompts, params, req, arrival, request,
+                                           chat)
         # One engine request per prompt and sample; choice i * n + k is prompt i's sample k,
         # OpenAI's numbering.
         streams: list[RequestStream] = []
@@ -154,7 +158,54 @@ class OpenAIServing:
         finals = await _unless_disconnected(request, _collect(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        body = _full_response(request_id, self.served_model_name, chat, finals, params.n)
+        body = _full_response(request_id, self.served_model_name, chat,
+                              [o.outputs[0] for o in finals],
+                              UsageInfo.from_outputs(finals, params.n))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _beam_search(self, request_id: str, prompts: list[list[int]],
+                           params: SamplingParams, req: CompletionRequest | ChatCompletionRequest,
+                           arrival: float, request: Request, chat: bool) -> Response:
+        """vLLM's ``use_beam_search``: ``n`` beams per prompt (``nanoserve.beam_search``), each
+        step's beams sent to the engine as requests; the choices are each prompt's beams, best
+        first."""
+        max_tokens = params.max_tokens or self.engine.max_model_len - max(map(len, prompts))
+        try:
+            beam_params = BeamSearchParams(params.n, max_tokens, params.ignore_eos,
+                                           req.length_penalty)
+        except ValueError as exc:
+            field = "length_penalty" if "length_penalty" in str(exc) else "n"
+            raise APIError(str(exc).replace("beam_width", "n"), param=field) from None
+        search = BeamSearch(prompts, beam_params, self.engine.eos_token_ids)
+        decode = self.engine.tokenizer.decode
+
+        async def run() -> list[BeamSearchOutput]:
+            step = 0
+            while not search.done:
+                streams: list[RequestStream] = []
+                try:
+                    for j, ids in enumerate(search.requests()):
+                        streams.append(await self.engine.add_request(
+                            f"{request_id}-step{step}-beam{j}", ids, search.step_params, arrival))
+                except BaseException:
+                    cancel_all(streams)
+                    raise
+                search.advance([f.outputs[0].logprobs[0] for f in await _collect(streams)])
+                step += 1
+            return search.results(lambda ids: decode(ids, skip_special_tokens=True))
+
+        results = await _unless_disconnected(request, run())
+        if results is None:
+            return Response(status_code=499)
+        beams = [h for out in results for h in out.sequences]
+        outs = [CompletionOutput(i, h.text, h.token_ids, "stop" if h.finished else "length",
+                                 h.token_ids[-1] if h.finished else None)
+                for i, h in enumerate(beams)]
+        prompt_tokens = sum(map(len, prompts))
+        completion_tokens = sum(len(h.token_ids) for h in beams)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        body = _full_response(request_id, self.served_model_name, chat, outs, usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -187,10 +238,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result() if task in done else None
 
 
-def _full_response(request_id: str, model: str, chat: bool, finals: list[RequestOutput],
-                   samples_per_prompt: int) -> BaseModel:
-    outs = [o.outputs[0] for o in finals]
-    usage = UsageInfo.from_outputs(finals, samples_per_prompt)
+def _full_response(request_id: str, model: str, chat: bool, outs: list[CompletionOutput],
+                   usage: UsageInfo) -> BaseModel:
     if chat:
         return ChatCompletionResponse(
             id=request_id, model=model, usage=usage,

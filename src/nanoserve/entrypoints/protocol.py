@@ -46,12 +46,13 @@ class _GenerationRequest(_Strict):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     user: str | None = None
-    use_beam_search: bool | None = False  # vLLM's extra field, refused rather than ignored
+    use_beam_search: bool | None = False  # vLLM's extra fields: n beams, scored with
+    length_penalty: float | None = 1.0  # length_penalty (nanoserve.beam_search)
 
     def check_supported(self) -> None:
-        if self.use_beam_search:
-            raise APIError("use_beam_search is not supported by this server; beam search is "
-                           "offered offline, by LLM.beam_search", param="use_beam_search")
+        if self.use_beam_search and self.stream:
+            raise APIError("use_beam_search answers once the search ends; it cannot stream",
+                           param="stream")
         if self.n is not None and self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
 
