@@ -64,6 +64,8 @@ def test_defaults_are_openai_defaults():
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 1.5}, "n"),
     ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"prompt": ["a", 1]}, "prompt[1]"),
     ({"prompt": 5}, "prompt"),
@@ -81,7 +83,10 @@ def test_bad_completion_fields_are_named(body, param):
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
 ])
 def test_bad_chat_fields_are_named(body, param):
     error = _error(ChatCompletionRequest, body)
@@ -206,3 +211,15 @@ def test_n_samples_reach_sampling_params_and_count_the_prompt_once():
               for k in range(3)]
     usage = UsageInfo.from_outputs(finals, samples_per_prompt=3)
     assert (usage.prompt_tokens, usage.completion_tokens) == (4, 6)
+
+
+def test_logprobs_reach_sampling_params():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_request(ChatCompletionRequest, chat).sampling_params(4).logprobs is None
+    asked = parse_request(ChatCompletionRequest, {**chat, "logprobs": True, "top_logprobs": 3})
+    asked.check_supported()
+    assert asked.sampling_params(4).logprobs == 3
+    assert parse_request(ChatCompletionRequest, {**chat, "logprobs": True}
+                         ).sampling_params(4).logprobs == 0
+    assert parse_request(CompletionRequest, {"prompt": "x", "logprobs": 5}
+                         ).sampling_params(4).logprobs == 5

@@ -425,6 +425,53 @@ def test_beam_search_equals_the_offline_search(client, tiny_llama):
     assert [c.index for c in chat.choices] == [0, 1]
 
 
+def test_completion_logprobs_are_the_engines_and_stream_whole(client, tiny_llama, tokenizer):
+    from nanoserve import LLM, SamplingParams
+
+    kwargs = dict(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, logprobs=3,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=256)
+    ours = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                     ignore_eos=True), use_tqdm=False)[0]
+    llm.close()
+    ids, engine = ours.outputs[0].token_ids, ours.outputs[0].logprobs
+    lp = full.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs == pytest.approx([e[t] for t, e in zip(ids, engine)], abs=1e-5)
+    for top, e in zip(lp.top_logprobs, engine):
+        best = sorted(e.values(), reverse=True)[:3]
+        assert sorted(top.values(), reverse=True) == pytest.approx(best[:len(top)], abs=1e-5)
+    # Greedy: each token is its step's most likely one.
+    assert lp.token_logprobs == pytest.approx([max(t.values()) for t in lp.top_logprobs])
+    lengths = [len(t) for t in lp.tokens]
+    assert lp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((c.tokens for c in streamed), []) == lp.tokens
+    assert sum((c.token_logprobs for c in streamed), []) == lp.token_logprobs
+    assert sum((c.text_offset for c in streamed), []) == lp.text_offset
+
+
+def test_chat_logprobs_stream_equals_full(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                  max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 6
+    for token in content:
+        assert 1 <= len(token.top_logprobs) <= 2
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)  # greedy
+        assert token.bytes == list(token.token.encode())
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
 def test_fifty_concurrent_streams(server):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, int, str]:
         stream = await client.completions.create(

@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from typing import Any
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -18,6 +18,7 @@ from nanoserve.engine.async_engine import AsyncLLMEngine
 from nanoserve.engine.chat import render_chat
 from nanoserve.engine.request_stream import RequestStream
 from nanoserve.entrypoints.errors import APIError, parse_request
+from nanoserve.entrypoints.logprobs import choice_logprobs
 from nanoserve.entrypoints.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatMessageOut,
     CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
@@ -90,6 +91,9 @@ class OpenAIServing:
 
     # ---- input preparation -------------------------------------------------------------------
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
+
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         # Tokenized here rather than in the engine so length errors can name the field.
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -152,7 +156,7 @@ class OpenAIServing:
             raise
         if req.stream:
             events = ChunkWriter(request_id, self.served_model_name, chat, req.include_usage(),
-                                 params.n).events(streams)
+                                 params.n, params.logprobs, self._decode).events(streams)
             return ClosingStreamingResponse(events, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
         finals = await _unless_disconnected(request, _collect(streams))
@@ -160,7 +164,8 @@ class OpenAIServing:
             return Response(status_code=499)  # the client is gone; nobody reads this
         body = _full_response(request_id, self.served_model_name, chat,
                               [o.outputs[0] for o in finals],
-                              UsageInfo.from_outputs(finals, params.n))
+                              UsageInfo.from_outputs(finals, params.n),
+                              choice_logprobs(chat, params.logprobs, self._decode))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _beam_search(self, request_id: str, prompts: list[list[int]],
@@ -205,7 +210,8 @@ class OpenAIServing:
         completion_tokens = sum(len(h.token_ids) for h in beams)
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
-        body = _full_response(request_id, self.served_model_name, chat, outs, usage)
+        body = _full_response(request_id, self.served_model_name, chat, outs, usage,
+                              lambda out: None)
         return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -239,14 +245,17 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def _full_response(request_id: str, model: str, chat: bool, outs: list[CompletionOutput],
-                   usage: UsageInfo) -> BaseModel:
+                   usage: UsageInfo,
+                   logprobs_of: Callable[[CompletionOutput], BaseModel | None]) -> BaseModel:
     if chat:
         return ChatCompletionResponse(
             id=request_id, model=model, usage=usage,
             choices=[ChatChoice(index=i, message=ChatMessageOut(content=o.text),
-                                finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                                logprobs=logprobs_of(o), finish_reason=o.finish_reason,
+                                stop_reason=o.stop_reason)
                      for i, o in enumerate(outs)])
     return CompletionResponse(
         id=request_id, model=model, usage=usage,
-        choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason,
-                                  stop_reason=o.stop_reason) for i, o in enumerate(outs)])
+        choices=[CompletionChoice(index=i, text=o.text, logprobs=logprobs_of(o),
+                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                 for i, o in enumerate(outs)])

@@ -12,8 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.entrypoints.errors import APIError
+from nanoserve.entrypoints.logprobs import ChatLogprobs, CompletionLogprobs
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class _Strict(BaseModel):
@@ -56,6 +57,10 @@ class _GenerationRequest(_Strict):
         if self.n is not None and self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
 
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top logprobs each generated token reports; None: no logprobs at all."""
+        return None
+
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -70,6 +75,7 @@ class _GenerationRequest(_Strict):
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "n": self.n,
+            "logprobs": self.top_logprobs_wanted(),
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
@@ -86,10 +92,13 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        unsupported = {"echo": bool(self.echo), "logprobs": self.logprobs is not None,
-                       "suffix": bool(self.suffix), "best_of": (self.best_of or 1) != 1}
+        unsupported = {"echo": bool(self.echo), "suffix": bool(self.suffix),
+                       "best_of": (self.best_of or 1) != 1}
         for name, used in unsupported.items():
             if used:
                 raise APIError(f"{name} is not supported", param=name)
@@ -118,12 +127,20 @@ class ChatCompletionRequest(_GenerationRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
+    top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise APIError("logprobs is not supported", param="logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                               f"{self.top_logprobs}", param="top_logprobs")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted.
@@ -178,7 +195,7 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -200,7 +217,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -222,7 +239,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

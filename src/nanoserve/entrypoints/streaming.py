@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from nanoserve.engine.request_stream import RequestStream
 from nanoserve.entrypoints.errors import APIError
+from nanoserve.entrypoints.logprobs import Decode, chat_logprobs, completion_logprobs
 from nanoserve.entrypoints.protocol import (
     ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
     UsageInfo)
@@ -53,14 +54,18 @@ class ChunkWriter:
     """Turns the cumulative outputs of a request's streams into OpenAI SSE chunks."""
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool,
-                 samples_per_prompt: int = 1):
+                 samples_per_prompt: int = 1, top_logprobs: int | None = None,
+                 decode: Decode | None = None):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.samples_per_prompt = samples_per_prompt
+        self.top_logprobs, self.decode = top_logprobs, decode
         self.created = int(time.time())
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         sent = [""] * len(streams)
+        sent_tokens = [0] * len(streams)  # tokens whose logprobs went out
+        offsets = [0] * len(streams)  # completions' text_offset of the next token
         finals: list[RequestOutput] = []
         try:
             if self.chat:  # every choice opens with the assistant's role
@@ -73,7 +78,16 @@ class ChunkWriter:
                     delta = completion.text[len(sent[i]):]
                     sent[i] = completion.text
                     if delta or completion.finish_reason:
-                        yield sse(self._chunk(i, delta, completion.finish_reason))
+                        logprobs = None
+                        if self.top_logprobs is not None and completion.logprobs is not None:
+                            # Every token since the last chunk, its text shown or held back.
+                            start = sent_tokens[i]
+                            logprobs = self._logprobs(completion.token_ids[start:],
+                                                      completion.logprobs[start:], offsets[i])
+                            sent_tokens[i] = len(completion.token_ids)
+                            offsets[i] += sum(len(self.decode([t]))
+                                              for t in completion.token_ids[start:])
+                        yield sse(self._chunk(i, delta, completion.finish_reason, logprobs))
                     if out.finished:
                         finals.append(out)
             if self.include_usage:
@@ -86,18 +100,28 @@ class ChunkWriter:
         finally:
             cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
 
-    def _chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
+                  offset: int) -> BaseModel:
         if self.chat:
-            return self._chat_chunk(index, DeltaMessage(content=text or None), finish_reason)
+            return chat_logprobs(token_ids, logprobs, self.top_logprobs, self.decode)
+        return completion_logprobs(token_ids, logprobs, self.top_logprobs, self.decode, offset)
+
+    def _chunk(self, index: int, text: str, finish_reason: str | None,
+               logprobs: BaseModel | None) -> BaseModel:
+        if self.chat:
+            return self._chat_chunk(index, DeltaMessage(content=text or None), finish_reason,
+                                    logprobs)
         return CompletionResponse(id=self.request_id, model=self.model, created=self.created,
                                   choices=[CompletionChoice(index=index, text=text,
+                                                            logprobs=logprobs,
                                                             finish_reason=finish_reason)])
 
-    def _chat_chunk(self, index: int, delta: DeltaMessage,
-                    finish_reason: str | None) -> ChatCompletionChunk:
+    def _chat_chunk(self, index: int, delta: DeltaMessage, finish_reason: str | None,
+                    logprobs: BaseModel | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.request_id, model=self.model, created=self.created,
-            choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                     finish_reason=finish_reason)])
 
     def _usage_chunk(self, usage: UsageInfo) -> BaseModel:
         """The extra last chunk of ``stream_options.include_usage``: no choices, only usage."""
