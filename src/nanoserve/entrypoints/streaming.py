@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -18,7 +19,7 @@ from nanoserve.entrypoints.logprobs import Decode, chat_logprobs, completion_log
 from nanoserve.entrypoints.protocol import (
     ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
     UsageInfo)
-from nanoserve.outputs import RequestOutput
+from nanoserve.outputs import CompletionOutput, RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -50,6 +51,15 @@ def cancel_all(streams: list[RequestStream]) -> None:
         stream.cancel()
 
 
+@dataclass
+class _Sent:
+    """What one choice's chunks have carried so far."""
+
+    text: str = ""
+    tokens: int = 0  # tokens whose logprobs went out
+    offset: int = 0  # completions' text_offset of the next token
+
+
 class ChunkWriter:
     """Turns the cumulative outputs of a request's streams into OpenAI SSE chunks."""
 
@@ -63,9 +73,7 @@ class ChunkWriter:
         self.created = int(time.time())
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        sent = [""] * len(streams)
-        sent_tokens = [0] * len(streams)  # tokens whose logprobs went out
-        offsets = [0] * len(streams)  # completions' text_offset of the next token
+        sent = [_Sent() for _ in streams]
         finals: list[RequestOutput] = []
         try:
             if self.chat:  # every choice opens with the assistant's role
@@ -75,19 +83,11 @@ class ChunkWriter:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, out in outputs:
                     completion = out.outputs[0]
-                    delta = completion.text[len(sent[i]):]
-                    sent[i] = completion.text
+                    delta = completion.text[len(sent[i].text):]
+                    sent[i].text = completion.text
                     if delta or completion.finish_reason:
-                        logprobs = None
-                        if self.top_logprobs is not None and completion.logprobs is not None:
-                            # Every token since the last chunk, its text shown or held back.
-                            start = sent_tokens[i]
-                            logprobs = self._logprobs(completion.token_ids[start:],
-                                                      completion.logprobs[start:], offsets[i])
-                            sent_tokens[i] = len(completion.token_ids)
-                            offsets[i] += sum(len(self.decode([t]))
-                                              for t in completion.token_ids[start:])
-                        yield sse(self._chunk(i, delta, completion.finish_reason, logprobs))
+                        yield sse(self._chunk(i, delta, completion.finish_reason,
+                                              self._logprobs_since(sent[i], completion)))
                     if out.finished:
                         finals.append(out)
             if self.include_usage:
@@ -100,11 +100,21 @@ class ChunkWriter:
         finally:
             cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
-                  offset: int) -> BaseModel:
+    def _logprobs_since(self, sent: _Sent, completion: CompletionOutput) -> BaseModel | None:
+        """The logprobs of every token since the choice's last chunk, its text shown or held
+        back (None unless the request asked for logprobs)."""
+        if self.top_logprobs is None or completion.logprobs is None:
+            return None
+        new = completion.token_ids[sent.tokens:]
+        logprobs = completion.logprobs[sent.tokens:]
         if self.chat:
-            return chat_logprobs(token_ids, logprobs, self.top_logprobs, self.decode)
-        return completion_logprobs(token_ids, logprobs, self.top_logprobs, self.decode, offset)
+            chunk = chat_logprobs(new, logprobs, self.top_logprobs, self.decode)
+        else:
+            chunk = completion_logprobs(new, logprobs, self.top_logprobs, self.decode,
+                                        sent.offset)
+        sent.tokens = len(completion.token_ids)
+        sent.offset += sum(len(self.decode([t])) for t in new)
+        return chunk
 
     def _chunk(self, index: int, text: str, finish_reason: str | None,
                logprobs: BaseModel | None) -> BaseModel:
