@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanoserve.prompts import as_prompt_list
-from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams, check_int
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
@@ -40,13 +40,13 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         widest = MAX_LOGPROBS // 2
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) \
-                or not 1 <= self.beam_width <= widest:
-            raise ValueError(f"beam_width must be an integer in [1, {widest}] (each step reads "
-                             f"2 * beam_width logprobs), got {self.beam_width!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        check_int("beam_width", self.beam_width)
+        if not 1 <= self.beam_width <= widest:
+            raise ValueError(f"beam_width must be in [1, {widest}] (each step reads "
+                             f"2 * beam_width logprobs), got {self.beam_width}")
+        check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not isinstance(self.length_penalty, int | float) or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 

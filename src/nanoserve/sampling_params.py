@@ -37,7 +37,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, low=0.0, high=None, rule=">= 0")
         _check_number("top_p", self.top_p, low=0.0, high=1.0, rule="in (0, 1]", low_open=True)
-        _check_int("top_k", self.top_k)
+        check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disable) or >= 1, got {self.top_k}")
         _check_number("min_p", self.min_p, low=0.0, high=1.0, rule="in [0, 1]")
@@ -48,24 +48,24 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0,
                       rule="in [-2, 2]")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            check_int("seed", self.seed)
             if not 0 <= self.seed < 2**63:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens)
+            check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check_int("min_tokens", self.min_tokens)
+        check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
+            check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        _check_int("n", self.n)
+        check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         self.stop_strings = self._normalise_stop(self.stop)
@@ -107,7 +107,8 @@ class SamplingParams:
         return list(stop)
 
 
-def _check_int(name: str, value: object) -> None:
+def check_int(name: str, value: object) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an int (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
 

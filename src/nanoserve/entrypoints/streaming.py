@@ -107,13 +107,11 @@ class ChunkWriter:
             return None
         new = completion.token_ids[sent.tokens:]
         logprobs = completion.logprobs[sent.tokens:]
-        if self.chat:
-            chunk = chat_logprobs(new, logprobs, self.top_logprobs, self.decode)
-        else:
-            chunk = completion_logprobs(new, logprobs, self.top_logprobs, self.decode,
-                                        sent.offset)
         sent.tokens = len(completion.token_ids)
-        sent.offset += sum(len(self.decode([t])) for t in new)
+        if self.chat:
+            return chat_logprobs(new, logprobs, self.top_logprobs, self.decode)
+        chunk = completion_logprobs(new, logprobs, self.top_logprobs, self.decode, sent.offset)
+        sent.offset += sum(map(len, chunk.tokens))
         return chunk
 
     def _chunk(self, index: int, text: str, finish_reason: str | None,

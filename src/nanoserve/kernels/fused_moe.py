@@ -257,7 +257,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTE_WEIGHT=route_weights is not None,
         DOT_PRECISION=dot_precision(a.dtype),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         PDL=programmatic_launch(a.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=programmatic_launch(a.device),
