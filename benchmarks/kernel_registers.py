@@ -9,6 +9,7 @@ PYTHONPATH); others allocate differently. One JSON line per variant:
     python benchmarks/kernel_registers.py [--block-n 32 64] [--warps 4 8] [--new-tokens]
         [--wide-offsets] [--splits 32]
     python benchmarks/kernel_registers.py --skinny
+    python benchmarks/kernel_registers.py --persistent   (persistent_layers.py's kernel)
 """
 from __future__ import annotations
 
@@ -118,6 +119,45 @@ def skinny_variant(n: int, k: int, **flags: bool) -> dict:
             "triton": triton.__version__}
 
 
+def persistent_variant(shape: str, tiles: dict, num_warps: int) -> dict:
+    """persistent_layers.py's kernel for a Qwen3 shape with the given row tiles, bf16."""
+    from persistent_layers import _decode_layers_kernel
+
+    c = SHAPES[shape]
+    heads, head_dim = c["num_attention_heads"], c["head_dim"]
+    constants = dict(
+        HIDDEN=c["hidden_size"], INTER=c["intermediate_size"], NUM_HEADS=heads,
+        NUM_KV_HEADS=c["num_key_value_heads"], HEAD_DIM=head_dim, BLOCK_SIZE=16,
+        ATTN_BLOCK_N=64, BLOCK_G=16, NUM_SPLITS=16,
+        BLOCK_HIDDEN=triton.next_power_of_2(c["hidden_size"]),
+        BLOCK_Q=triton.next_power_of_2(heads * head_dim),
+        BLOCK_INTER=triton.next_power_of_2(c["intermediate_size"]), HAS_QK_NORM=True,
+        DOT_PRECISION="tf32", PHASES=31, SYNC=True, SPIN_LIMIT=1 << 20, TIMESTAMPS=False,
+        **{f"BLOCK_N_{name}": rows for name, rows in tiles.items()})
+    names = _decode_layers_kernel.arg_names
+    types = {"block_table_ptr": "*i32", "seq_len_ptr": "*i32", "sync_ptr": "*i32",
+             "position_ptr": "*i64", "slot_ptr": "*i64", "stamps_ptr": "*i64",
+             "cache_layer_stride": "i64", "eps": "fp32", "qk_eps": "fp32", "scale_log2": "fp32"}
+    signature = {name: "constexpr" if name in constants else types.get(name) or (
+        "*fp32" if name.startswith("part_") else "*bf16" if name.endswith("_ptr") else "i32")
+        for name in names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+                 if name.endswith("_ptr")}
+    kernel = triton.compile(ASTSource(_decode_layers_kernel, signature, constants, divisible),
+                            target=H200, options=dict(num_warps=num_warps, num_stages=1))
+    return {"kernel": "persistent_layers", "shape": shape, **tiles, "num_warps": num_warps,
+            **resource_usage(kernel.asm["cubin"]), "triton": triton.__version__}
+
+
+def persistent_report() -> None:
+    """The tilings benchmarks/decode_layers.py measured (docs/kernels.md)."""
+    small = [(dict(QKV=32, O=8, GU=32, DOWN=8), 8), (dict(QKV=16, O=8, GU=32, DOWN=8), 8),
+             (dict(QKV=32, O=8, GU=32, DOWN=8), 16), (dict(QKV=32, O=8, GU=64, DOWN=8), 16)]
+    for tiles, warps in small:
+        print(json.dumps(persistent_variant("qwen3-0.6b", tiles, warps)))
+    print(json.dumps(persistent_variant("qwen3-8b", dict(QKV=8, O=4, GU=8, DOWN=2), 8)))
+
+
 def skinny_report() -> None:
     """Each projection of the Qwen3 shapes plain, then with the epilogue the model gives it."""
     for shape in ("qwen3-0.6b", "qwen3-8b"):
@@ -150,9 +190,14 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (batch 1: 32)")
     parser.add_argument("--skinny", action="store_true",
                         help="the batch-1 GEMV of each Qwen3 projection instead")
+    parser.add_argument("--persistent", action="store_true",
+                        help="the persistent decode-layers experiment instead")
     args = parser.parse_args()
     if args.skinny:
         skinny_report()
+        return
+    if args.persistent:
+        persistent_report()
         return
     for block_n in args.block_n:
         for warps in args.warps:
