@@ -176,12 +176,33 @@ def test_size_one_layers_never_communicate(tp_model, tp1_outputs, monkeypatch):
 
 
 def test_step_packing_round_trips():
-    chunks = [SequenceChunk("a", [5, 6, 7], 0, [3], True, None, [], [], []),
+    chunks = [SequenceChunk("a", [5, 6, 7], 0, [3], True, None, [], [], [], 2),
               SequenceChunk("b", [9], 40, [1, 4, 8], False, None, [], [], []),
               SequenceChunk("c", [2, 2], 16, [], True, None, [], [], [])]
     back = unpack_step(pack_step(StepInput(chunks, ["x"])).tolist()).chunks
-    assert [(c.token_ids, c.start, c.block_table, c.sample) for c in back] == \
-        [(c.token_ids, c.start, c.block_table, c.sample) for c in chunks]
+
+    def fields(c):
+        return c.token_ids, c.start, c.block_table, c.sample, c.prompt_logprob_rows
+
+    assert [fields(c) for c in back] == [fields(c) for c in chunks]
+
+
+def test_prompt_logprobs_at_two_ranks(tiny_llama):
+    """Workers run the LM head over the same prompt rows as rank 0, whose gather needs them."""
+    params = SamplingParams(max_tokens=4, prompt_logprobs=2, temperature=0.0)
+    outs = []
+    for size in (1, 2):
+        llm = LLM(str(tiny_llama), **CPU, tensor_parallel_size=size, max_num_batched_tokens=8)
+        try:
+            outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        finally:
+            llm.close()
+    for one, two in zip(*outs, strict=True):
+        prompt = one.prompt_token_ids
+        assert len(two.prompt_logprobs) == len(one.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            want, got = one.prompt_logprobs[pos], two.prompt_logprobs[pos]
+            assert got[prompt[pos]] == pytest.approx(want[prompt[pos]], abs=1e-4)
 
 
 def _echo_steps(channel: SharedMemoryStepChannel, rank: int, out) -> None:

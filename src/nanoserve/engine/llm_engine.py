@@ -208,6 +208,10 @@ class LLMEngine:
         step_out = pending.result()
         outputs = []
         now = time.time()
+        for chunk in chunks:
+            entries = step_out.prompt_logprobs.get(chunk.request.request_id)
+            if entries is not None and not chunk.request.finished:
+                chunk.request.add_prompt_logprobs(chunk.start + 1, entries)
         sampling = [c for c in chunks if c.samples]
         logprobs = step_out.logprobs or [None] * len(sampling)
         for chunk, token, token_logprobs in zip(sampling, step_out.token_ids, logprobs):
@@ -246,7 +250,8 @@ class LLMEngine:
                 start=c.start, block_table=req.block_table, sample=c.samples, params=params,
                 prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids if params.needs_token_history else [],
-                banned_token_ids=banned))
+                banned_token_ids=banned,
+                prompt_logprob_rows=req.prompt_logprob_rows(c.start, c.num_tokens)))
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(seqs, finished)
 

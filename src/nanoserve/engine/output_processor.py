@@ -94,4 +94,5 @@ class OutputProcessor:
             ("first_token_time", req.first_token_time), ("last_token_time", req.last_token_time),
             ("finished_time", req.finished_time)) if v is not None}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.finished, req.num_cached_tokens, metrics)
+                             req.finished, req.num_cached_tokens, metrics,
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))

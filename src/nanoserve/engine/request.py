@@ -53,6 +53,8 @@ class Request:
     stop_reason: int | str | None = None
     output_text: str = ""
     logprobs: list[dict[int, float]] | None = None
+    # One entry per prompt token, the first None (nothing predicts it), when params ask.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -62,6 +64,21 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    def prompt_logprob_rows(self, start: int, num_tokens: int) -> int:
+        """How many of a chunk's positions, from ``start`` on, predict a prompt token (the
+        one after each), when the request asks for prompt logprobs."""
+        if self.prompt_logprobs is None:
+            return 0
+        return max(0, min(start + num_tokens, self.num_prompt_tokens - 1) - start)
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+        """Logprobs of the prompt tokens at ``first``, ``first + 1``, ...; those already
+        known (a preempted request computes its prompt again) are dropped."""
+        assert self.prompt_logprobs is not None and first <= len(self.prompt_logprobs)
+        self.prompt_logprobs.extend(entries[len(self.prompt_logprobs) - first:])
 
     @property
     def num_tokens(self) -> int:

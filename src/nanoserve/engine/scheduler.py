@@ -85,14 +85,16 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_tokens:  # preempted while its last token was on the device
                 break
-            hits = self.bm.match_prefix(req.token_ids)
+            # Prompt logprobs need every prompt position's hidden state: no cached prefix.
+            hits = [] if req.prompt_logprobs is not None else self.bm.match_prefix(req.token_ids)
             computed = len(hits) * self.bm.block_size
             n = min(req.num_tokens - computed, budget)
             need = self.bm.blocks_needed(computed + n) - len(hits)
             if not self.bm.can_allocate(need + self.bm.num_idle(hits)):
                 break
             self.waiting.popleft()
-            self.bm.count_prefix_lookup(req.num_tokens, computed)
+            if req.prompt_logprobs is None:
+                self.bm.count_prefix_lookup(req.num_tokens, computed)
             self.bm.take_cached(hits)
             req.block_table = hits + self.bm.allocate(need)
             req.num_computed_tokens = computed

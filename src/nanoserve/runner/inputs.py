@@ -24,6 +24,9 @@ class SequenceChunk:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int]  # not to be sampled now (EOS and stops before min_tokens)
+    # The chunk's first positions whose next token is a prompt token whose logprobs were asked
+    # for (SamplingParams.prompt_logprobs): each predicts the token after it.
+    prompt_logprob_rows: int = 0
 
 
 @dataclass
@@ -34,10 +37,12 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    """Sampled token per sampling chunk, in order; optional logprobs alongside."""
+    """Sampled token per sampling chunk, in order; optional logprobs alongside; per request
+    whose chunk had ``prompt_logprob_rows``, the logprobs of the prompt tokens they predict."""
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 class InFlightStep(Protocol):

@@ -14,6 +14,7 @@ from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs
 from nanoserve.runner.inputs import (CompletedStep, InFlightStep, SequenceChunk, StepInput,
                                      StepOutput)
+from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler
 from nanoserve.runner.sampling_tensors import SamplingTensors
@@ -184,9 +185,10 @@ class ModelRunner:
         else:
             with attention_metadata(meta):
                 hidden = self.model(ids, positions)
+        prompt = prompt_logprobs(self.model, step.chunks, hidden)
         sampling = [c for c in step.chunks if c.sample]
         if not sampling:
-            return CompletedStep(StepOutput([]))
+            return CompletedStep(StepOutput([], prompt_logprobs=prompt))
         logits = self.model.compute_logits(hidden if last is None else hidden[last])
         if logits is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
             return CompletedStep(StepOutput([]))
@@ -197,7 +199,7 @@ class ModelRunner:
         out = self.sampler(logits, tensors)
         self.last_samples = out.token_ids
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
-        return SampledStep(out, [c.params.logprobs for c in sampling])
+        return SampledStep(out, [c.params.logprobs for c in sampling], prompt)
 
     def close(self) -> None:
         self.generators.clear()

@@ -12,11 +12,14 @@ class SampledStep:
 
     The copies are queued right behind the step's sampling, ahead of any step launched later,
     so ``result()`` waits for this step alone and the device runs on with the next one.
-    ``logprobs_wanted[i]`` is how many top logprobs row ``i`` asked for (None: none).
+    ``logprobs_wanted[i]`` is how many top logprobs row ``i`` asked for (None: none);
+    ``prompt_logprobs`` (already on the host) is passed through to the result.
     """
 
-    def __init__(self, out: SamplerOutput, logprobs_wanted: list[int | None]):
+    def __init__(self, out: SamplerOutput, logprobs_wanted: list[int | None],
+                 prompt_logprobs: dict[str, list[dict[int, float]]] | None = None):
         self.logprobs_wanted = logprobs_wanted
+        self.prompt_logprobs = prompt_logprobs or {}
         tensors = [out.token_ids]
         if out.logprobs is not None:
             tensors += [out.logprobs, out.logprob_token_ids]
@@ -36,10 +39,10 @@ class SampledStep:
             self.event.synchronize()
         token_ids = self.host[0].tolist()
         if len(self.host) == 1:
-            return StepOutput(token_ids)
+            return StepOutput(token_ids, prompt_logprobs=self.prompt_logprobs)
         values, ids = self.host[1].tolist(), self.host[2].tolist()
         logprobs: list[dict[int, float] | None] = []
         for k, row_values, row_ids in zip(self.logprobs_wanted, values, ids):
             # Row layout: the sampled token, then the top-k.
             logprobs.append(None if k is None else dict(zip(row_ids[:k + 1], row_values[:k + 1])))
-        return StepOutput(token_ids, logprobs)
+        return StepOutput(token_ids, logprobs, self.prompt_logprobs)
