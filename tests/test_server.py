@@ -453,6 +453,69 @@ def test_completion_logprobs_are_the_engines_and_stream_whole(client, tiny_llama
     assert sum((c.text_offset for c in streamed), []) == lp.text_offset
 
 
+def test_echo_repeats_the_prompt_with_its_logprobs(client, tiny_llama, tokenizer):
+    """lm-eval's loglikelihood request: echo + logprobs give every prompt token's logprob."""
+    from nanoserve import LLM, SamplingParams
+
+    kwargs = dict(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=2,
+                  echo=True, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    plain = client.completions.create(**{**kwargs, "echo": False})
+    choice = full.choices[0]
+    assert choice.text == "The sky is" + plain.choices[0].text
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=256)
+    ours = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=4,
+                                                     prompt_logprobs=2, ignore_eos=True),
+                        use_tqdm=False)[0]
+    llm.close()
+    prompt = ours.prompt_token_ids
+    lp = choice.logprobs
+    assert lp.tokens[:len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+    assert lp.tokens[len(prompt):] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(prompt)] == pytest.approx(
+        [e[t] for t, e in zip(prompt[1:], ours.prompt_logprobs[1:])], abs=1e-5)
+    assert lp.token_logprobs[len(prompt):] == pytest.approx(
+        plain.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    lengths = [len(t) for t in lp.tokens]
+    assert lp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    # Streamed: the first chunk opens with the prompt; the pieces add up to the full choice.
+    chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert chunks[0].choices[0].text.startswith("The sky is")
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert sum((c.tokens for c in streamed), []) == lp.tokens
+    assert sum((c.token_logprobs for c in streamed), []) == lp.token_logprobs
+    # A token prompt echoes as its decoded text.
+    ids = tokenizer.encode("Hello there")
+    echoed = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, echo=True)
+    assert echoed.choices[0].text.startswith(tokenizer.decode(ids))
+
+
+def test_prompt_logprobs_in_vllms_shape(client, tokenizer):
+    full = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2,
+                                     extra_body={"prompt_logprobs": 1})
+    entries = full.choices[0].model_extra["prompt_logprobs"]
+    prompt = tokenizer.encode("The sky is")
+    assert len(entries) == len(prompt) and entries[0] is None
+    for token, entry in zip(prompt[1:], entries[1:]):
+        assert str(token) in entry and 1 <= len(entry) <= 2
+        assert entry[str(token)]["decoded_token"] == tokenizer.decode([token])
+        assert entry[str(token)]["logprob"] <= 0
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=2,
+        extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+    plain = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
 def test_chat_logprobs_stream_equals_full(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
                   max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
@@ -467,7 +530,14 @@ def test_chat_logprobs_stream_equals_full(client):
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
                 for t in c.choices[0].logprobs.content]
-    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+    # The second request reads the first's prompt blocks from the prefix cache, so its
+    # prefill runs other shapes: the same tokens, logprobs equal to float rounding.
+    assert [t.token for t in streamed] == [t.token for t in content]
+    for got, want in zip(streamed, content):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(
+            [t.logprob for t in want.top_logprobs], abs=1e-5)
     plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
 

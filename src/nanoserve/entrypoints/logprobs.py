@@ -3,7 +3,9 @@
 
 The engine gives, for each generated token, a dict of the sampled token's logprob and the top
 ones (raw model logprobs, before temperature and filters, as vLLM reports them). A token's
-text is its id decoded alone.
+text is its id decoded alone. With ``echo``, completions list the prompt's tokens first, the
+first of them with null logprobs (nothing predicts it). vLLM's ``prompt_logprobs`` come back
+in its shape: per prompt token (the first null) a map from token id to logprob and text.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel
 
-from nanoserve.outputs import CompletionOutput
+from nanoserve.outputs import RequestOutput
 
 Decode = Callable[[list[int]], str]
 
@@ -32,9 +34,17 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -55,17 +65,35 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, float]]
         for token, lps in zip(token_ids, logprobs, strict=True)])
 
 
-def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, float]],
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, float] | None],
                         top: int, decode: Decode, offset: int = 0) -> CompletionLogprobs:
-    """Completions' shape; ``text_offset`` counts each token's text from ``offset`` on."""
+    """Completions' shape; ``text_offset`` counts each token's text from ``offset`` on. A None
+    entry (an echoed prompt's first token) has null logprobs."""
     tokens = [decode([token]) for token in token_ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
+    pairs = list(zip(token_ids, logprobs, strict=True))
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[lps[t] for t, lps in zip(token_ids, logprobs, strict=True)],
-        top_logprobs=[_by_text(lps, top, decode) for lps in logprobs], text_offset=offsets)
+        tokens=tokens, token_logprobs=[None if lps is None else lps[t] for t, lps in pairs],
+        top_logprobs=[None if lps is None else _by_text(lps, top, decode) for _, lps in pairs],
+        text_offset=offsets)
+
+
+def prompt_logprobs_out(final: RequestOutput, top: int, decode: Decode) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` field: per prompt token its own logprob and the ``top``
+    likeliest (the engine may hold more, for an echo that asked for more)."""
+    out: PromptLogprobs = []
+    for token, entry in zip(final.prompt_token_ids, final.prompt_logprobs or [], strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        kept = dict(_top(entry, top))
+        kept[token] = entry[token]
+        out.append({str(t): PromptLogprob(logprob=lp, decoded_token=decode([t]))
+                    for t, lp in kept.items()})
+    return out
 
 
 def _by_text(entry: dict[int, float], top: int, decode: Decode) -> dict[str, float]:
@@ -76,15 +104,21 @@ def _by_text(entry: dict[int, float], top: int, decode: Decode) -> dict[str, flo
     return alternatives
 
 
-def choice_logprobs(chat: bool, top: int | None, decode: Decode
-                    ) -> Callable[[CompletionOutput], BaseModel | None]:
+def choice_logprobs(chat: bool, top: int | None, decode: Decode, echo: bool = False
+                    ) -> Callable[[RequestOutput], BaseModel | None]:
     """What a full response's choice carries as ``logprobs``: its tokens' in the endpoint's
-    shape, or None when the request asked for none (``top`` None)."""
+    shape, the prompt's first with ``echo``, or None when the request asked for none (``top``
+    None)."""
 
-    def of(out: CompletionOutput) -> BaseModel | None:
+    def of(final: RequestOutput) -> BaseModel | None:
+        out = final.outputs[0]
         if top is None or out.logprobs is None:
             return None
-        shape = chat_logprobs if chat else completion_logprobs
-        return shape(out.token_ids, out.logprobs, top, decode)
+        if chat:
+            return chat_logprobs(out.token_ids, out.logprobs, top, decode)
+        if echo:
+            return completion_logprobs(final.prompt_token_ids + out.token_ids,
+                                       final.prompt_logprobs + out.logprobs, top, decode)
+        return completion_logprobs(out.token_ids, out.logprobs, top, decode)
 
     return of

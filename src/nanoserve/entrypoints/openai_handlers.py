@@ -5,10 +5,11 @@ Imported lazily by the server (it needs starlette), never by the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -18,7 +19,7 @@ from nanoserve.engine.async_engine import AsyncLLMEngine
 from nanoserve.engine.chat import render_chat
 from nanoserve.engine.request_stream import RequestStream
 from nanoserve.entrypoints.errors import APIError, parse_request
-from nanoserve.entrypoints.logprobs import choice_logprobs
+from nanoserve.entrypoints.logprobs import PromptLogprobs, choice_logprobs, prompt_logprobs_out
 from nanoserve.entrypoints.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatMessageOut,
     CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
@@ -49,12 +50,16 @@ class OpenAIServing:
         req: CompletionRequest = parse_request(CompletionRequest, body)
         self.check_model(req.model)
         req.check_supported()
-        prompts = [self._token_ids(p) for p in as_prompt_list(req.prompt)]
+        given = as_prompt_list(req.prompt)
+        prompts = [self._token_ids(p) for p in given]
         if not prompts:
             raise APIError("prompt must not be empty", param="prompt")
         params = self._params(req, req.max_tokens, prompts, "prompt", "max_tokens")
+        # An echo repeats a text prompt as given and a token prompt decoded, as vLLM does.
+        echo = [p if isinstance(p, str) else self._decode(p) for p in given] \
+            if req.echo else None
         return await self._generate(f"cmpl-{uuid.uuid4().hex}", prompts, params, req, arrival,
-                                    request, chat=False)
+                                    request, chat=False, echo=echo)
 
     async def chat(self, body: Any, request: Request) -> Response:
         arrival = time.time()
@@ -134,7 +139,9 @@ class OpenAIServing:
 
     async def _generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                         req: CompletionRequest | ChatCompletionRequest, arrival: float,
-                        request: Request, chat: bool) -> Response:
+                        request: Request, chat: bool, echo: list[str] | None = None
+                        ) -> Response:
+        """``echo``: each prompt's text, to begin its choices' text (completions)."""
         if req.use_beam_search:
             return await self._beam_search(request_id, prompts, params, req, arrival, request,
                                            chat)
@@ -156,16 +163,22 @@ class OpenAIServing:
             raise
         if req.stream:
             events = ChunkWriter(request_id, self.served_model_name, chat, req.include_usage(),
-                                 params.n, params.logprobs, self._decode).events(streams)
+                                 params.n, params.logprobs, self._decode, echo).events(streams)
             return ClosingStreamingResponse(events, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
         finals = await _unless_disconnected(request, _collect(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        body = _full_response(request_id, self.served_model_name, chat,
-                              [o.outputs[0] for o in finals],
+        outs = [o.outputs[0] for o in finals]
+        if echo is not None:
+            outs = [dataclasses.replace(o, text=echo[i // params.n] + o.text)
+                    for i, o in enumerate(outs)]
+        logprobs_of = choice_logprobs(chat, params.logprobs, self._decode, echo is not None)
+        prompt_logprobs = None if req.prompt_logprobs is None else \
+            [prompt_logprobs_out(f, req.prompt_logprobs, self._decode) for f in finals]
+        body = _full_response(request_id, self.served_model_name, chat, outs,
                               UsageInfo.from_outputs(finals, params.n),
-                              choice_logprobs(chat, params.logprobs, self._decode))
+                              [logprobs_of(f) for f in finals], prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _beam_search(self, request_id: str, prompts: list[list[int]],
@@ -211,7 +224,7 @@ class OpenAIServing:
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
         body = _full_response(request_id, self.served_model_name, chat, outs, usage,
-                              lambda out: None)
+                              [None] * len(outs))
         return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -245,17 +258,22 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def _full_response(request_id: str, model: str, chat: bool, outs: list[CompletionOutput],
-                   usage: UsageInfo,
-                   logprobs_of: Callable[[CompletionOutput], BaseModel | None]) -> BaseModel:
+                   usage: UsageInfo, logprobs: list[BaseModel | None],
+                   prompt_logprobs: list[PromptLogprobs] | None = None) -> BaseModel:
+    """``logprobs`` per choice; ``prompt_logprobs`` per choice (chat has one prompt: its
+    response carries them once), or None when not asked for."""
     if chat:
         return ChatCompletionResponse(
             id=request_id, model=model, usage=usage,
+            prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None,
             choices=[ChatChoice(index=i, message=ChatMessageOut(content=o.text),
-                                logprobs=logprobs_of(o), finish_reason=o.finish_reason,
+                                logprobs=lp, finish_reason=o.finish_reason,
                                 stop_reason=o.stop_reason)
-                     for i, o in enumerate(outs)])
+                     for i, (o, lp) in enumerate(zip(outs, logprobs, strict=True))])
     return CompletionResponse(
         id=request_id, model=model, usage=usage,
-        choices=[CompletionChoice(index=i, text=o.text, logprobs=logprobs_of(o),
-                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                 for i, o in enumerate(outs)])
+        choices=[CompletionChoice(index=i, text=o.text, logprobs=lp,
+                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                  prompt_logprobs=None if prompt_logprobs is None
+                                  else prompt_logprobs[i])
+                 for i, (o, lp) in enumerate(zip(outs, logprobs, strict=True))])

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.entrypoints.errors import APIError
-from nanoserve.entrypoints.logprobs import ChatLogprobs, CompletionLogprobs
+from nanoserve.entrypoints.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -49,17 +49,25 @@ class _GenerationRequest(_Strict):
     user: str | None = None
     use_beam_search: bool | None = False  # vLLM's extra fields: n beams, scored with
     length_penalty: float | None = 1.0  # length_penalty (nanoserve.beam_search)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
 
     def check_supported(self) -> None:
         if self.use_beam_search and self.stream:
             raise APIError("use_beam_search answers once the search ends; it cannot stream",
                            param="stream")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs come with the full response; they cannot stream",
+                           param="prompt_logprobs")
         if self.n is not None and self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top logprobs each generated token reports; None: no logprobs at all."""
         return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many top logprobs each prompt token reports; None: none."""
+        return self.prompt_logprobs
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -76,6 +84,7 @@ class _GenerationRequest(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "n": self.n,
             "logprobs": self.top_logprobs_wanted(),
+            "prompt_logprobs": self.prompt_logprobs_wanted(),
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
@@ -95,10 +104,17 @@ class CompletionRequest(_GenerationRequest):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        # Echoed logprobs list the prompt's tokens too, with as many alternatives.
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        unsupported = {"echo": bool(self.echo), "suffix": bool(self.suffix),
-                       "best_of": (self.best_of or 1) != 1}
+        if self.echo and self.use_beam_search:
+            raise APIError("echo is not supported with use_beam_search", param="echo")
+        unsupported = {"suffix": bool(self.suffix), "best_of": (self.best_of or 1) != 1}
         for name, used in unsupported.items():
             if used:
                 raise APIError(f"{name} is not supported", param=name)
@@ -198,6 +214,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = _unset_if_none()
 
 
 class CompletionResponse(BaseModel):
@@ -229,6 +246,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = _unset_if_none()
 
 
 class DeltaMessage(BaseModel):

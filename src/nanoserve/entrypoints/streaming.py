@@ -19,7 +19,7 @@ from nanoserve.entrypoints.logprobs import Decode, chat_logprobs, completion_log
 from nanoserve.entrypoints.protocol import (
     ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
     UsageInfo)
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.outputs import RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -58,6 +58,7 @@ class _Sent:
     text: str = ""
     tokens: int = 0  # tokens whose logprobs went out
     offset: int = 0  # completions' text_offset of the next token
+    opened: bool = False  # the choice's first chunk went out (with the echoed prompt)
 
 
 class ChunkWriter:
@@ -65,11 +66,13 @@ class ChunkWriter:
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool,
                  samples_per_prompt: int = 1, top_logprobs: int | None = None,
-                 decode: Decode | None = None):
+                 decode: Decode | None = None, echo: list[str] | None = None):
+        """``echo``: each prompt's text, which opens its choices' first chunk (completions)."""
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.samples_per_prompt = samples_per_prompt
         self.top_logprobs, self.decode = top_logprobs, decode
+        self.echo = echo
         self.created = int(time.time())
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -85,9 +88,12 @@ class ChunkWriter:
                     completion = out.outputs[0]
                     delta = completion.text[len(sent[i].text):]
                     sent[i].text = completion.text
+                    if self.echo is not None and not sent[i].opened:
+                        delta = self.echo[i // self.samples_per_prompt] + delta
                     if delta or completion.finish_reason:
                         yield sse(self._chunk(i, delta, completion.finish_reason,
-                                              self._logprobs_since(sent[i], completion)))
+                                              self._logprobs_since(sent[i], out)))
+                        sent[i].opened = True
                     if out.finished:
                         finals.append(out)
             if self.include_usage:
@@ -100,14 +106,17 @@ class ChunkWriter:
         finally:
             cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
 
-    def _logprobs_since(self, sent: _Sent, completion: CompletionOutput) -> BaseModel | None:
+    def _logprobs_since(self, sent: _Sent, out: RequestOutput) -> BaseModel | None:
         """The logprobs of every token since the choice's last chunk, its text shown or held
-        back (None unless the request asked for logprobs)."""
+        back, the echoed prompt's first (None unless the request asked for logprobs)."""
+        completion = out.outputs[0]
         if self.top_logprobs is None or completion.logprobs is None:
             return None
         new = completion.token_ids[sent.tokens:]
         logprobs = completion.logprobs[sent.tokens:]
         sent.tokens = len(completion.token_ids)
+        if self.echo is not None and not sent.opened:
+            new, logprobs = out.prompt_token_ids + new, out.prompt_logprobs + logprobs
         if self.chat:
             return chat_logprobs(new, logprobs, self.top_logprobs, self.decode)
         chunk = completion_logprobs(new, logprobs, self.top_logprobs, self.decode, sent.offset)
