@@ -516,6 +516,25 @@ def test_prompt_logprobs_in_vllms_shape(client, tokenizer):
     assert info.value.body["param"] == "prompt_logprobs"
 
 
+def test_best_of_keeps_the_likeliest_samples(client):
+    kwargs = dict(model=MODEL, prompt="The sky is", max_tokens=5, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    ranked = client.completions.create(best_of=3, n=2, **kwargs)
+    singles = [client.completions.create(logprobs=0, **{**kwargs, "seed": 11 + k})
+               for k in range(3)]
+    score = {c.choices[0].text: sum(c.choices[0].logprobs.token_logprobs) for c in singles}
+    assert len(set(score)) == 3, "the samples should differ"
+    best = sorted(score, key=score.get, reverse=True)[:2]
+    assert [c.text for c in ranked.choices] == best
+    assert [c.index for c in ranked.choices] == [0, 1]
+    assert all(c.logprobs is None for c in ranked.choices)  # not asked for
+    assert ranked.usage.completion_tokens == 3 * 5  # every sample generated counts
+    for bad in ({"best_of": 1, "n": 2}, {"best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(**{**kwargs, **bad})
+        assert info.value.body["param"] == "best_of"
+
+
 def test_chat_logprobs_stream_equals_full(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
                   max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,

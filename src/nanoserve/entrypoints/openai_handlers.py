@@ -146,15 +146,19 @@ class OpenAIServing:
             return await self._beam_search(request_id, prompts, params, req, arrival, request,
                                            chat)
         # One engine request per prompt and sample; choice i * n + k is prompt i's sample k,
-        # OpenAI's numbering.
+        # OpenAI's numbering. With best_of, each prompt's best_of samples are ranked by their
+        # cumulative logprob (which the engine then reports) and the n best kept.
+        samples = req.samples_per_prompt()
+        engine_params = params if samples == params.n else \
+            dataclasses.replace(params, logprobs=params.logprobs or 0)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                for k in range(params.n):
-                    rid = request_id if len(prompts) == params.n == 1 else \
-                        f"{request_id}-{i * params.n + k}"
-                    streams.append(await self.engine.add_request(rid, ids, params.for_sample(k),
-                                                                 arrival))
+                for k in range(samples):
+                    rid = request_id if len(prompts) == samples == 1 else \
+                        f"{request_id}-{i * samples + k}"
+                    streams.append(await self.engine.add_request(
+                        rid, ids, engine_params.for_sample(k), arrival))
         except ValueError as exc:
             cancel_all(streams)
             raise value_error_to_api(exc, "messages" if chat else "prompt") from None
@@ -169,6 +173,10 @@ class OpenAIServing:
         finals = await _unless_disconnected(request, _collect(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        usage = UsageInfo.from_outputs(finals, samples)  # every sample generated counts
+        if samples != params.n:
+            finals = [best for i in range(len(prompts))
+                      for best in _best(finals[i * samples:(i + 1) * samples], params.n)]
         outs = [o.outputs[0] for o in finals]
         if echo is not None:
             outs = [dataclasses.replace(o, text=echo[i // params.n] + o.text)
@@ -176,8 +184,7 @@ class OpenAIServing:
         logprobs_of = choice_logprobs(chat, params.logprobs, self._decode, echo is not None)
         prompt_logprobs = None if req.prompt_logprobs is None else \
             [prompt_logprobs_out(f, req.prompt_logprobs, self._decode) for f in finals]
-        body = _full_response(request_id, self.served_model_name, chat, outs,
-                              UsageInfo.from_outputs(finals, params.n),
+        body = _full_response(request_id, self.served_model_name, chat, outs, usage,
                               [logprobs_of(f) for f in finals], prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -226,6 +233,15 @@ class OpenAIServing:
         body = _full_response(request_id, self.served_model_name, chat, outs, usage,
                               [None] * len(outs))
         return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _best(samples: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """The ``n`` samples of highest cumulative logprob, best first (``best_of``)."""
+    def score(final: RequestOutput) -> float:
+        out = final.outputs[0]
+        return sum(lps[t] for t, lps in zip(out.token_ids, out.logprobs, strict=True))
+
+    return sorted(samples, key=score, reverse=True)[:n]
 
 
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -69,6 +69,10 @@ class _GenerationRequest(_Strict):
         """How many top logprobs each prompt token reports; None: none."""
         return self.prompt_logprobs
 
+    def samples_per_prompt(self) -> int:
+        """Engine requests per prompt: n, or best_of where a request ranks samples."""
+        return self.n or 1
+
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -110,11 +114,21 @@ class CompletionRequest(_GenerationRequest):
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
 
+    def samples_per_prompt(self) -> int:
+        return self.best_of or super().samples_per_prompt()
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo and self.use_beam_search:
             raise APIError("echo is not supported with use_beam_search", param="echo")
-        unsupported = {"suffix": bool(self.suffix), "best_of": (self.best_of or 1) != 1}
+        if self.best_of is not None:
+            if self.best_of < (self.n or 1):
+                raise APIError(f"best_of must be >= n ({self.n}), got {self.best_of}",
+                               param="best_of")
+            if self.best_of != (self.n or 1) and (self.stream or self.use_beam_search):
+                raise APIError("best_of ranks finished samples: it works without stream and "
+                               "use_beam_search", param="best_of")
+        unsupported = {"suffix": bool(self.suffix)}
         for name, used in unsupported.items():
             if used:
                 raise APIError(f"{name} is not supported", param=name)
