@@ -208,7 +208,7 @@ class LLMEngine:
         step_out = pending.result()
         outputs = []
         now = time.time()
-        for chunk in chunks:
+        for chunk in chunks if step_out.prompt_logprobs else ():
             entries = step_out.prompt_logprobs.get(chunk.request.request_id)
             if entries is not None and not chunk.request.finished:
                 chunk.request.add_prompt_logprobs(chunk.start + 1, entries)
@@ -251,7 +251,8 @@ class LLMEngine:
                 prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids if params.needs_token_history else [],
                 banned_token_ids=banned,
-                prompt_logprob_rows=req.prompt_logprob_rows(c.start, c.num_tokens)))
+                prompt_logprob_rows=0 if req.prompt_logprobs is None
+                else req.prompt_logprob_rows(c.start, c.num_tokens)))
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(seqs, finished)
 

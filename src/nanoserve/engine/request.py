@@ -69,9 +69,7 @@ class Request:
 
     def prompt_logprob_rows(self, start: int, num_tokens: int) -> int:
         """How many of a chunk's positions, from ``start`` on, predict a prompt token (the
-        one after each), when the request asks for prompt logprobs."""
-        if self.prompt_logprobs is None:
-            return 0
+        one after each): the rows whose logprobs a request asking for prompt logprobs needs."""
         return max(0, min(start + num_tokens, self.num_prompt_tokens - 1) - start)
 
     def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:

@@ -21,6 +21,8 @@ def prompt_logprobs(model: torch.nn.Module, chunks: list[SequenceChunk], hidden:
     tokens its rows predict, from ``chunk.start + 1`` on. ``hidden`` holds the step's rows in
     chunk order. Tensor-parallel workers (no sampling state) take part in the LM head's gather
     and return nothing."""
+    if not any(chunk.prompt_logprob_rows for chunk in chunks):
+        return {}
     rows, offset = [], 0
     for chunk in chunks:
         rows += range(offset, offset + chunk.prompt_logprob_rows)
