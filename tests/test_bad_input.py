@@ -34,6 +34,9 @@ BAD_SAMPLING = [
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", "abc"),
     ("stop_token_ids", 5), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
     ("logprobs", 21), ("logprobs", -1), ("logprobs", "abc"), ("logprobs", 2.0),
+    ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", 1.0),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 200.0}), ("logit_bias", {1: "x"}),
+    ("logit_bias", "x"),
     ("include_stop_str_in_output", "yes"), ("ignore_eos", 1), ("skip_special_tokens", None),
 ]
 
@@ -224,6 +227,9 @@ BAD_REQUESTS = {
     "params not a SamplingParams": (
         lambda llm: [GOOD_PROMPT, "Hi"], [GOOD_PARAMS, {"temperature": 0}], "SamplingParams"),
     "too few params": (lambda llm: [GOOD_PROMPT, "Hi"], [GOOD_PARAMS], "1 SamplingParams"),
+    "logit_bias id past the vocabulary": (
+        lambda llm: [GOOD_PROMPT], SamplingParams(logit_bias={10**9: 1.0}),
+        r"logit_bias token ids must be in \[0, "),
 }
 
 

@@ -65,6 +65,10 @@ def test_defaults_are_openai_defaults():
     ({"prompt": "x", "n": 1.5}, "n"),
     ({"prompt": "x", "echo": True, "use_beam_search": True}, "echo"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "best_of": 0}, "best_of"),
     ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
@@ -93,6 +97,10 @@ def test_bad_completion_fields_are_named(body, param):
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
 ])
 def test_bad_chat_fields_are_named(body, param):
     error = _error(ChatCompletionRequest, body)

@@ -200,6 +200,33 @@ def test_banned_tokens_are_never_sampled() -> None:
         assert not set(ids) & set(banned_ids)
 
 
+def test_logit_bias_shifts_the_named_logits_first() -> None:
+    logits = random_logits(3, seed=11)
+    params = [SamplingParams(logit_bias={3: 5.0, 7: -2.5}), SamplingParams(),
+              SamplingParams(logit_bias={0: 1.0}, repetition_penalty=2.0)]
+    prompts = [[], [], [0, 1]]
+    got = apply_penalties(logits, build(params, prompts=prompts))
+    expected = logits.clone()
+    expected[0, 3] += 5.0
+    expected[0, 7] -= 2.5
+    expected[2, 0] += 1.0  # biased, then penalised as the biased logit
+    expected[2] = reference_penalties(expected[2], params[2], [0, 1], [])
+    torch.testing.assert_close(got, expected)
+    # Greedy follows the bias; logprobs stay the raw model's (vLLM's default).
+    row = logits[1:2]
+    worst = int(row.argmin())
+    biased = [SamplingParams(temperature=0.0, logit_bias={worst: 100.0}, logprobs=0)]
+    out = Sampler()(row, build(biased))
+    assert out.token_ids.tolist() == [worst]
+    assert out.logprobs[0, 0].item() == pytest.approx(row.log_softmax(-1)[0, worst].item())
+
+
+def test_bad_logit_bias_is_refused() -> None:
+    for bad in ({-1: 1.0}, {"5": 1.0}, {5: 101.0}, {5: True}, [5]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
 def test_temperature_sampling_follows_softmax() -> None:
     logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0, -1.0, 1.2, 0.8])
     temperature, draws = 0.7, 20_000

@@ -535,6 +535,25 @@ def test_best_of_keeps_the_likeliest_samples(client):
         assert info.value.body["param"] == "best_of"
 
 
+def test_logit_bias_steers_the_tokens(client, tokenizer):
+    token = tokenizer.encode(" blue", add_special_tokens=False)[-1]
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=1,
+                  logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt="The sky is", **kwargs)
+    assert out.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 4
+    # The reported logprobs are the model's own, before the bias (vLLM's default).
+    assert max(out.choices[0].logprobs.token_logprobs) < -1
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3,
+        temperature=0, logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == tokenizer.decode([token] * 3)
+    for bias, fragment in (({"abc": 1}, "token ids"), ({str(token): 101}, "[-100, 100]"),
+                           ({str(10 ** 9): 1}, "must be in [0, ")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(prompt="x", **{**kwargs, "logit_bias": bias})
+        assert info.value.body["param"] == "logit_bias" and fragment in info.value.message
+
+
 def test_chat_logprobs_stream_equals_full(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
                   max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,

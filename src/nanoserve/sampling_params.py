@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     # Logprobs of every prompt token after the first (its own and the top ones), as vLLM's.
     prompt_logprobs: int | None = None
+    # Added to the named tokens' logits before anything else (OpenAI's range, [-100, 100]).
+    logit_bias: dict[int, float] | None = None
     n: int = 1  # independent samples of the prompt (LLM.generate and the server fan them out)
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -72,6 +74,8 @@ class SamplingParams:
         check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_bias(self.logit_bias)
         self.stop_strings = self._normalise_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -109,6 +113,19 @@ class SamplingParams:
         if any(s == "" for s in stop):
             raise ValueError("stop must not contain empty strings")
         return list(stop)
+
+
+def _checked_bias(bias: object) -> dict[int, float]:
+    rule = "logit_bias must map token ids (integers >= 0) to biases in [-100, 100], got"
+    if not isinstance(bias, dict):
+        raise ValueError(f"{rule} {bias!r}")
+    for token, value in bias.items():
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"{rule} the key {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise ValueError(f"{rule} {value!r} for token {token}")
+    return {token: float(value) for token, value in bias.items()}
 
 
 def check_int(name: str, value: object) -> None:

@@ -112,6 +112,10 @@ class LLMEngine:
             raise ValueError("the engine runs one sequence per request; n > 1 is fanned out "
                              "into requests by LLM.generate and the server")
         text, ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {outside[:5]}")
         check_context_length(len(ids), params.max_tokens, self.max_model_len)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         blocks = self.block_manager.blocks_needed(len(ids) + max_tokens)

@@ -47,11 +47,19 @@ class _GenerationRequest(_Strict):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     use_beam_search: bool | None = False  # vLLM's extra fields: n beams, scored with
     length_penalty: float | None = 1.0  # length_penalty (nanoserve.beam_search)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
+    # Constrained output is not implemented: a request that asks for it is refused, not
+    # answered with unconstrained text.
+    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(f"response_format {kind!r} is not supported (only 'text')",
+                           param="response_format")
         if self.use_beam_search and self.stream:
             raise APIError("use_beam_search answers once the search ends; it cannot stream",
                            param="stream")
@@ -89,12 +97,21 @@ class _GenerationRequest(_Strict):
             "skip_special_tokens": self.skip_special_tokens, "n": self.n,
             "logprobs": self.top_logprobs_wanted(),
             "prompt_logprobs": self.prompt_logprobs_wanted(),
+            "logit_bias": None if self.logit_bias is None else _token_keys(self.logit_bias),
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, **kwargs)
         except ValueError as exc:
             raise value_error_to_api(exc) from None
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise APIError(f"logit_bias must map token ids to biases, got the keys "
+                       f"{list(bias)[:5]}", param="logit_bias") from None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -159,9 +176,14 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.tools and self.tool_choice != "none":
+            raise APIError("tool calling is not supported; send no tools or tool_choice "
+                           "'none'", param="tools")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")

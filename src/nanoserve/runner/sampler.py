@@ -1,6 +1,6 @@
 """Turn each sequence's last-position logits into its next token, vectorised over the batch.
 
-Pipeline, with vLLM's semantics, all in float32: banned tokens -> -inf; repetition penalty
+Pipeline, with vLLM's semantics, all in float32: logit bias; banned tokens -> -inf; repetition penalty
 (prompt + output tokens), then frequency and presence penalties (output tokens). Greedy rows take
 the argmax of the penalised logits; the other rows are divided by their temperature, filtered by
 top-k, then top-p, then min-p, and drawn from the softmax with the exponential race.
@@ -57,11 +57,11 @@ class Sampler(torch.nn.Module):
 
 
 def _fused_path_applies(logits: torch.Tensor, tensors: SamplingTensors) -> bool:
-    """True for CUDA logits when no row needs more than its temperature: no penalty, banned
-    token, top-k / top-p / min-p filter or seeded generator."""
+    """True for CUDA logits when no row needs more than its temperature: no penalty, bias,
+    banned token, top-k / top-p / min-p filter or seeded generator."""
     return (logits.is_cuda and logits.stride(-1) == 1
             and tensors.prompt_tokens is None and not tensors.any_count_penalty
-            and tensors.banned_tokens is None
+            and tensors.banned_tokens is None and tensors.logit_bias is None
             and not (tensors.max_top_k or tensors.any_top_p or tensors.any_min_p)
             and not tensors.seeded_rows)
 
@@ -81,12 +81,16 @@ def _fused_sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutp
 
 
 def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """Return ``logits`` [B, V] with banned tokens at -inf and the three penalties applied.
+    """Return ``logits`` [B, V] with the logit biases added, banned tokens at -inf and the
+    three penalties applied.
 
     Repetition penalty (tokens of the prompt or the output): a positive logit is divided by the
     penalty, any other multiplied by it. Then each output token's logit loses
     ``frequency * count + presence``. The input is not modified.
     """
+    if tensors.logit_bias is not None:
+        index, bias = tensors.logit_bias
+        logits = logits.index_put(index, bias, accumulate=True)
     if tensors.banned_tokens is not None:
         # A device-side fill, not a Python scalar, so no host-to-device copy is needed.
         neg_inf = torch.full((), _NEG_INF, device=logits.device)

@@ -34,6 +34,8 @@ class SamplingTensors:
     prompt_tokens: torch.Tensor | None  # [B, Lp] int64 padded with vocab_size
     output_tokens: torch.Tensor | None  # [B, Lo] int64 padded with vocab_size
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N]) int64
+    # (rows [N], token ids [N]) int64 and the biases [N] float32 added to those logits
+    logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
     generators: list[torch.Generator | None]  # a seeded sampled row's own generator, else None
     all_greedy: bool
     all_random: bool  # no row is greedy
@@ -78,11 +80,14 @@ class SamplingTensors:
                               zip(output_token_ids, reads_output)], vocab_size)
         banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids
                   if 0 <= t < vocab_size]
+        bias = [(row, t, b) for row, p in enumerate(params) if p.logit_bias
+                for t, b in p.logit_bias.items()]
 
         # One copy for everything the step's sampling reads on the device.
         no_history = np.empty(0, dtype=np.int64)
         (temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t,
-         banned_rows, banned_ids, prompt_flat, output_flat) = packed_to_device([
+         banned_rows, banned_ids, bias_rows, bias_ids, bias_values, prompt_flat,
+         output_flat) = packed_to_device([
             ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
             (top_p, np.float32),
             (min_p, np.float32),
@@ -92,6 +97,9 @@ class SamplingTensors:
             (top_k, np.int64),
             ([row for row, _ in banned], np.int64),
             ([t for _, t in banned], np.int64),
+            ([row for row, _, _ in bias], np.int64),
+            ([t for _, t, _ in bias], np.int64),
+            ([b for _, _, b in bias], np.float32),
             (no_history if prompt is None else prompt.ravel(), np.int64),
             (no_history if output is None else output.ravel(), np.int64),
         ], device)
@@ -107,6 +115,7 @@ class SamplingTensors:
             prompt_tokens=None if prompt is None else prompt_flat.view(prompt.shape),
             output_tokens=None if output is None else output_flat.view(output.shape),
             banned_tokens=(banned_rows, banned_ids) if banned else None,
+            logit_bias=((bias_rows, bias_ids), bias_values) if bias else None,
             generators=[g if s else None for g, s in zip(generators, sampled)],
             all_greedy=not any(sampled),
             all_random=all(sampled),
