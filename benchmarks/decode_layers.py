@@ -1,7 +1,7 @@
-"""The persistent batch-1 decode kernel (persistent_layers.py, an experiment) at real shapes, random bf16
-weights: first checks (the persistent launch equals the phase-by-phase launches bit for bit;
-no barrier timed out), then times the whole layer stack per forward in a CUDA graph, for each
-tiling asked for. One JSON line per shape and tiling:
+"""The persistent batch-1 decode kernel (persistent_layers.py, an experiment) at real shapes,
+random bf16 weights: first checks (the persistent launch equals the phase-by-phase launches
+bit for bit; no barrier timed out), then times the whole layer stack per forward in a CUDA
+graph, for each tiling asked for. One JSON line per shape and tiling:
 
     python benchmarks/decode_layers.py --shape qwen3-0.6b [--context 256] [--sweep] [--profile]
 """

@@ -250,8 +250,8 @@ def _decode_layers_kernel(
     BLOCK_N_QKV: tl.constexpr, BLOCK_N_O: tl.constexpr, BLOCK_N_GU: tl.constexpr,
     BLOCK_N_DOWN: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_INTER: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, PHASES: tl.constexpr, SYNC: tl.constexpr,
-    SPIN_LIMIT: tl.constexpr, TIMESTAMPS: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, PHASES: tl.constexpr,
+    SYNC: tl.constexpr, SPIN_LIMIT: tl.constexpr, TIMESTAMPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)

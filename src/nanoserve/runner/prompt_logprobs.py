@@ -12,7 +12,9 @@ import torch
 
 from nanoserve.runner.inputs import SequenceChunk
 
-ROWS_PER_SLICE = 512  # 512 x 152k float32 logits: ~300 MB at a time
+# 256 rows of Qwen3's 152k-token vocabulary: two float32 copies of 156 MB at a time, inside
+# the headroom the runner leaves the sampler's float32 copies when it sizes the KV cache.
+ROWS_PER_SLICE = 256
 
 
 def prompt_logprobs(model: torch.nn.Module, chunks: list[SequenceChunk], hidden: torch.Tensor
@@ -27,8 +29,6 @@ def prompt_logprobs(model: torch.nn.Module, chunks: list[SequenceChunk], hidden:
     for chunk in chunks:
         rows += range(offset, offset + chunk.prompt_logprob_rows)
         offset += len(chunk.token_ids)
-    if not rows:
-        return {}
     index = torch.tensor(rows, device=hidden.device)
     parts = [model.compute_logits(hidden[index[i:i + ROWS_PER_SLICE]])
              for i in range(0, len(rows), ROWS_PER_SLICE)]

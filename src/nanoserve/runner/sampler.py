@@ -1,9 +1,9 @@
 """Turn each sequence's last-position logits into its next token, vectorised over the batch.
 
-Pipeline, with vLLM's semantics, all in float32: logit bias; banned tokens -> -inf; repetition penalty
-(prompt + output tokens), then frequency and presence penalties (output tokens). Greedy rows take
-the argmax of the penalised logits; the other rows are divided by their temperature, filtered by
-top-k, then top-p, then min-p, and drawn from the softmax with the exponential race.
+Pipeline, with vLLM's semantics, all in float32: logit biases; banned tokens -> -inf; repetition
+penalty (prompt + output tokens), then frequency and presence penalties (output tokens). Greedy
+rows take the argmax of the penalised logits; the other rows are divided by their temperature,
+filtered by top-k, then top-p, then min-p, and drawn from the softmax with the exponential race.
 Everything per request is a tensor row, so one step costs a fixed number of kernels whatever the
 batch; the only Python loop is over rows with their own seeded generator. On CUDA, a batch that
 needs nothing but greedy or temperature sampling takes one fused Triton pass instead
