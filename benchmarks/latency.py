@@ -43,6 +43,24 @@ def forward_graph_ms(llm: LLM, replays: int = 200) -> float | None:
     return replay_ms(graphs.graphs[1], replays)
 
 
+def lm_head_ms(llm: LLM, calls: int = 200) -> float | None:
+    """Device time of the batch-1 LM head as the engine runs it (eagerly, after the graph),
+    timed over back-to-back calls: the largest eager launch of a decode step."""
+    model = getattr(llm.engine.executor, "model", None)
+    if model is None:
+        return None
+    hidden = torch.randn(1, model.config.hidden_size, dtype=model.lm_head.weight.dtype,
+                         device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    model.compute_logits(hidden)
+    start.record()
+    for _ in range(calls):
+        model.compute_logits(hidden)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def override_skinny_tiles(specs: list[str]) -> None:
     for spec in specs:
         n, k, block_n, block_k, *defer = spec.split(":")
@@ -73,6 +91,7 @@ def main() -> None:
         fulls = time_generate(llm, prompt, args.new_tokens, args.repeats)
         firsts = time_generate(llm, prompt, 1, args.repeats)
         graph_ms = forward_graph_ms(llm)
+        head_ms = lm_head_ms(llm)
         llm.close()
     bandwidth = copy_bandwidth_gbs()
     full, first = min(fulls), min(firsts)
@@ -85,6 +104,7 @@ def main() -> None:
           "each_run_ms_per_token": [round((t - first) / (args.new_tokens - 1) * 1e3, 3)
                                     for t in fulls],
           "forward_graph_ms": graph_ms and round(graph_ms, 3),
+          "lm_head_ms": head_ms and round(head_ms, 4),
           "skinny_overrides": args.skinny,
           "fraction_of_floor": round(floor_ms / per_token_ms, 3),
           "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
