@@ -6,6 +6,7 @@ an (N, K) shape, to check a sweep's winners inside the model's chain of kernels.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import tempfile
 import time
@@ -19,17 +20,52 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.skinny_gemm import TUNED_ONE_ROW, SkinnyConfig
 
 
-def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` generations."""
+class GCTimer:
+    """Python's garbage collections while active: per generation, how many and how long."""
+
+    def __init__(self) -> None:
+        self.counts, self.ms, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.ms[info["generation"]] += (time.perf_counter() - self._start) * 1e3
+
+    def report(self) -> dict:
+        return {"collections": self.counts, "ms": [round(t, 2) for t in self.ms]}
+
+
+def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int,
+                  collections: list[dict] | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` generations; with ``collections``, each one's garbage
+    collections are appended to it."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     times = []
     for _ in range(repeats):
+        timer = GCTimer()
+        gc.callbacks.append(timer)
         torch.cuda.synchronize()
         start = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        gc.callbacks.remove(timer)
+        if collections is not None:
+            collections.append(timer.report())
     return times
+
+
+def timed_generate(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
+    """One generation with every step timed on the host and the device (its decode steps:
+    host ms per step, the part spent waiting for the device, the device's ms per step)."""
+    from throughput import host_timing
+
+    with host_timing(True, llm) as report:
+        seconds = time_generate(llm, prompt, new_tokens, 1)[0]
+    return {"ms_per_token_with_timing": round(seconds / new_tokens * 1e3, 3),
+            **report["host_ms_by_running"].get("0-31", {})}
 
 
 def forward_graph_ms(llm: LLM, replays: int = 200) -> float | None:
@@ -77,6 +113,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--skinny", action="append", default=[], metavar="N:K:BN:BK[:defer]")
+    parser.add_argument("--host-timing", action="store_true",
+                        help="then as many generations again, each with its steps' host time, "
+                             "wait for the device and device time (throughput.py's)")
     args = parser.parse_args()
     override_skinny_tiles(args.skinny)
     shape = SHAPES[args.shape]
@@ -88,8 +127,11 @@ def main() -> None:
                   enforce_eager=args.enforce_eager, enable_prefix_caching=False,
                   tensor_parallel_size=args.tensor_parallel_size)
         time_generate(llm, prompt, 8, 1)  # warm-up
-        fulls = time_generate(llm, prompt, args.new_tokens, args.repeats)
+        collections: list[dict] = []
+        fulls = time_generate(llm, prompt, args.new_tokens, args.repeats, collections)
         firsts = time_generate(llm, prompt, 1, args.repeats)
+        timed = [timed_generate(llm, prompt, args.new_tokens) for _ in range(args.repeats)] \
+            if args.host_timing else None
         graph_ms = forward_graph_ms(llm)
         head_ms = lm_head_ms(llm)
         llm.close()
@@ -105,6 +147,8 @@ def main() -> None:
                                     for t in fulls],
           "forward_graph_ms": graph_ms and round(graph_ms, 3),
           "lm_head_ms": head_ms and round(head_ms, 4),
+          "each_run_gc": collections,
+          **({"host_timed_runs": timed} if timed else {}),
           "skinny_overrides": args.skinny,
           "fraction_of_floor": round(floor_ms / per_token_ms, 3),
           "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
