@@ -85,9 +85,11 @@ class SamplingTensors:
 
         # One copy for everything the step's sampling reads on the device.
         no_history = np.empty(0, dtype=np.int64)
+        # Biases are rare: their parts are only packed when some row has one.
+        bias_parts = [([row for row, _, _ in bias], np.int64), ([t for _, t, _ in bias], np.int64),
+                      ([b for _, _, b in bias], np.float32)] if bias else []
         (temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t,
-         banned_rows, banned_ids, bias_rows, bias_ids, bias_values, prompt_flat,
-         output_flat) = packed_to_device([
+         banned_rows, banned_ids, prompt_flat, output_flat, *bias_t) = packed_to_device([
             ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
             (top_p, np.float32),
             (min_p, np.float32),
@@ -97,11 +99,9 @@ class SamplingTensors:
             (top_k, np.int64),
             ([row for row, _ in banned], np.int64),
             ([t for _, t in banned], np.int64),
-            ([row for row, _, _ in bias], np.int64),
-            ([t for _, t, _ in bias], np.int64),
-            ([b for _, _, b in bias], np.float32),
             (no_history if prompt is None else prompt.ravel(), np.int64),
             (no_history if output is None else output.ravel(), np.int64),
+            *bias_parts,
         ], device)
 
         return cls(
@@ -115,7 +115,7 @@ class SamplingTensors:
             prompt_tokens=None if prompt is None else prompt_flat.view(prompt.shape),
             output_tokens=None if output is None else output_flat.view(output.shape),
             banned_tokens=(banned_rows, banned_ids) if banned else None,
-            logit_bias=((bias_rows, bias_ids), bias_values) if bias else None,
+            logit_bias=((bias_t[0], bias_t[1]), bias_t[2]) if bias else None,
             generators=[g if s else None for g, s in zip(generators, sampled)],
             all_greedy=not any(sampled),
             all_random=all(sampled),
