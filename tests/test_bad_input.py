@@ -227,6 +227,9 @@ BAD_REQUESTS = {
     "params not a SamplingParams": (
         lambda llm: [GOOD_PROMPT, "Hi"], [GOOD_PARAMS, {"temperature": 0}], "SamplingParams"),
     "too few params": (lambda llm: [GOOD_PROMPT, "Hi"], [GOOD_PARAMS], "1 SamplingParams"),
+    "allowed id past the vocabulary": (
+        lambda llm: [GOOD_PROMPT], SamplingParams(allowed_token_ids=[3, 10**9]),
+        r"allowed_token_ids token ids must be in \[0, "),
     "logit_bias id past the vocabulary": (
         lambda llm: [GOOD_PROMPT], SamplingParams(logit_bias={10**9: 1.0}),
         r"logit_bias token ids must be in \[0, "),

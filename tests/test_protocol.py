@@ -68,6 +68,8 @@ def test_defaults_are_openai_defaults():
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [-2]}, "allowed_token_ids"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "best_of": 0}, "best_of"),
     ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),

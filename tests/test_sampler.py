@@ -221,6 +221,30 @@ def test_logit_bias_shifts_the_named_logits_first() -> None:
     assert out.logprobs[0, 0].item() == pytest.approx(row.log_softmax(-1)[0, worst].item())
 
 
+def test_allowed_token_ids_restrict_their_rows_only() -> None:
+    logits = random_logits(3, seed=12)
+    allowed = [4, 9, 60]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.5, allowed_token_ids=allowed, seed=1)]
+    generators = [None, None, torch.Generator().manual_seed(1)]
+    tensors = build(params, generators=generators)
+    masked = apply_penalties(logits, tensors)
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == allowed
+    torch.testing.assert_close(masked[1], logits[1])
+    sampler = Sampler()
+    seen = set()
+    for _ in range(200):
+        ids = sampler(logits, tensors).token_ids.tolist()
+        assert ids[0] == max(allowed, key=lambda t: logits[0, t])
+        assert ids[1] == int(logits[1].argmax())
+        seen.add(ids[2])
+    assert seen <= set(allowed) and len(seen) > 1
+    for bad in ([], [-1], [1.0], "5", [True]):
+        with pytest.raises(ValueError, match="^allowed_token_ids must"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 def test_bad_logit_bias_is_refused() -> None:
     for bad in ({-1: 1.0}, {"5": 1.0}, {5: 101.0}, {5: True}, [5]):
         with pytest.raises(ValueError, match="logit_bias"):

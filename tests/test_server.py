@@ -535,7 +535,7 @@ def test_best_of_keeps_the_likeliest_samples(client):
         assert info.value.body["param"] == "best_of"
 
 
-def test_logit_bias_steers_the_tokens(client, tokenizer):
+def test_logit_bias_and_allowed_tokens_steer_the_tokens(client, tokenizer):
     token = tokenizer.encode(" blue", add_special_tokens=False)[-1]
     kwargs = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=1,
                   logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
@@ -547,6 +547,11 @@ def test_logit_bias_steers_the_tokens(client, tokenizer):
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3,
         temperature=0, logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == tokenizer.decode([token] * 3)
+    allowed = tokenizer.encode(" red green", add_special_tokens=False)
+    restricted = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=6, temperature=1.0, seed=4, logprobs=0,
+        extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert set(restricted.choices[0].logprobs.tokens) <= {tokenizer.decode([t]) for t in allowed}
     for bias, fragment in (({"abc": 1}, "token ids"), ({str(token): 101}, "[-100, 100]"),
                            ({str(10 ** 9): 1}, "must be in [0, ")):
         with pytest.raises(openai.BadRequestError) as info:

@@ -35,6 +35,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Added to the named tokens' logits before anything else (OpenAI's range, [-100, 100]).
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's): every other logit is -inf.
+    allowed_token_ids: list[int] | None = None
     n: int = 1  # independent samples of the prompt (LLM.generate and the server fan them out)
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -76,6 +78,14 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) \
+                    or not self.allowed_token_ids or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                        for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids "
+                                 f"(integers >= 0), got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.stop_strings = self._normalise_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []

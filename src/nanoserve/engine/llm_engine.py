@@ -113,9 +113,10 @@ class LLMEngine:
                              "into requests by LLM.generate and the server")
         text, ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
-        outside = [t for t in params.logit_bias or () if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {outside[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            outside = [t for t in getattr(params, name) or () if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {outside[:5]}")
         check_context_length(len(ids), params.max_tokens, self.max_model_len)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         blocks = self.block_manager.blocks_needed(len(ids) + max_tokens)

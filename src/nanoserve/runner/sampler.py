@@ -1,9 +1,10 @@
 """Turn each sequence's last-position logits into its next token, vectorised over the batch.
 
-Pipeline, with vLLM's semantics, all in float32: logit biases; banned tokens -> -inf; repetition
-penalty (prompt + output tokens), then frequency and presence penalties (output tokens). Greedy
-rows take the argmax of the penalised logits; the other rows are divided by their temperature,
-filtered by top-k, then top-p, then min-p, and drawn from the softmax with the exponential race.
+Pipeline, with vLLM's semantics, all in float32: logit biases; tokens outside an allowed list
+and banned tokens -> -inf; repetition penalty (prompt + output tokens), then frequency and
+presence penalties (output tokens). Greedy rows take the argmax of the penalised logits; the
+other rows are divided by their temperature, filtered by top-k, then top-p, then min-p, and
+drawn from the softmax with the exponential race.
 Everything per request is a tensor row, so one step costs a fixed number of kernels whatever the
 batch; the only Python loop is over rows with their own seeded generator. On CUDA, a batch that
 needs nothing but greedy or temperature sampling takes one fused Triton pass instead
@@ -62,6 +63,7 @@ def _fused_path_applies(logits: torch.Tensor, tensors: SamplingTensors) -> bool:
     return (logits.is_cuda and logits.stride(-1) == 1
             and tensors.prompt_tokens is None and not tensors.any_count_penalty
             and tensors.banned_tokens is None and tensors.logit_bias is None
+            and tensors.allowed_tokens is None
             and not (tensors.max_top_k or tensors.any_top_p or tensors.any_min_p)
             and not tensors.seeded_rows)
 
@@ -81,8 +83,8 @@ def _fused_sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutp
 
 
 def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """Return ``logits`` [B, V] with the logit biases added, banned tokens at -inf and the
-    three penalties applied.
+    """Return ``logits`` [B, V] with the logit biases added, tokens outside a row's allowed
+    list and banned tokens at -inf, and the three penalties applied.
 
     Repetition penalty (tokens of the prompt or the output): a positive logit is divided by the
     penalty, any other multiplied by it. Then each output token's logit loses
@@ -91,6 +93,12 @@ def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Ten
     if tensors.logit_bias is not None:
         index, bias = tensors.logit_bias
         logits = logits.index_put(index, bias, accumulate=True)
+    if tensors.allowed_tokens is not None:
+        rows, allowed = tensors.allowed_tokens
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        keep[rows] = False
+        keep[allowed] = True
+        logits = logits.masked_fill(~keep, _NEG_INF)
     if tensors.banned_tokens is not None:
         # A device-side fill, not a Python scalar, so no host-to-device copy is needed.
         neg_inf = torch.full((), _NEG_INF, device=logits.device)

@@ -36,6 +36,8 @@ class SamplingTensors:
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N]) int64
     # (rows [N], token ids [N]) int64 and the biases [N] float32 added to those logits
     logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    # rows that may sample only some tokens [R], and those (rows [N], token ids [N]), int64
+    allowed_tokens: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None
     generators: list[torch.Generator | None]  # a seeded sampled row's own generator, else None
     all_greedy: bool
     all_random: bool  # no row is greedy
@@ -82,14 +84,18 @@ class SamplingTensors:
                   if 0 <= t < vocab_size]
         bias = [(row, t, b) for row, p in enumerate(params) if p.logit_bias
                 for t, b in p.logit_bias.items()]
+        restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
+        allowed = [(row, t) for row in restricted for t in params[row].allowed_token_ids]
 
         # One copy for everything the step's sampling reads on the device.
         no_history = np.empty(0, dtype=np.int64)
-        # Biases are rare: their parts are only packed when some row has one.
+        # Biases and allowed lists are rare: their parts are only packed when some row has one.
         bias_parts = [([row for row, _, _ in bias], np.int64), ([t for _, t, _ in bias], np.int64),
                       ([b for _, _, b in bias], np.float32)] if bias else []
+        allowed_parts = [(restricted, np.int64), ([row for row, _ in allowed], np.int64),
+                         ([t for _, t in allowed], np.int64)] if allowed else []
         (temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t,
-         banned_rows, banned_ids, prompt_flat, output_flat, *bias_t) = packed_to_device([
+         banned_rows, banned_ids, prompt_flat, output_flat, *rare) = packed_to_device([
             ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
             (top_p, np.float32),
             (min_p, np.float32),
@@ -101,8 +107,9 @@ class SamplingTensors:
             ([t for _, t in banned], np.int64),
             (no_history if prompt is None else prompt.ravel(), np.int64),
             (no_history if output is None else output.ravel(), np.int64),
-            *bias_parts,
+            *bias_parts, *allowed_parts,
         ], device)
+        bias_t, allowed_t = rare[:len(bias_parts)], rare[len(bias_parts):]
 
         return cls(
             temperature=temperature,
@@ -116,6 +123,7 @@ class SamplingTensors:
             output_tokens=None if output is None else output_flat.view(output.shape),
             banned_tokens=(banned_rows, banned_ids) if banned else None,
             logit_bias=((bias_t[0], bias_t[1]), bias_t[2]) if bias else None,
+            allowed_tokens=(allowed_t[0], (allowed_t[1], allowed_t[2])) if allowed else None,
             generators=[g if s else None for g, s in zip(generators, sampled)],
             all_greedy=not any(sampled),
             all_random=all(sampled),
