@@ -35,6 +35,8 @@ BAD_SAMPLING = [
     ("stop_token_ids", 5), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
     ("logprobs", 21), ("logprobs", -1), ("logprobs", "abc"), ("logprobs", 2.0),
     ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", 1.0),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 1.5),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 200.0}), ("logit_bias", {1: "x"}),
     ("logit_bias", "x"),
     ("include_stop_str_in_output", "yes"), ("ignore_eos", 1), ("skip_special_tokens", None),
@@ -301,3 +303,18 @@ def test_checkpoint_missing_one_part_of_a_packed_projection(tiny_llama, tmp_path
     with pytest.raises(ValueError, match=r"qkv_proj.weight \(k\)") as err:
         LLM(str(folder), device="cpu", num_kv_blocks=16)
     assert "gate_up_proj.weight (1)" in str(err.value)
+
+
+def test_truncated_prompt_keeps_its_last_tokens(llm):
+    long = list(range(5, 5 + MAX_MODEL_LEN + 40))  # too long for the context as it is
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            truncate_prompt_tokens=50)
+    [out] = llm.generate([long], params, use_tqdm=False)
+    assert out.prompt_token_ids == long[-50:]
+    [same] = llm.generate([long[-50:]], SamplingParams(temperature=0.0, max_tokens=6,
+                                                       ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+    [text] = llm.generate(["word " * 120], params, use_tqdm=False)
+    assert text.prompt is None and len(text.prompt_token_ids) == 50  # cut: no longer the text
+    with pytest.raises(ValueError, match="max_model_len"):  # -1 keeps max_model_len tokens
+        llm.generate([long], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)

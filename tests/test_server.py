@@ -559,6 +559,21 @@ def test_logit_bias_and_allowed_tokens_steer_the_tokens(client, tokenizer):
         assert info.value.body["param"] == "logit_bias" and fragment in info.value.message
 
 
+def test_truncate_prompt_tokens_keeps_the_end(client, tokenizer):
+    ids = list(range(100, 2100))  # longer than the test server's context
+    kwargs = dict(model=MODEL, max_tokens=3, temperature=0, echo=True,
+                  extra_body={"ignore_eos": True, "truncate_prompt_tokens": 40})
+    out = client.completions.create(prompt=ids, **kwargs)
+    assert out.usage.prompt_tokens == 40
+    assert out.choices[0].text.startswith(tokenizer.decode(ids[-40:]))
+    same = client.completions.create(model=MODEL, prompt=ids[-40:], max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert out.choices[0].text.endswith(same.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(prompt=ids, **{**kwargs, "extra_body": {}})
+    assert info.value.body["param"] == "prompt"
+
+
 def test_chat_logprobs_stream_equals_full(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
                   max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,

@@ -37,3 +37,12 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int | None,
     wanted = max_tokens or 1
     if num_prompt_tokens + wanted > max_model_len:
         raise ContextLengthError(num_prompt_tokens, wanted, max_model_len)
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``keep`` token ids (``SamplingParams.truncate_prompt_tokens``: -1
+    keeps ``max_model_len`` of them, None all); ``ids`` itself when nothing is cut."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids

@@ -37,6 +37,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these tokens may be sampled (vLLM's): every other logit is -inf.
     allowed_token_ids: list[int] | None = None
+    # Keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = None
     n: int = 1  # independent samples of the prompt (LLM.generate and the server fan them out)
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -86,6 +88,11 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids "
                                  f"(integers >= 0), got {self.allowed_token_ids!r}")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.truncate_prompt_tokens is not None:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for max_model_len, "
+                                 f"got {self.truncate_prompt_tokens}")
         self.stop_strings = self._normalise_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []

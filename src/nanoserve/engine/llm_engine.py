@@ -13,7 +13,7 @@ from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 from nanoserve.outputs import RequestOutput
-from nanoserve.prompts import check_context_length
+from nanoserve.prompts import check_context_length, truncate_prompt
 from nanoserve.runner.inputs import PENDING_TOKEN, InFlightStep, SequenceChunk, StepInput
 from nanoserve.sampling_params import SamplingParams
 
@@ -112,6 +112,9 @@ class LLMEngine:
             raise ValueError("the engine runs one sequence per request; n > 1 is fanned out "
                              "into requests by LLM.generate and the server")
         text, ids = self._tokenize(prompt)
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        if kept is not ids:  # the text no longer matches the ids: drop it
+            text, ids = None, kept
         vocab = self.model_config.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):
             outside = [t for t in getattr(params, name) or () if t >= vocab]

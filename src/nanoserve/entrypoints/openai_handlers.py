@@ -27,7 +27,8 @@ from nanoserve.entrypoints.protocol import (
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.prompts import ContextLengthError, as_prompt_list, check_context_length
+from nanoserve.prompts import (ContextLengthError, as_prompt_list, check_context_length,
+                               truncate_prompt)
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -51,13 +52,14 @@ class OpenAIServing:
         self.check_model(req.model)
         req.check_supported()
         given = as_prompt_list(req.prompt)
-        prompts = [self._token_ids(p) for p in given]
-        if not prompts:
+        if not given:
             raise APIError("prompt must not be empty", param="prompt")
-        params = self._params(req, req.max_tokens, prompts, "prompt", "max_tokens")
-        # An echo repeats a text prompt as given and a token prompt decoded, as vLLM does.
-        echo = [p if isinstance(p, str) else self._decode(p) for p in given] \
-            if req.echo else None
+        whole = [self._token_ids(p) for p in given]
+        prompts, params = self._params(req, req.max_tokens, whole, "prompt", "max_tokens")
+        # An echo repeats a text prompt as given and a token (or truncated) prompt decoded, as
+        # vLLM does.
+        echo = [text if isinstance(text, str) and kept is ids else self._decode(kept)
+                for text, ids, kept in zip(given, whole, prompts)] if req.echo else None
         return await self._generate(f"cmpl-{uuid.uuid4().hex}", prompts, params, req, arrival,
                                     request, chat=False, echo=echo)
 
@@ -69,8 +71,9 @@ class OpenAIServing:
         prompt = self._render_chat(req.messages, bool(req.add_generation_prompt))
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
-        params = self._params(req, req.max_new_tokens(), [prompt], "messages", max_field)
-        return await self._generate(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req,
+        prompts, params = self._params(req, req.max_new_tokens(), [prompt], "messages",
+                                       max_field)
+        return await self._generate(f"chatcmpl-{uuid.uuid4().hex}", prompts, params, req,
                                     arrival, request, chat=True)
 
     def tokenize(self, body: Any) -> dict[str, Any]:
@@ -116,7 +119,10 @@ class OpenAIServing:
                            param="messages") from None
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                prompts: list[list[int]], prompt_field: str, max_field: str) -> SamplingParams:
+                prompts: list[list[int]], prompt_field: str, max_field: str
+                ) -> tuple[list[list[int]], SamplingParams]:
+        """The request's SamplingParams and its prompts as the engine will run them
+        (truncated, when asked): a bad value or an over-long prompt is a 400 naming it."""
         try:
             params = req.sampling_params(max_tokens)
         except APIError as error:
@@ -124,6 +130,8 @@ class OpenAIServing:
                 raise APIError(error.message.replace("max_tokens", max_field, 1),
                                param=max_field) from None
             raise
+        prompts = [truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
+                   for ids in prompts]
         for ids in prompts:
             if not ids:
                 raise APIError(f"{prompt_field} must not be empty", param=prompt_field)
@@ -133,7 +141,7 @@ class OpenAIServing:
                 raise APIError(f"{exc}; shorten the {prompt_field} or lower {max_field}.",
                                param=prompt_field if exc.prompt_too_long else max_field
                                ) from None
-        return params
+        return prompts, params
 
     # ---- generation --------------------------------------------------------------------------
 

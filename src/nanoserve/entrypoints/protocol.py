@@ -49,6 +49,7 @@ class _GenerationRequest(_Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
     use_beam_search: bool | None = False  # vLLM's extra fields: n beams, scored with
     length_penalty: float | None = 1.0  # length_penalty (nanoserve.beam_search)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
@@ -100,6 +101,7 @@ class _GenerationRequest(_Strict):
             "prompt_logprobs": self.prompt_logprobs_wanted(),
             "logit_bias": None if self.logit_bias is None else _token_keys(self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
