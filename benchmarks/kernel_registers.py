@@ -135,12 +135,12 @@ def persistent_variant(shape: str, tiles: dict, num_warps: int) -> dict:
         DOT_PRECISION="tf32", PHASES=31, SYNC=True, SPIN_LIMIT=1 << 20, TIMESTAMPS=False,
         **{f"BLOCK_N_{name}": rows for name, rows in tiles.items()})
     names = _decode_layers_kernel.arg_names
+    # Its names arg_type does not know; the rest it types as for the decode kernel.
     types = {"block_table_ptr": "*i32", "seq_len_ptr": "*i32", "sync_ptr": "*i32",
-             "position_ptr": "*i64", "slot_ptr": "*i64", "stamps_ptr": "*i64",
-             "cache_layer_stride": "i64", "eps": "fp32", "qk_eps": "fp32", "scale_log2": "fp32"}
-    signature = {name: "constexpr" if name in constants else types.get(name) or (
-        "*fp32" if name.startswith("part_") else "*bf16" if name.endswith("_ptr") else "i32")
-        for name in names}
+             "position_ptr": "*i64", "stamps_ptr": "*i64", "cache_layer_stride": "i64",
+             "qk_eps": "fp32"}
+    signature = {name: "constexpr" if name in constants else types.get(name) or arg_type(name)
+                 for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                  if name.endswith("_ptr")}
     kernel = triton.compile(ASTSource(_decode_layers_kernel, signature, constants, divisible),

@@ -16,6 +16,15 @@ PROMPTS = [
 ]
 
 
+def hf_model_and_prompts(path) -> tuple[torch.nn.Module, list[list[int]]]:
+    """transformers' fp32 model at ``path`` and PROMPTS tokenized by its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, [tok.encode(p) for p in PROMPTS]
+
+
 def hf_greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of exactly ``max_new_tokens`` (EOS suppressed, as min_tokens does)."""
     outs = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import PROMPTS, greedy_params, hf_greedy
+from reference import PROMPTS, greedy_params, hf_greedy, hf_model_and_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import LLM
@@ -13,9 +13,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    ids = [tok.encode(p) for p in PROMPTS]
+    model, ids = hf_model_and_prompts(tiny_model)
     return ids, hf_greedy(model, ids, NEW_TOKENS)
 
 
@@ -52,9 +50,7 @@ def test_linear_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):
     from conftest import build_tiny_model
 
     path = build_tiny_model("llama-linear-rope", tmp_path / "linear", tokenizer_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = [tok.encode(p) for p in PROMPTS]
+    model, ids = hf_model_and_prompts(path)
     got, _ = _generate(path, ids)
     assert got == hf_greedy(model, ids, NEW_TOKENS)
 

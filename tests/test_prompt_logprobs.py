@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import LLM, SamplingParams
-from reference import PROMPTS
+from reference import hf_model_and_prompts
 
 TOP = 3
 
@@ -15,9 +14,7 @@ TOP = 3
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Prompt ids and, per prompt, transformers' log-softmax at every position."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    ids = [tok.encode(p) for p in PROMPTS]
+    model, ids = hf_model_and_prompts(tiny_model)
     with torch.no_grad():
         logprobs = [model(torch.tensor([p])).logits[0].log_softmax(-1) for p in ids]
     return ids, logprobs
