@@ -18,6 +18,7 @@ from common import (SHAPES, copy_bandwidth_gbs, emit, environment, make_model_di
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.skinny_gemm import TUNED_ONE_ROW, SkinnyConfig
+from nanoserve.runner.cuda_graph import DecodeGraphs
 
 
 class GCTimer:
@@ -68,20 +69,31 @@ def timed_generate(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
             **report["host_ms_by_running"].get("0-31", {})}
 
 
-def forward_graph_ms(llm: LLM, replays: int = 200) -> float | None:
-    """Device time of one batch-1 decode forward: its CUDA graph replayed back to back, with no
-    host work in between (the LM head and sampler are not in the graph). Set against
-    ``ms_per_token``, the difference is what the host and the eager launches add."""
-    graphs = getattr(llm.engine.executor, "graphs", None)
+def graph_ms(llm: LLM, replays: int = 200) -> dict[str, float | None]:
+    """Device time of a batch-1 decode step's CUDA graph replayed back to back, with no host
+    work in between (``step_graph_ms``: the forward, the LM head and the sampler), and of the
+    forward alone in a graph captured without them (``forward_graph_ms``). Set against
+    ``ms_per_token``, the difference is what the host and the step's other launches add."""
+    runner = llm.engine.executor
+    graphs = getattr(runner, "graphs", None)
     if graphs is None:
-        return None
-    # Its static inputs still hold the last step's, a valid decode.
-    return replay_ms(graphs.graphs[1], replays)
+        return {"step_graph_ms": None, "forward_graph_ms": None}
+    # Its static inputs still hold the last step's, a valid decode; the forward-only graph
+    # takes a copy of them.
+    step = replay_ms(graphs.graphs[1], replays)
+    forward = DecodeGraphs(runner.model, 1, graphs.tables.shape[1], graphs.max_seq_len,
+                           runner.device)
+    for name in ("ids", "positions", "slots", "seq_lens", "tables", "order"):
+        getattr(forward, name).copy_(getattr(graphs, name)[:1])
+    forward_ms = replay_ms(forward.graphs[1], replays)
+    forward.release()
+    return {"step_graph_ms": step, "forward_graph_ms": forward_ms}
 
 
 def lm_head_ms(llm: LLM, calls: int = 200) -> float | None:
-    """Device time of the batch-1 LM head as the engine runs it (eagerly, after the graph),
-    timed over back-to-back calls: the largest eager launch of a decode step."""
+    """Device time of the batch-1 LM head alone, timed over back-to-back eager calls (in the
+    engine it runs inside the decode graph on one GPU, eagerly after it with tensor
+    parallelism)."""
     model = getattr(llm.engine.executor, "model", None)
     if model is None:
         return None
@@ -132,7 +144,7 @@ def main() -> None:
         firsts = time_generate(llm, prompt, 1, args.repeats)
         timed = [timed_generate(llm, prompt, args.new_tokens) for _ in range(args.repeats)] \
             if args.host_timing else None
-        graph_ms = forward_graph_ms(llm)
+        graphs = graph_ms(llm)
         head_ms = lm_head_ms(llm)
         llm.close()
     bandwidth = copy_bandwidth_gbs()
@@ -145,7 +157,7 @@ def main() -> None:
           "ttft_ms": round(first * 1e3, 2), "floor_ms_per_token": round(floor_ms, 3),
           "each_run_ms_per_token": [round((t - first) / (args.new_tokens - 1) * 1e3, 3)
                                     for t in fulls],
-          "forward_graph_ms": graph_ms and round(graph_ms, 3),
+          **{k: v and round(v, 3) for k, v in graphs.items()},
           "lm_head_ms": head_ms and round(head_ms, 4),
           "each_run_gc": collections,
           **({"host_timed_runs": timed} if timed else {}),

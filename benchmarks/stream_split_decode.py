@@ -86,11 +86,12 @@ def main() -> None:
         llm = LLM(str(make_model_dir(args.shape, Path(tmp) / "m")), load_format="dummy",
                   max_num_seqs=256)
     runner = llm.engine.executor
-    whole = runner.graphs
     dev, block_size = runner.device, runner.block_size
-    width = whole.tables.shape[1]
+    width = runner.graphs.tables.shape[1]
     vocab = runner.model_config.vocab_size
-    # One set of static buffers and graphs per stream.
+    # Forwards alone (the engine's graphs also run the LM head and sampler); one set of static
+    # buffers and graphs per stream.
+    whole = DecodeGraphs(runner.model, 256, width, runner.max_model_len, dev)
     split_graphs = {p: [DecodeGraphs(runner.model, -(-256 // p), width, runner.max_model_len, dev)
                         for _ in range(p)] for p in args.parts}
     # (name, parts, mode): mode "serial" replays the parts one after another on one stream.

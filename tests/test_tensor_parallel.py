@@ -175,6 +175,22 @@ def test_size_one_layers_never_communicate(tp_model, tp1_outputs, monkeypatch):
         [tp1_outputs[0].token_ids]
 
 
+def test_lm_head_writes_logits_in_place_on_one_rank():
+    """Decode graphs keep one logits buffer for every batch size: the LM head fills it."""
+    from nanoserve.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(50, 8)
+    head.weight.data.normal_()
+    hidden = torch.randn(3, 8)
+    buffer = torch.empty(5, 50)
+    assert head(hidden, out=buffer[:3]).data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:3], head(hidden))
+    with tensor_parallel_group(0, 2):
+        sharded = ParallelLMHead(50, 8)
+    with pytest.raises(AssertionError, match="tensor parallelism"):
+        sharded(hidden, out=buffer[:3])
+
+
 def test_step_packing_round_trips():
     chunks = [SequenceChunk("a", [5, 6, 7], 0, [3], True, None, [], [], [], 2),
               SequenceChunk("b", [9], 40, [1, 4, 8], False, None, [], [], []),

@@ -97,6 +97,23 @@ def test_mixed_batch():
     assert torch.equal(all_sampled[~greedy_rows], ids[~greedy_rows])
 
 
+def test_seed_read_from_a_tensor_and_negative_draws_nothing():
+    """A decode CUDA graph passes the seed as a tensor it refills each step: the same draws
+    as the int, and -1 (a batch for the general sampler) leaves the output untouched."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 300, generator=gen)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3])
+    by_int = gumbel_max_sample(logits, temperature, seed=2 ** 33 + 5)
+    by_tensor = gumbel_max_sample(logits, temperature, torch.tensor([2 ** 33 + 5]))
+    assert torch.equal(by_int, by_tensor)
+    assert not torch.equal(by_tensor, gumbel_max_sample(logits, temperature, torch.tensor([6])))
+    out = torch.full((5,), -7)
+    assert gumbel_max_sample(logits, temperature, torch.tensor([-1]), out=out) is out
+    assert out.tolist() == [-7] * 5
+    gumbel_max_sample(logits, temperature, torch.tensor([2 ** 33 + 5]), out=out)
+    assert torch.equal(out, by_int)
+
+
 def test_empty_batch():
     assert gumbel_max_sample(torch.empty(0, 10), torch.empty(0), seed=1).shape == (0,)
 
@@ -124,6 +141,17 @@ def test_sampler_fuses_only_temperature_batches():
     seeded = sampling_tensors(plain + [SamplingParams(seed=3)], 16,
                               generators=[None, None, torch.Generator().manual_seed(3)])
     assert not _fused_path_applies(cuda_logits, seeded)
+    # The noise seed the fused pass (and a decode graph) reads: -1 where the batch needs the
+    # general sampler, 0 for an all-greedy batch, which draws nothing from the generator.
+    assert seeded.noise_seed.tolist() == banned.noise_seed.tolist() == [-1]
+    state = torch.get_rng_state()
+    assert sampling_tensors(plain[:1] * 3, 16).noise_seed.tolist() == [0]
+    assert torch.equal(torch.get_rng_state(), state)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        drawn = sampling_tensors(plain, 16).noise_seed.item()
+        torch.manual_seed(1)
+        assert drawn == sampling_tensors(plain, 16).noise_seed.item() > 0
 
 
 def test_fused_sampler_path_with_logprobs():

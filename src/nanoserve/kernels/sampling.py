@@ -3,14 +3,16 @@
 ``argmax_i(logits_i / T + G_i)`` with ``G_i = -log(E_i)``, ``E_i ~ Exp(1)``, is token ``i`` with
 probability ``softmax(logits / T)_i``: it is the sampler's exponential race ``argmax_i p_i / E_i``
 taken in log space, so neither the softmax nor its normalisation is ever materialised. The noise
-comes from Triton's counter-based Philox generator (``tl.philox``), keyed by a host-side seed and
-counted by (row, position), so a step reads the logits once, in their own dtype, and writes
+comes from Triton's counter-based Philox generator (``tl.philox``), keyed by a seed read from
+device memory and counted by (row, position), so a step reads the logits once, in their own dtype, and writes
 nothing but small per-chunk partial results. Rows with temperature 0 skip the noise: a plain
 argmax.
 
 Two launches: (row, vocabulary chunk) programs reduce each chunk to its (max, argmax), so that
 batch 1 still spreads over many SMs; then one program per row reduces its chunks. Launch shapes
-depend on tensor shapes alone and the seed is a kernel argument, so nothing waits on the device.
+depend on tensor shapes alone and the seed is read on the device, so nothing waits on the device
+and a CUDA graph that captured the launches draws new noise whenever its seed tensor changes. A
+negative seed draws nothing: a decode graph's batch that needs the general sampler skips the pass.
 """
 from __future__ import annotations
 
@@ -49,17 +51,18 @@ def _log2(x, FAST: tl.constexpr):
     return tl.log2(x)
 
 
-# The seed changes every call: specialising on its value (== 1, % 16) would recompile the kernel.
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+@triton.jit
 def _chunk_argmax_kernel(
-    logits_ptr, temperature_ptr, best_val_ptr, best_idx_ptr,
-    seed_lo, seed_hi, vocab_size, stride_row,
+    logits_ptr, temperature_ptr, best_val_ptr, best_idx_ptr, seed_ptr, vocab_size, stride_row,
     QUARTER: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
+    seed = tl.load(seed_ptr)
+    if seed < 0:
+        return
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
-    seed = (seed_hi.to(tl.uint64) << 31) | seed_lo.to(tl.uint64)
+    seed = seed.to(tl.uint64)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     # A tile is [QUARTER, 4]: row g holds the group of logits 4g .. 4g+3 and their 4 numbers, so
     # each thread draws once for the adjacent logits it loads.
@@ -99,7 +102,10 @@ def _chunk_argmax_kernel(
 
 
 @triton.jit
-def _row_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _row_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, seed_ptr, num_chunks,
+                       BLOCK_C: tl.constexpr):
+    if tl.load(seed_ptr) < 0:
+        return
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     mask = c < num_chunks
@@ -129,14 +135,18 @@ def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
                           torch.ones(batch, device=device), seed=0)
 
 
-def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
-    """Draw one token per row of ``logits [B, V]``; returns ``[B]`` int64 token ids.
+def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor,
+                      seed: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row of ``logits [B, V]``; returns ``[B]`` int64 token ids (``out``
+    when given).
 
     A row with ``temperature`` 0 (``[B]`` float32) takes the argmax of its logits, the lowest
     index on ties as ``torch.argmax``. Any other row draws token ``i`` with probability
-    ``softmax(logits / T)_i``, by the Gumbel-max trick with noise from ``seed`` (an int in
-    ``[0, 2**62)``): the same seed and inputs give the same tokens (on the same kind of device;
-    the CPU interpreter tiles differently). A token whose logit is -inf is never drawn, unless
+    ``softmax(logits / T)_i``, by the Gumbel-max trick with noise from ``seed``: an int in
+    ``[0, 2**62)``, or a one-element int64 tensor on the logits' device holding one, read when
+    the kernel runs; a negative value there draws nothing and leaves the result as it was. The same
+    seed and inputs give the same tokens (on the same kind of device; the CPU interpreter tiles
+    differently). A token whose logit is -inf is never drawn, unless
     the whole row is -inf, which yields token 0. NaN logits are never picked (``torch.argmax``
     would pick them).
 
@@ -147,8 +157,13 @@ def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
     assert temperature.shape == (batch,) and temperature.dtype == torch.float32 \
         and temperature.is_contiguous(), "temperature must be a contiguous float32 [B]"
-    assert 0 <= seed < 2 ** 62, "seed must be a 62-bit non-negative int"
-    token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if isinstance(seed, int):
+        assert 0 <= seed < 2 ** 62, "seed must be a 62-bit non-negative int"
+        seed = torch.tensor([seed], dtype=torch.int64, device=logits.device)
+    assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device == logits.device, \
+        "a seed tensor must be one int64 on the logits' device"
+    token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device) if out is None else out
+    assert token_ids.shape == (batch,) and token_ids.dtype == torch.int64
     if batch == 0:
         return token_ids
     quarter = INTERPRETER_QUARTER if interpreted(logits.device) else QUARTER
@@ -156,16 +171,13 @@ def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int
     num_chunks = triton.cdiv(vocab_size, tiles * 4 * quarter)
     best_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
-    # Two 31-bit halves: Triton types an int argument by its value, and a seed that switched
-    # between int32 and int64 would compile the kernel twice.
     _chunk_argmax_kernel[(batch, num_chunks)](
-        logits, temperature, best_val, best_idx,
-        seed & _INT32_MAX, seed >> 31, vocab_size, logits.stride(0),
+        logits, temperature, best_val, best_idx, seed, vocab_size, logits.stride(0),
         QUARTER=quarter, TILES_PER_CHUNK=tiles, FAST_LOG=not interpreted(logits.device),
         num_warps=NUM_WARPS,
     )
     _row_argmax_kernel[(batch,)](
-        best_val, best_idx, token_ids, num_chunks,
+        best_val, best_idx, token_ids, seed, num_chunks,
         BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
     )
     return token_ids

@@ -49,7 +49,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     Only rank 0 samples, so the other ranks get None rather than the full logits.
     """
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+        """``out`` ([rows, vocab], one rank only) receives the logits in place: a decode CUDA
+        graph keeps one logits buffer for all its batch sizes instead of one per size."""
+        if out is not None:
+            assert self.tp.size == 1, "logits are written in place only without tensor parallelism"
+            return torch.mm(hidden, self.weight.t(), out=out)
         logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

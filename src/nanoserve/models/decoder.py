@@ -189,9 +189,11 @@ class DecoderForCausalLM(nn.Module):
                 layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
         self.model.track_sum_squares()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
+        """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0. ``out``:
+        see ParallelLMHead.forward."""
+        return self.lm_head(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""

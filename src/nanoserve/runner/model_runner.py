@@ -16,7 +16,7 @@ from nanoserve.runner.inputs import (CompletedStep, InFlightStep, SequenceChunk,
                                      StepOutput)
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
-from nanoserve.runner.sampler import Sampler
+from nanoserve.runner.sampler import Sampler, with_fused_logprobs
 from nanoserve.runner.sampling_tensors import SamplingTensors
 from nanoserve.runner.step_inputs import prepare_inputs
 
@@ -75,6 +75,11 @@ class ModelRunner:
             self.model.fold_norm_weights()
         self.model.eval()
         self.sampler = Sampler()
+        tp = get_tp_group()
+        self.samples = tp.rank == 0  # rank 0 gathers the logits and samples
+        # The LM head and sampler join the decode graphs on one GPU; with tensor parallelism
+        # its gather of the logits stays outside them.
+        self.graphs_sample = tp.size == 1
         self.stopped = False
         self.generators: dict[str, torch.Generator] = {}
         self.last_samples: torch.Tensor | None = None  # the previous step's sampled ids
@@ -85,8 +90,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, 512), self._blocks_per_seq(),
-                self.max_model_len, self.device)
-        if self.device.type == "cuda" and get_tp_group().rank == 0:  # the rank that samples
+                self.max_model_len, self.device, sample=self.graphs_sample)
+        if self.device.type == "cuda" and self.samples:
             from nanoserve.kernels.sampling import compile_for_batches
             compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
                                 self.device)
@@ -121,15 +126,19 @@ class ModelRunner:
         if self.device.type != "cuda":
             return CPU_KV_CACHE_BYTES
         free, total = torch.cuda.mem_get_info(self.device)
-        in_use_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        # Blocks this process's allocator caches but no tensor holds (a closed engine's) are
+        # not in use: the KV cache may take them.
+        in_use_by_others = total - free - torch.cuda.memory_reserved(self.device)
         self._allocate_kv_cache(num_blocks=1)  # the profile pass reads through block 0
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
         peak = torch.cuda.max_memory_allocated(self.device)
         self._allocate_kv_cache(num_blocks=0)
         torch.cuda.empty_cache()
-        # The sampler's float32 working copies of the logits come on top of the forward's peak.
-        sampler_bytes = 4 * self.config.max_num_seqs * self.model_config.vocab_size * 4
+        # The sampler's float32 working copies of the logits come on top of the forward's peak,
+        # and so do the logits that the decode graphs keep in their own memory.
+        logits_bytes = self.config.max_num_seqs * self.model_config.vocab_size
+        sampler_bytes = logits_bytes * (4 * 4 + self.dtype.itemsize)
         return int(total * self.config.gpu_memory_utilization - peak - sampler_bytes
                    - max(in_use_by_others, 0))
 
@@ -180,23 +189,36 @@ class ModelRunner:
             self.generators.pop(rid, None)
         ids, positions, meta, last = self._prepare(step.chunks)
         self.last_samples, self.last_sample_rows = None, {}
+        sampling = [c for c in step.chunks if c.sample]
+        tensors = None
+        if sampling and self.samples:
+            tensors = SamplingTensors.build(
+                [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
+                [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],
+                [self._generator(c) for c in sampling], self.model_config.vocab_size,
+                self.device)
+        logits = token_ids = None
         if self.graphs is not None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(ids, positions, meta)
+            # A one-token chunk may be a prompt's middle, which samples nothing: the graph's
+            # logits and samples are used only when every row samples.
+            hidden, logits, token_ids = self.graphs.run(ids, positions, meta,
+                                                        tensors if last is None else None)
+            if last is not None:
+                logits = None
         else:
             with attention_metadata(meta):
                 hidden = self.model(ids, positions)
         prompt = prompt_logprobs(self.model, step.chunks, hidden)
-        sampling = [c for c in step.chunks if c.sample]
         if not sampling:
             return CompletedStep(StepOutput([], prompt_logprobs=prompt))
-        logits = self.model.compute_logits(hidden if last is None else hidden[last])
-        if logits is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
+        if logits is None:
+            logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        if tensors is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
             return CompletedStep(StepOutput([]))
-        tensors = SamplingTensors.build(
-            [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
-            [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],
-            [self._generator(c) for c in sampling], self.model_config.vocab_size, self.device)
-        out = self.sampler(logits, tensors)
+        if token_ids is not None:
+            out = with_fused_logprobs(logits, token_ids, tensors.max_logprobs)
+        else:
+            out = self.sampler(logits, tensors)
         self.last_samples = out.token_ids
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
         return SampledStep(out, [c.params.logprobs for c in sampling], prompt)

@@ -58,28 +58,25 @@ class Sampler(torch.nn.Module):
 
 
 def _fused_path_applies(logits: torch.Tensor, tensors: SamplingTensors) -> bool:
-    """True for CUDA logits when no row needs more than its temperature: no penalty, bias,
-    banned token, top-k / top-p / min-p filter or seeded generator."""
-    return (logits.is_cuda and logits.stride(-1) == 1
-            and tensors.prompt_tokens is None and not tensors.any_count_penalty
-            and tensors.banned_tokens is None and tensors.logit_bias is None
-            and tensors.allowed_tokens is None
-            and not (tensors.max_top_k or tensors.any_top_p or tensors.any_min_p)
-            and not tensors.seeded_rows)
+    """True for CUDA logits when no row needs more than its temperature."""
+    return logits.is_cuda and logits.stride(-1) == 1 and tensors.only_temperature
 
 
 def _fused_sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
-    """Greedy and temperature rows in one Triton pass (same distribution as the general path);
-    the float32 copy of the logits is only made for logprobs."""
+    """Greedy and temperature rows in one Triton pass (same distribution as the general path)."""
     from nanoserve.kernels.sampling import gumbel_max_sample
 
-    # The seed comes from the default CPU generator: no device sync, and torch.manual_seed still
-    # makes runs reproducible. A greedy batch draws nothing, as on the general path.
-    seed = 0 if tensors.all_greedy else int(torch.randint(2 ** 62, ()))
-    token_ids = gumbel_max_sample(logits, tensors.temperature, seed)
-    if tensors.max_logprobs < 0:
+    token_ids = gumbel_max_sample(logits, tensors.temperature, tensors.noise_seed)
+    return with_fused_logprobs(logits, token_ids, tensors.max_logprobs)
+
+
+def with_fused_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                        max_logprobs: int) -> SamplerOutput:
+    """The fused sampler's ``token_ids`` for ``logits``, with their raw logprobs when some row
+    asked (``max_logprobs`` >= 0): the float32 copy of the logits is only made for those."""
+    if max_logprobs < 0:
         return SamplerOutput(token_ids, None, None)
-    return _with_logprobs(logits.float(), token_ids, tensors.max_logprobs)
+    return _with_logprobs(logits.float(), token_ids, max_logprobs)
 
 
 def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:

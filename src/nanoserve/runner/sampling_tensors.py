@@ -46,6 +46,13 @@ class SamplingTensors:
     any_min_p: bool
     any_count_penalty: bool  # some row uses a frequency or presence penalty
     max_logprobs: int  # largest number of top logprobs asked for, -1 if no row asked
+    # No row needs more than its temperature: no penalty, bias, banned or allowed list, top-k /
+    # top-p / min-p filter or seeded generator. Such a batch may take the fused CUDA sampler.
+    only_temperature: bool
+    # [1] int64: the fused sampler's noise seed (drawn from torch's default CPU generator, so no
+    # device sync and torch.manual_seed still makes runs reproducible); 0 when every row is
+    # greedy (nothing is drawn); -1 when the batch needs more than temperatures.
+    noise_seed: torch.Tensor
     seeded_rows: list[tuple[int, torch.Generator]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +93,14 @@ class SamplingTensors:
                 for t, b in p.logit_bias.items()]
         restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
         allowed = [(row, t) for row in restricted for t in params[row].allowed_token_ids]
+        max_top_k = max((k for k in top_k if k < vocab_size), default=0)
+        seeded = any(g is not None for g, s in zip(generators, sampled) if s)
+        only_temperature = not (any(reads_output) or banned or bias or allowed or max_top_k
+                                or any(p < 1.0 for p in top_p) or any(m > 0.0 for m in min_p)
+                                or seeded)
+        noise_seed = -1
+        if only_temperature:
+            noise_seed = int(torch.randint(2 ** 62, ())) if any(sampled) else 0
 
         # One copy for everything the step's sampling reads on the device.
         no_history = np.empty(0, dtype=np.int64)
@@ -94,7 +109,7 @@ class SamplingTensors:
                       ([b for _, _, b in bias], np.float32)] if bias else []
         allowed_parts = [(restricted, np.int64), ([row for row, _ in allowed], np.int64),
                          ([t for _, t in allowed], np.int64)] if allowed else []
-        (temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t,
+        (temperature, top_p_t, min_p_t, repetition, presence, frequency, top_k_t, seed_t,
          banned_rows, banned_ids, prompt_flat, output_flat, *rare) = packed_to_device([
             ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
             (top_p, np.float32),
@@ -103,6 +118,7 @@ class SamplingTensors:
             ([p.presence_penalty for p in params], np.float32),
             ([p.frequency_penalty for p in params], np.float32),
             (top_k, np.int64),
+            ([noise_seed], np.int64),
             ([row for row, _ in banned], np.int64),
             ([t for _, t in banned], np.int64),
             (no_history if prompt is None else prompt.ravel(), np.int64),
@@ -127,12 +143,14 @@ class SamplingTensors:
             generators=[g if s else None for g, s in zip(generators, sampled)],
             all_greedy=not any(sampled),
             all_random=all(sampled),
-            max_top_k=max((k for k in top_k if k < vocab_size), default=0),
+            max_top_k=max_top_k,
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(m > 0.0 for m in min_p),
             any_count_penalty=any(uses_count),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
                              default=-1),
+            only_temperature=only_temperature,
+            noise_seed=seed_t,
         )
 
 
