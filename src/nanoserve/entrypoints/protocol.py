@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.entrypoints.errors import APIError
 from nanoserve.entrypoints.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
+from nanoserve.entrypoints.tool_calls import ToolCall
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -166,11 +167,26 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
-        """The message for a chat template: content parts joined into one string."""
+        """The message for a chat template: content parts joined into one string. An
+        assistant's missing content (OpenAI's null beside tool_calls) is an empty string:
+        templates such as Qwen3's search the content for a thinking block."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        elif self.content is None and self.role == "assistant":
+            message["content"] = ""
         return message
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model as given
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -180,14 +196,16 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools and self.tool_choice != "none":
-            raise APIError("tool calling is not supported; send no tools or tool_choice "
-                           "'none'", param="tools")
+        if self.tool_choice is not None and not self.tools:
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        if self.tools and self.tool_choice not in (None, "auto", "none"):
+            raise APIError("only tool_choice 'auto' and 'none' are supported: 'required' and "
+                           "named functions need constrained decoding", param="tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -197,6 +215,13 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tools_offered(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template, and whose calls the answer is parsed for (None
+        without tools, or with tool_choice 'none')."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def max_new_tokens(self) -> int | None:
         # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted.
@@ -268,7 +293,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _unset_if_none()
 
 
 class ChatChoice(BaseModel):
@@ -289,9 +315,16 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = _unset_if_none()
 
 
+class DeltaToolCall(ToolCall):
+    """A whole tool call in one streamed delta (OpenAI streams may split one over several)."""
+
+    index: int
+
+
 class DeltaMessage(BaseModel):
     role: str | None = _unset_if_none()
     content: str | None = _unset_if_none()
+    tool_calls: list[DeltaToolCall] | None = _unset_if_none()
 
 
 class ChatChunkChoice(BaseModel):

@@ -18,7 +18,8 @@ from nanoserve.entrypoints.errors import APIError
 from nanoserve.entrypoints.logprobs import Decode, chat_logprobs, completion_logprobs
 from nanoserve.entrypoints.protocol import (
     ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
-    UsageInfo)
+    DeltaToolCall, UsageInfo)
+from nanoserve.entrypoints.tool_calls import ToolCall, ToolCallStream
 from nanoserve.outputs import RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -59,6 +60,7 @@ class _Sent:
     tokens: int = 0  # tokens whose logprobs went out
     offset: int = 0  # completions' text_offset of the next token
     opened: bool = False  # the choice's first chunk went out (with the echoed prompt)
+    tool_calls: ToolCallStream | None = None  # a chat answer parsed for tool calls
 
 
 class ChunkWriter:
@@ -66,9 +68,13 @@ class ChunkWriter:
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool,
                  samples_per_prompt: int = 1, top_logprobs: int | None = None,
-                 decode: Decode | None = None, echo: list[str] | None = None):
-        """``echo``: each prompt's text, which opens its choices' first chunk (completions)."""
+                 decode: Decode | None = None, echo: list[str] | None = None,
+                 tool_calls: bool = False):
+        """``echo``: each prompt's text, which opens its choices' first chunk (completions);
+        ``tool_calls``: parse chat answers for them (their text is held back from the first
+        ``<tool_call>``, and the calls go out in the last chunk)."""
         self.request_id, self.model, self.chat = request_id, model, chat
+        self.tool_calls = tool_calls
         self.include_usage = include_usage
         self.samples_per_prompt = samples_per_prompt
         self.top_logprobs, self.decode = top_logprobs, decode
@@ -76,7 +82,8 @@ class ChunkWriter:
         self.created = int(time.time())
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        sent = [_Sent() for _ in streams]
+        sent = [_Sent(tool_calls=ToolCallStream() if self.tool_calls else None)
+                for _ in streams]
         finals: list[RequestOutput] = []
         try:
             if self.chat:  # every choice opens with the assistant's role
@@ -86,13 +93,13 @@ class ChunkWriter:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, out in outputs:
                     completion = out.outputs[0]
-                    delta = completion.text[len(sent[i].text):]
-                    sent[i].text = completion.text
+                    delta, calls = self._new_content(sent[i], completion.text, out.finished)
+                    finish_reason = "tool_calls" if calls else completion.finish_reason
                     if self.echo is not None and not sent[i].opened:
                         delta = self.echo[i // self.samples_per_prompt] + delta
-                    if delta or completion.finish_reason:
-                        yield sse(self._chunk(i, delta, completion.finish_reason,
-                                              self._logprobs_since(sent[i], out)))
+                    if delta or finish_reason:
+                        yield sse(self._chunk(i, delta, finish_reason,
+                                              self._logprobs_since(sent[i], out), calls))
                         sent[i].opened = True
                     if out.finished:
                         finals.append(out)
@@ -105,6 +112,19 @@ class ChunkWriter:
             yield SSE_DONE
         finally:
             cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
+
+    @staticmethod
+    def _new_content(sent: _Sent, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        """The content that the cumulative ``text`` adds to the choice's chunks, and, once it
+        is finished, the tool calls parsed from it."""
+        if sent.tool_calls is None:
+            delta, sent.text = text[len(sent.text):], text
+            return delta, []
+        delta = sent.tool_calls.content(text)
+        if not finished:
+            return delta, []
+        rest, calls = sent.tool_calls.finish(text)
+        return delta + rest, calls
 
     def _logprobs_since(self, sent: _Sent, out: RequestOutput) -> BaseModel | None:
         """The logprobs of every token since the choice's last chunk, its text shown or held
@@ -124,10 +144,12 @@ class ChunkWriter:
         return chunk
 
     def _chunk(self, index: int, text: str, finish_reason: str | None,
-               logprobs: BaseModel | None) -> BaseModel:
+               logprobs: BaseModel | None, tool_calls: list[ToolCall]) -> BaseModel:
         if self.chat:
-            return self._chat_chunk(index, DeltaMessage(content=text or None), finish_reason,
-                                    logprobs)
+            delta = DeltaMessage(content=text or None, tool_calls=[
+                DeltaToolCall(index=k, **call.model_dump()) for k, call in enumerate(tool_calls)
+            ] or None)
+            return self._chat_chunk(index, delta, finish_reason, logprobs)
         return CompletionResponse(id=self.request_id, model=self.model, created=self.created,
                                   choices=[CompletionChoice(index=index, text=text,
                                                             logprobs=logprobs,

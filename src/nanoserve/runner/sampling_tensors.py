@@ -19,9 +19,9 @@ class SamplingTensors:
     """Per-step sampling parameters of a batch, as device tensors.
 
     Made once per engine step by :meth:`build`; row ``i`` describes row ``i`` of the logits given
-    to :class:`~nanoserve.runner.sampler.Sampler`. Settings that cannot change a row's result are normalised away (greedy
-    rows carry temperature 0, no filter and no generator), and the host-side flags let a batch
-    skip every stage no row uses without looking at device data.
+    to :class:`~nanoserve.runner.sampler.Sampler`. Settings that cannot change a row's result
+    are normalised away (greedy rows carry temperature 0, no filter and no generator), and the
+    host-side flags let a batch skip every stage no row uses without looking at device data.
     """
 
     temperature: torch.Tensor  # [B] float32, 0 = greedy

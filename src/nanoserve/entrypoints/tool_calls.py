@@ -1,0 +1,98 @@
+"""Tool calls in a chat answer, in the Hermes format that Qwen2.5, Qwen3 and Hermes models emit.
+
+The model writes each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+(usually with newlines inside the tags), after any plain content. As vLLM's ``hermes`` parser
+does, an answer whose calls do not all parse as JSON objects with a name is returned as plain
+content, and text after the first call is not content.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+# Every closed call, and a last one cut short (by max_tokens or a stop) whose JSON is whole.
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's format)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """``text``'s content (None when empty) and its tool calls (empty: ``text`` is all
+    content)."""
+    start = text.find(TOOL_CALL_START)
+    if start < 0:
+        return text, []
+    calls = []
+    for body in _CALL.findall(text, start):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return text, []
+        arguments = call.get("arguments", {})
+        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
+            name=call["name"],
+            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))))
+    return text[:start].strip() or None, calls
+
+
+class ToolCallStream:
+    """One streamed choice's content, with its tool calls held back until the answer ends.
+
+    Text is passed on as content up to the first ``<tool_call>``; from there on it is held,
+    and at the end parsed: into tool calls, or, when they do not parse, flushed as content.
+    The end of the text that could still begin the tag is held too, so that no part of a tag
+    goes out as content.
+    """
+
+    def __init__(self) -> None:
+        self.shown = 0  # characters of the text passed on as content
+        self.holding = False
+
+    def content(self, text: str) -> str:
+        """The content that the cumulative ``text`` adds to what went out."""
+        if self.holding:
+            return ""
+        # Nothing shown can begin a tag: a possible beginning is held until it resolves.
+        start = text.find(TOOL_CALL_START, self.shown)
+        if start >= 0:
+            self.holding = True
+            end = start
+        else:
+            end = len(text) - _tag_prefix_at_end(text)
+        new, self.shown = text[self.shown:end], max(self.shown, end)
+        return new
+
+    def finish(self, text: str) -> tuple[str, list[ToolCall]]:
+        """At the end of the answer (the whole ``text``): the content still to go out, and
+        the tool calls."""
+        _, calls = parse_tool_calls(text)
+        if calls:
+            return "", calls
+        rest = text[self.shown:]
+        self.shown = len(text)
+        return rest, []
+
+
+def _tag_prefix_at_end(text: str) -> int:
+    """Length of the longest end of ``text`` that begins ``<tool_call>`` (not all of it)."""
+    for length in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
+        if TOOL_CALL_START.startswith(text[-length:]):
+            return length
+    return 0
