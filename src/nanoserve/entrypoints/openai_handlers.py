@@ -23,8 +23,9 @@ from nanoserve.entrypoints.logprobs import PromptLogprobs, choice_logprobs, prom
 from nanoserve.entrypoints.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatMessageOut,
     CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
-    UsageInfo, value_error_to_api)
+    UsageInfo, check_template_kwargs, value_error_to_api)
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
+from nanoserve.entrypoints.reasoning import split_reasoning
 from nanoserve.entrypoints.tool_calls import parse_tool_calls
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.outputs import CompletionOutput, RequestOutput
@@ -34,11 +35,16 @@ from nanoserve.sampling_params import SamplingParams
 
 
 class OpenAIServing:
-    """Serves completions, chat completions, tokenize and detokenize for one model."""
+    """Serves completions, chat completions, tokenize and detokenize for one model.
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str):
+    ``reasoning_parser`` (nanoserve.entrypoints.reasoning): split chat answers' thinking into
+    ``reasoning_content``."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
+                 reasoning_parser: str | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
+        self.reasoning_parser = reasoning_parser
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -70,7 +76,7 @@ class OpenAIServing:
         self.check_model(req.model)
         req.check_supported()
         prompt = self._render_chat(req.messages, bool(req.add_generation_prompt),
-                                   req.tools_offered())
+                                   req.tools_offered(), req.chat_template_kwargs)
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         prompts, params = self._params(req, req.max_new_tokens(), [prompt], "messages",
@@ -84,7 +90,9 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            tokens = self._render_chat(req.messages, bool(req.add_generation_prompt))
+            check_template_kwargs(req.chat_template_kwargs)
+            tokens = self._render_chat(req.messages, bool(req.add_generation_prompt),
+                                       template_kwargs=req.chat_template_kwargs)
         else:
             tokens = self.engine.tokenizer.encode(
                 req.prompt, add_special_tokens=bool(req.add_special_tokens))
@@ -109,14 +117,15 @@ class OpenAIServing:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+                     tools: list[dict[str, Any]] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError("this model has no chat template; use /v1/completions",
                            param="messages")
         try:
             return render_chat(tokenizer, [m.as_template_dict() for m in messages],
-                               add_generation_prompt, tools)
+                               add_generation_prompt, tools, template_kwargs)
         except Exception as exc:  # templates reject bad conversations by raising
             raise APIError(f"the chat template rejected the messages: {exc}",
                            param="messages") from None
@@ -179,7 +188,9 @@ class OpenAIServing:
         if req.stream:
             events = ChunkWriter(request_id, self.served_model_name, chat, req.include_usage(),
                                  params.n, params.logprobs, self._decode, echo,
-                                 tool_calls=_parses_tool_calls(req)).events(streams)
+                                 tool_calls=_parses_tool_calls(req),
+                                 reasoning_parser=self.reasoning_parser if chat else None
+                                 ).events(streams)
             return ClosingStreamingResponse(events, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
         finals = await _unless_disconnected(request, _collect(streams))
@@ -198,7 +209,7 @@ class OpenAIServing:
             [prompt_logprobs_out(f, req.prompt_logprobs, self._decode) for f in finals]
         body = _full_response(request_id, self.served_model_name, chat, outs, usage,
                               [logprobs_of(f) for f in finals], prompt_logprobs,
-                              _parses_tool_calls(req))
+                              _parses_tool_calls(req), self.reasoning_parser)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _beam_search(self, request_id: str, prompts: list[list[int]],
@@ -244,7 +255,8 @@ class OpenAIServing:
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
         body = _full_response(request_id, self.served_model_name, chat, outs, usage,
-                              [None] * len(outs), tool_calls=_parses_tool_calls(req))
+                              [None] * len(outs), tool_calls=_parses_tool_calls(req),
+                              reasoning_parser=self.reasoning_parser)
         return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -252,13 +264,20 @@ def _parses_tool_calls(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return isinstance(req, ChatCompletionRequest) and req.tools_offered() is not None
 
 
-def _chat_message(out: CompletionOutput, tool_calls: bool) -> tuple[ChatMessageOut, str | None]:
-    """A chat choice's message and finish reason: with ``tool_calls``, the calls parsed out
-    of the text, and finish reason 'tool_calls' when there are some."""
-    content, calls = parse_tool_calls(out.text) if tool_calls else (out.text, [])
+def _chat_message(out: CompletionOutput, tool_calls: bool, reasoning_parser: str | None
+                  ) -> tuple[ChatMessageOut, str | None]:
+    """A chat choice's message and finish reason: with a ``reasoning_parser``, the thinking
+    split off; with ``tool_calls``, the calls parsed out of the rest, and finish reason
+    'tool_calls' when there are some."""
+    reasoning, text = split_reasoning(out.text, reasoning_parser) if reasoning_parser \
+        else (None, out.text)
+    if reasoning is not None:
+        text = text or None  # vLLM's: no content rather than an empty one
+    content, calls = parse_tool_calls(text) if tool_calls and text else (text, [])
     if not calls:
-        return ChatMessageOut(content=out.text), out.finish_reason
-    return ChatMessageOut(content=content, tool_calls=calls), "tool_calls"
+        return ChatMessageOut(content=text, reasoning_content=reasoning), out.finish_reason
+    return ChatMessageOut(content=content, reasoning_content=reasoning,
+                          tool_calls=calls), "tool_calls"
 
 
 def _best(samples: list[RequestOutput], n: int) -> list[RequestOutput]:
@@ -302,12 +321,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 def _full_response(request_id: str, model: str, chat: bool, outs: list[CompletionOutput],
                    usage: UsageInfo, logprobs: list[BaseModel | None],
                    prompt_logprobs: list[PromptLogprobs] | None = None,
-                   tool_calls: bool = False) -> BaseModel:
+                   tool_calls: bool = False, reasoning_parser: str | None = None) -> BaseModel:
     """``logprobs`` per choice; ``prompt_logprobs`` per choice (chat has one prompt: its
-    response carries them once), or None when not asked for; ``tool_calls``: parse chat
-    answers for them."""
+    response carries them once), or None when not asked for; ``tool_calls`` and
+    ``reasoning_parser``: see _chat_message."""
     if chat:
-        messages = [_chat_message(o, tool_calls) for o in outs]
+        messages = [_chat_message(o, tool_calls, reasoning_parser) for o in outs]
         return ChatCompletionResponse(
             id=request_id, model=model, usage=usage,
             prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None,

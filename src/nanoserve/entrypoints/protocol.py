@@ -198,9 +198,12 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool | None = True
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # vLLM's: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_template_kwargs(self.chat_template_kwargs)
         if self.tool_choice is not None and not self.tools:
             raise APIError("tool_choice needs tools", param="tool_choice")
         if self.tools and self.tool_choice not in (None, "auto", "none"):
@@ -239,12 +242,25 @@ def value_error_to_api(exc: ValueError, prompt_field: str = "prompt") -> APIErro
     return APIError(message, param=field if field in known else None)
 
 
+# Variables the server itself sets when it renders a conversation.
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize",
+                            "add_generation_prompt", "chat_template", "documents"}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    taken = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or {}))
+    if taken:
+        raise APIError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's "
+                       "own fields do", param="chat_template_kwargs")
+
+
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -294,6 +310,7 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = _unset_if_none()  # with a reasoning parser (vLLM's name)
     tool_calls: list[ToolCall] | None = _unset_if_none()
 
 
@@ -324,6 +341,7 @@ class DeltaToolCall(ToolCall):
 class DeltaMessage(BaseModel):
     role: str | None = _unset_if_none()
     content: str | None = _unset_if_none()
+    reasoning_content: str | None = _unset_if_none()
     tool_calls: list[DeltaToolCall] | None = _unset_if_none()
 
 

@@ -26,11 +26,12 @@ def nanoserve_version() -> str:
 
 
 def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
-              api_key: str | None = None) -> "FastAPI":
+              api_key: str | None = None, reasoning_parser: str | None = None) -> "FastAPI":
     """The FastAPI app serving ``engine`` (already started) under ``served_model_name``.
 
     With ``api_key`` set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``;
-    /health, /version and /metrics stay open for probes and scrapers.
+    /health, /version and /metrics stay open for probes and scrapers. ``reasoning_parser``:
+    see nanoserve.entrypoints.reasoning.
     """
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, Response
@@ -43,7 +44,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     from nanoserve.entrypoints.protocol import ModelCard, ModelList
 
     name = served_model_name or engine.model_name
-    serving = OpenAIServing(engine, name)
+    serving = OpenAIServing(engine, name, reasoning_parser)
     metrics = ServerMetrics(name, lambda: engine.stats)
     engine.add_output_listener(metrics.observe)
 
@@ -129,6 +130,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
 def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register `nanoserve serve [MODEL] ...` with the shared engine flags."""
     from nanoserve.entrypoints.cli import add_engine_args
+    from nanoserve.entrypoints.reasoning import REASONING_PARSERS
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -140,6 +142,8 @@ def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                        help="require this bearer token on the API (default: $NANOSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients use (default: the model path)")
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split chat answers' <think> blocks into reasoning_content")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(serve)
@@ -162,7 +166,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_config(engine_config_from_args(args))
     engine.start()
     try:
-        app = build_app(engine, args.served_model_name, args.api_key)
+        app = build_app(engine, args.served_model_name, args.api_key, args.reasoning_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
         _graceful_server(config, engine).run()

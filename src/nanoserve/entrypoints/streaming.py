@@ -19,6 +19,7 @@ from nanoserve.entrypoints.logprobs import Decode, chat_logprobs, completion_log
 from nanoserve.entrypoints.protocol import (
     ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
     DeltaToolCall, UsageInfo)
+from nanoserve.entrypoints.reasoning import ReasoningStream
 from nanoserve.entrypoints.tool_calls import ToolCall, ToolCallStream
 from nanoserve.outputs import RequestOutput
 
@@ -61,6 +62,7 @@ class _Sent:
     offset: int = 0  # completions' text_offset of the next token
     opened: bool = False  # the choice's first chunk went out (with the echoed prompt)
     tool_calls: ToolCallStream | None = None  # a chat answer parsed for tool calls
+    reasoning: ReasoningStream | None = None  # a chat answer's thinking split off
 
 
 class ChunkWriter:
@@ -69,12 +71,13 @@ class ChunkWriter:
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool,
                  samples_per_prompt: int = 1, top_logprobs: int | None = None,
                  decode: Decode | None = None, echo: list[str] | None = None,
-                 tool_calls: bool = False):
+                 tool_calls: bool = False, reasoning_parser: str | None = None):
         """``echo``: each prompt's text, which opens its choices' first chunk (completions);
         ``tool_calls``: parse chat answers for them (their text is held back from the first
-        ``<tool_call>``, and the calls go out in the last chunk)."""
+        ``<tool_call>``, and the calls go out in the last chunk); ``reasoning_parser``: send
+        chat answers' thinking as ``reasoning_content``."""
         self.request_id, self.model, self.chat = request_id, model, chat
-        self.tool_calls = tool_calls
+        self.tool_calls, self.reasoning_parser = tool_calls, reasoning_parser
         self.include_usage = include_usage
         self.samples_per_prompt = samples_per_prompt
         self.top_logprobs, self.decode = top_logprobs, decode
@@ -82,7 +85,9 @@ class ChunkWriter:
         self.created = int(time.time())
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        sent = [_Sent(tool_calls=ToolCallStream() if self.tool_calls else None)
+        sent = [_Sent(tool_calls=ToolCallStream() if self.tool_calls else None,
+                      reasoning=ReasoningStream(self.reasoning_parser)
+                      if self.reasoning_parser else None)
                 for _ in streams]
         finals: list[RequestOutput] = []
         try:
@@ -93,13 +98,15 @@ class ChunkWriter:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, out in outputs:
                     completion = out.outputs[0]
-                    delta, calls = self._new_content(sent[i], completion.text, out.finished)
+                    reasoning, delta, calls = self._new_parts(sent[i], completion.text,
+                                                              out.finished)
                     finish_reason = "tool_calls" if calls else completion.finish_reason
                     if self.echo is not None and not sent[i].opened:
                         delta = self.echo[i // self.samples_per_prompt] + delta
-                    if delta or finish_reason:
+                    if delta or reasoning or finish_reason:
                         yield sse(self._chunk(i, delta, finish_reason,
-                                              self._logprobs_since(sent[i], out), calls))
+                                              self._logprobs_since(sent[i], out), calls,
+                                              reasoning))
                         sent[i].opened = True
                     if out.finished:
                         finals.append(out)
@@ -114,17 +121,21 @@ class ChunkWriter:
             cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
 
     @staticmethod
-    def _new_content(sent: _Sent, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
-        """The content that the cumulative ``text`` adds to the choice's chunks, and, once it
-        is finished, the tool calls parsed from it."""
+    def _new_parts(sent: _Sent, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
+        """The reasoning and the content that the cumulative ``text`` adds to the choice's
+        chunks, and, once it is finished, the tool calls parsed from the content."""
+        reasoning = ""
+        if sent.reasoning is not None:
+            reasoning, content = sent.reasoning.split(text, finished)
+            text = content or ""
         if sent.tool_calls is None:
             delta, sent.text = text[len(sent.text):], text
-            return delta, []
+            return reasoning, delta, []
         delta = sent.tool_calls.content(text)
         if not finished:
-            return delta, []
+            return reasoning, delta, []
         rest, calls = sent.tool_calls.finish(text)
-        return delta + rest, calls
+        return reasoning, delta + rest, calls
 
     def _logprobs_since(self, sent: _Sent, out: RequestOutput) -> BaseModel | None:
         """The logprobs of every token since the choice's last chunk, its text shown or held
@@ -144,9 +155,11 @@ class ChunkWriter:
         return chunk
 
     def _chunk(self, index: int, text: str, finish_reason: str | None,
-               logprobs: BaseModel | None, tool_calls: list[ToolCall]) -> BaseModel:
+               logprobs: BaseModel | None, tool_calls: list[ToolCall], reasoning: str = ""
+               ) -> BaseModel:
         if self.chat:
-            delta = DeltaMessage(content=text or None, tool_calls=[
+            delta = DeltaMessage(content=text or None, reasoning_content=reasoning or None,
+                                 tool_calls=[
                 DeltaToolCall(index=k, **call.model_dump()) for k, call in enumerate(tool_calls)
             ] or None)
             return self._chat_chunk(index, delta, finish_reason, logprobs)

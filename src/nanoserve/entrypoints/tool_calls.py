@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from nanoserve.entrypoints.reasoning import tag_start_at_end
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 # Every closed call, and a last one cut short (by max_tokens or a stop) whose JSON is whole.
@@ -75,7 +77,7 @@ class ToolCallStream:
             self.holding = True
             end = start
         else:
-            end = len(text) - _tag_prefix_at_end(text)
+            end = len(text) - tag_start_at_end(text, TOOL_CALL_START)
         new, self.shown = text[self.shown:end], max(self.shown, end)
         return new
 
@@ -88,11 +90,3 @@ class ToolCallStream:
         rest = text[self.shown:]
         self.shown = len(text)
         return rest, []
-
-
-def _tag_prefix_at_end(text: str) -> int:
-    """Length of the longest end of ``text`` that begins ``<tool_call>`` (not all of it)."""
-    for length in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-        if TOOL_CALL_START.startswith(text[-length:]):
-            return length
-    return 0
