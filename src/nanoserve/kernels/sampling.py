@@ -4,9 +4,9 @@
 probability ``softmax(logits / T)_i``: it is the sampler's exponential race ``argmax_i p_i / E_i``
 taken in log space, so neither the softmax nor its normalisation is ever materialised. The noise
 comes from Triton's counter-based Philox generator (``tl.philox``), keyed by a seed read from
-device memory and counted by (row, position), so a step reads the logits once, in their own dtype, and writes
-nothing but small per-chunk partial results. Rows with temperature 0 skip the noise: a plain
-argmax.
+device memory and counted by (row, position), so a step reads the logits once, in their own
+dtype, and writes nothing but small per-chunk partial results. Rows with temperature 0 skip the
+noise: a plain argmax.
 
 Two launches: (row, vocabulary chunk) programs reduce each chunk to its (max, argmax), so that
 batch 1 still spreads over many SMs; then one program per row reduces its chunks. Launch shapes
