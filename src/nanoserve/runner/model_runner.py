@@ -76,7 +76,7 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         tp = get_tp_group()
-        self.samples = tp.rank == 0  # rank 0 gathers the logits and samples
+        self.sampling_rank = tp.rank == 0  # rank 0 gathers the logits and samples
         # The LM head and sampler join the decode graphs on one GPU; with tensor parallelism
         # its gather of the logits stays outside them.
         self.graphs_sample = tp.size == 1
@@ -91,7 +91,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, 512), self._blocks_per_seq(),
                 self.max_model_len, self.device, sample=self.graphs_sample)
-        if self.device.type == "cuda" and self.samples:
+        if self.device.type == "cuda" and self.sampling_rank:
             from nanoserve.kernels.sampling import compile_for_batches
             compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
                                 self.device)
@@ -191,7 +191,7 @@ class ModelRunner:
         self.last_samples, self.last_sample_rows = None, {}
         sampling = [c for c in step.chunks if c.sample]
         tensors = None
-        if sampling and self.samples:
+        if sampling and self.sampling_rank:
             tensors = SamplingTensors.build(
                 [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
                 [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],
