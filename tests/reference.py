@@ -39,3 +39,20 @@ def greedy_params(max_tokens: int = 32):
     from nanoserve import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+
+
+def fp8_rounding_cache(config):
+    """A transformers DynamicCache whose update rounds the new keys and values to fp8."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    update = cache.update
+
+    def to_fp8(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float8_e4m3fn).to(t.dtype)
+
+    def rounded_update(keys, values, layer_idx, *args, **kwargs):
+        return update(to_fp8(keys), to_fp8(values), layer_idx, *args, **kwargs)
+
+    cache.update = rounded_update
+    return cache

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass
 class EngineConfig:
     """The `LLM(...)` arguments, validated; shared by the offline API, the CLI and the server."""
@@ -21,6 +24,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): one byte per K/V value,
+    # unscaled, so twice the blocks in the same memory and half the bytes attention reads.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
@@ -44,6 +50,9 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError("dtype must be one of auto, float32, float16, bfloat16, "
                              f"got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         gpu_util = self.gpu_memory_utilization

@@ -41,6 +41,7 @@ from nanoserve.layers.split_k import split_k_partial_sums, split_k_parts  # noqa
 
 MAX_POSITIONS = 40960  # Qwen3's: the split count the decode graphs are captured with
 BF16 = dict(atol=2e-2, rtol=2e-2)
+FP8_STEP = dict(atol=2e-2, rtol=0.13)
 
 
 def decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -75,10 +76,14 @@ def decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim
 
 
 def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
-                       device: str, num_kv_heads: int = 8, block_size: int = 16) -> None:
+                       device: str, num_kv_heads: int = 8, block_size: int = 16,
+                       cache_dtype: torch.dtype | None = None) -> None:
+    """``cache_dtype``: the KV cache's, when not the model's (fp8)."""
     q, k, v, positions, k_cache, v_cache, meta = decode_case(
         seq_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, device,
         seed=len(seq_lens) + group)
+    if cache_dtype is not None:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, 1e6, None).to(device)
     norms = [RMSNorm(head_dim, 1e-6).to(device=device, dtype=dtype) for _ in range(2)]
     for norm in norms:
@@ -98,8 +103,11 @@ def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: to
                                                 rotary.cos_sin, norms[0].weight,
                                                 norms[1].weight, 1e-6))
     torch.testing.assert_close(out.float(), expected.float(), **BF16)
-    torch.testing.assert_close(k_cache.float(), expected_caches[0].float(), **BF16)
-    assert torch.equal(v_cache, expected_caches[1])
+    # An fp8 cache: the same bf16 keys rounded to fp8, up to one fp8 step where the fused
+    # kernel's rotation differs from the reference's in its last bf16 bit.
+    torch.testing.assert_close(k_cache.float(), expected_caches[0].float(),
+                               **(BF16 if cache_dtype is None else FP8_STEP))
+    assert torch.equal(v_cache.float(), expected_caches[1].float())
 
 
 def check_norm_in_gemv(n: int, k: int, dtype: torch.dtype, device: str) -> None:
@@ -126,6 +134,53 @@ def check_norm_in_gemv(n: int, k: int, dtype: torch.dtype, device: str) -> None:
 @pytest.mark.parametrize("group", [2, 4], ids=["qwen3-0.6b", "qwen3-8b"])
 def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group):
     check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("seq_lens", [[300], [4000, 17, 1, 900]], ids=["batch1", "batch4"])
+def test_split_decode_with_an_fp8_cache(seq_lens):
+    check_split_decode(seq_lens, 2, 128, torch.bfloat16, "cuda",
+                       cache_dtype=torch.float8_e4m3fn)
+
+
+def test_prefill_stores_and_reads_an_fp8_cache():
+    """A mixed batch through the Triton backend (the fused q/k-norm + RoPE store into fp8,
+    then the prefill kernel) against the PyTorch backend on the same fp8 cache."""
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    gen = torch.Generator().manual_seed(21)
+    q_lens, seq_lens, block_size, kv_heads, head_dim = [1, 200, 37], [90, 260, 37], 16, 8, 128
+    blocks = [math.ceil(n / block_size) for n in seq_lens]
+    order = torch.randperm(sum(blocks) + 2, generator=gen)
+    tables = torch.zeros(3, max(blocks), dtype=torch.int32)
+    slots, start = [], 0
+    for i, (n, q_len, count) in enumerate(zip(seq_lens, q_lens, blocks)):
+        tables[i, :count] = order[start:start + count]
+        start += count
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size
+                  for p in range(n - q_len, n)]
+    shape = (len(order), block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to("cuda", torch.float8_e4m3fn)
+                        for _ in range(2))
+    tokens = sum(q_lens)
+    q, k, v = (torch.randn(tokens, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+               for heads in (16, kv_heads, kv_heads))
+    positions = torch.cat([torch.arange(n - q_len, n) for n, q_len in zip(seq_lens, q_lens)])
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 201, 238], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.tensor(slots, device="cuda"), block_tables=tables.cuda(),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, 1e6, None).to("cuda")
+    norms = [RMSNorm(head_dim, 1e-6).to("cuda", torch.bfloat16) for _ in range(2)]
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    args = (positions.cuda(), q, k, v)
+    expected = TorchAttentionBackend().attention(*(t.clone() for t in args), *expected_caches,
+                                                 meta, rotary, head_dim ** -0.5, *norms)
+    out = TritonAttentionBackend().attention(*args, k_cache, v_cache, meta, rotary,
+                                             head_dim ** -0.5, *norms)
+    torch.testing.assert_close(out.float(), expected.float(), **BF16)
+    torch.testing.assert_close(k_cache.float(), expected_caches[0].float(), **FP8_STEP)
+    assert torch.equal(v_cache.float(), expected_caches[1].float())
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (6144, 4096), (24576, 4096)],

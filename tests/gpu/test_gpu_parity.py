@@ -15,14 +15,16 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NEW_TOKENS = 32
 
 
-def _hf_greedy_with_top5(model, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
+def _hf_greedy_with_top5(model, prompt: list[int], **generate_args
+                         ) -> tuple[list[int], list[set[int]]]:
     out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
                          min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+                         return_dict_in_generate=True, **generate_args)
     tokens = out.sequences[0, len(prompt):].tolist()
     top5 = [set(step[0].float().topk(5).indices.tolist()) for step in out.logits]
     return tokens, top5
@@ -79,6 +81,29 @@ def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factor
         exact += ours == theirs
         assert_logprobs_close(ours, our_top5, theirs, their_top5)
     print(f"{shape} eager={enforce_eager}: {exact}/8 identical")
+
+
+def test_fp8_kv_cache_close_to_transformers_rounding_its_cache(tmp_path_factory):
+    """kv_cache_dtype="fp8" against transformers whose cache rounds keys and values to fp8."""
+    from common import save_random_hf_model
+    from reference import fp8_rounding_cache
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path_factory.getbasetemp() / "hf-qwen3-0.6b"
+    if not (model_dir / "config.json").exists() or not list(model_dir.glob("*.safetensors")):
+        save_random_hf_model("qwen3-0.6b", model_dir)
+    random.seed(1)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 300))]
+               for _ in range(8)]
+    all_ours, all_our_top5 = engine_greedy_with_top5(model_dir, prompts, kv_cache_dtype="fp8")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    exact = 0
+    for prompt, ours, our_top5 in zip(prompts, all_ours, all_our_top5):
+        theirs, their_top5 = _hf_greedy_with_top5(
+            model, prompt, past_key_values=fp8_rounding_cache(model.config))
+        exact += ours == theirs
+        assert_logprobs_close(ours, our_top5, theirs, their_top5)
+    print(f"qwen3-0.6b fp8 KV cache: {exact}/8 identical")
 
 
 def test_bf16_prompt_logprobs_close_to_transformers(tmp_path_factory):

@@ -268,3 +268,40 @@ def test_num_decode_splits_fills_the_device_without_tiny_splits():
         assert splits > 1 and 4096 / splits >= MIN_TOKENS_PER_SPLIT
     assert num_decode_splits(1, 1, 10 ** 6, num_sms=132) == MAX_SPLITS
     assert num_decode_splits(0, 8, 0, num_sms=132) == 1
+
+
+# Reading an fp8 cache. Writing one is checked on the GPU (tests/gpu/test_fused_kernels.py):
+# Triton 3.6's interpreter rounds some values to fp8 wrongly (7.9 to 4.0, not 8.0).
+FP8 = torch.float8_e4m3fn
+# Products of fp8 values widened to fp16, against float64 on the same fp8 values.
+FP8_CACHE_TOLERANCE = TOLERANCE[torch.float16]
+
+
+def to_fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # GARBAGE (1e3) is past fp8 e4m3's range and becomes NaN: a kernel reading a slot no
+    # sequence owns returns NaN.
+    return k_cache.to(FP8), v_cache.to(FP8)
+
+
+@pytest.mark.parametrize("num_splits,narrow_offsets", [(1, False), (3, True), (2, False)])
+def test_decode_reads_an_fp8_cache(num_splits, narrow_offsets):
+    q, k_cache, v_cache, meta = make_batch([37, 1, 70, 16], [1] * 4, num_heads=8, num_kv_heads=2,
+                                           head_dim=64, block_size=16, dtype=torch.float16,
+                                           seed=11)
+    k_cache, v_cache = to_fp8_caches(k_cache, v_cache)
+    out = run_decode(q, k_cache, v_cache, meta, num_splits,
+                     DecodeTuning(narrow_offsets=narrow_offsets))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, meta),
+                               **FP8_CACHE_TOLERANCE)
+
+
+def test_prefill_reads_an_fp8_cache():
+    q, k_cache, v_cache, meta = make_batch([45, 23, 9], [13, 23, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=64, block_size=16, dtype=torch.float16,
+                                           seed=12)
+    k_cache, v_cache = to_fp8_caches(k_cache, v_cache)
+    out = run_prefill(q, k_cache, v_cache, meta)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, meta),
+                               **FP8_CACHE_TOLERANCE)

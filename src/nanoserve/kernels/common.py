@@ -43,6 +43,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def fp16_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether attention over an fp8 cache computes its products in fp16 rather than in q's
+    bf16: fp8 e4m3 widens to fp16 in one instruction (two values at a time), to bf16 in
+    several, and fp16 holds both fp8 values and probabilities more precisely. The output stays
+    in q's dtype."""
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+
+
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Assert the shape, dtype and layout contract the attention kernels rely on."""
     num_heads, head_dim = q.shape[1:]
@@ -50,7 +58,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.dim() == 3 and k_cache.dim() == 4, "q is [T, H, D], caches [blocks, block_size, Hkv, D]"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the KV cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn), \
+        "the KV cache must be in q's dtype or fp8 e4m3"
     assert triton.next_power_of_2(k_cache.shape[1]) == k_cache.shape[1], \
         "block_size must be a power of two"
     for t in (q, k_cache, v_cache):

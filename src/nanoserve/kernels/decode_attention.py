@@ -21,7 +21,8 @@ import torch
 import triton
 
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, device_sm_count,
-                                      dot_precision, interpreted, programmatic_launch)
+                                      dot_precision, fp16_products, interpreted,
+                                      programmatic_launch)
 from nanoserve.kernels.decode_kernels import _decode_reduce_kernel, _decode_split_kernel
 
 
@@ -173,6 +174,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_QK_NORM=new_tokens is not None and new_tokens.q_weight is not None,
         NARROW_OFFSETS=(tuning.narrow_offsets and k_cache.stride() == v_cache.stride()
                         and k_cache.numel() < 2 ** 31),
+        FP16_PRODUCTS=fp16_products(q, k_cache),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -33,6 +33,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
     NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -114,6 +115,8 @@ def _decode_split_kernel(
         tl.store(v_cache_ptr + cache_at + kv_head * stride_vh + d[None, :], v_new, mask=store_mask)
     else:
         q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+    if FP16_PRODUCTS:  # an fp8 cache widens to fp16 in one instruction, to bf16 in several
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -137,6 +140,8 @@ def _decode_split_kernel(
             v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs
                                        + kv_head * stride_vh)[:, None] + d[None, :],
                         mask=kv_mask, other=0.0)
+        # An fp8 cache is widened to q's dtype for the products (a no-op when they match).
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile holds at least one valid key, so m_new is finite and exp2 never sees inf-inf.
@@ -156,7 +161,7 @@ def _decode_split_kernel(
         p_new = tl.exp2(s_new - m_safe)
         l_i = l_i * alpha + p_new
         # Rounded as the loop rounds P before its product with V.
-        acc = acc * alpha[:, None] + (p_new.to(v_new.dtype).to(tl.float32)[:, None]
+        acc = acc * alpha[:, None] + (p_new.to(q.dtype).to(tl.float32)[:, None]
                                       * v_new.to(tl.float32))
         m_i = m_new
 

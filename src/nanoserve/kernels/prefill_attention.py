@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.common import LOG2E, check_attention_inputs, dot_precision, interpreted
+from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision,
+                                      fp16_products, interpreted)
 
 # Tuning (see docs/kernels.md): query rows (tokens x group heads) and keys per tile.
 BLOCK_M = 64
@@ -47,6 +48,7 @@ def _attend_tile(
                 + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None]
                 + d[None, :], mask=kv_mask, other=0.0)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache, widened for the products
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if CAUSAL_MASK:
         # Keys past kv_end sit past every valid row's position, so this also hides them.
@@ -73,6 +75,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr,
 ):
     # Later tiles see more keys: launching them first shortens the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -96,6 +99,8 @@ def _prefill_kernel(
     io_mask = row_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + (q_start + t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0)
+    if FP16_PRODUCTS:  # an fp8 cache widens to fp16 in one instruction, to bf16 in several
+        q = q.to(tl.float16)
     q_pos = ctx_len + t
 
     m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
@@ -160,7 +165,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_SIZE=block_size, BLOCK_N=INTERPRETER_BLOCK_N if on_cpu else BLOCK_N,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), FP16_PRODUCTS=fp16_products(q, k_cache),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

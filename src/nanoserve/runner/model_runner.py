@@ -32,6 +32,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's (``auto``), or fp8 e4m3 (values stored as they
+    are, without a scale: vLLM's default when a checkpoint has no calibrated scales)."""
+    return dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
@@ -56,6 +62,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len(config, model_config)
         torch.manual_seed(config.seed)
@@ -104,7 +111,7 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         attn = self._attention_layers()[0]
         per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        return per_layer * len(self._attention_layers()) * self.dtype.itemsize
+        return per_layer * len(self._attention_layers()) * self.kv_cache_dtype.itemsize
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks:
@@ -147,8 +154,8 @@ class ModelRunner:
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         for layer in self._attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
