@@ -9,6 +9,7 @@ sequences longest context first (the engine's order); the default tuning also ru
 order.
 
     python benchmarks/decode_workload.py [--stride 64] [--quick] [--block-size 16]
+                                         [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def decode_steps(stride: int) -> list[list[int]]:
 Variant = tuple[int, DecodeTuning, bool]
 
 
-def tunings(quick: bool) -> list[Variant]:
-    """(programs per SM for the split count, kernel tuning, longest first): the engine's first."""
+def tunings(quick: bool, fp8: bool = False) -> list[Variant]:
+    """(programs per SM for the split count, kernel tuning, longest first): the engine's first.
+    With ``fp8`` (a tile is half the bytes) 128-key tiles too."""
     default = (PROGRAMS_PER_SM, DecodeTuning())
     wide = (4, DecodeTuning(narrow_offsets=False))  # 64-bit offsets: four programs per SM
     variants = [(*default, True), (*default, False), (*wide, True)]
@@ -47,7 +49,7 @@ def tunings(quick: bool) -> list[Variant]:
     # Around the default: the split rule's programs per SM, tiles, warps (32-key tiles fit
     # 7-8 programs per SM, benchmarks/kernel_registers.py), and 5 stages.
     around = [(pps, DecodeTuning(bn, w, 3)) for pps, bn, w in
-              itertools.product((4, 5, 6, 7, 8), (32, 64), (2, 4))]
+              itertools.product((4, 5, 6, 7, 8), (32, 64, 128) if fp8 else (32, 64), (2, 4))]
     around.append((PROGRAMS_PER_SM, DecodeTuning(num_stages=5)))
     return variants + [(*t, True) for t in around if t != default]
 
@@ -61,19 +63,24 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=64)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--block-size", type=int, default=16)  # the engine's default
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
+    fp8 = args.kv_cache_dtype == "fp8"
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = device_sm_count(torch.device("cuda"))
-    totals = {t: 0.0 for t in tunings(args.quick)}
+    totals = {t: 0.0 for t in tunings(args.quick, fp8)}
     oks = {t: True for t in totals}
     total_bytes = 0
     for step, seq_lens in zip(range(0, 10 ** 9, args.stride), decode_steps(args.stride)):
         q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), args.block_size,
                                                gen)
+        if fp8:
+            k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
         ref = reference(q, k_cache, v_cache, meta)
         longest_first = torch.tensor(sorted(range(len(seq_lens)), key=seq_lens.__getitem__,
                                             reverse=True), dtype=torch.int32, device="cuda")
-        total_bytes += kv_bytes(seq_lens) * args.stride
+        step_bytes = kv_bytes(seq_lens) // (2 if fp8 else 1)
+        total_bytes += step_bytes * args.stride
         for tuning in totals:
             pps, t, ordered = tuning
             splits = num_decode_splits(len(seq_lens), NUM_KV_HEADS, CAPTURE_MAX_SEQ_LEN, sms, pps)
@@ -99,7 +106,7 @@ def main() -> None:
                                   "num_seqs": len(seq_lens), "num_splits": splits,
                                   "mean_ctx": round(sum(seq_lens) / len(seq_lens)),
                                   "ms": round(ms, 4),
-                                  "kv_gbs": round(kv_bytes(seq_lens) / ms / 1e6, 1)}), flush=True)
+                                  "kv_gbs": round(step_bytes / ms / 1e6, 1)}), flush=True)
         del q, k_cache, v_cache, meta, ref
         torch.cuda.empty_cache()
     for tuning, seconds in sorted(totals.items(), key=lambda kv: kv[1]):
@@ -107,6 +114,7 @@ def main() -> None:
                           "seconds": round(seconds, 3),
                           "kv_gbs": round(total_bytes / seconds / 1e9, 1) if seconds else None,
                           "stride": args.stride, "block_size": args.block_size,
+                          "kv_cache_dtype": args.kv_cache_dtype,
                           "ok": oks[tuning]}), flush=True)
 
 

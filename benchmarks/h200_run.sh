@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, batch-1 latency, the throughput workload; logs under $OUT.
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
-#   [latency8b] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
+#   [latency8b] [throughputfp8] [latencyfp8] [latency8bfp8] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src | tar -x -C abbase` (an untracked
@@ -26,6 +26,9 @@ for step in "$@"; do
     latency8b) python3 benchmarks/latency.py --shape qwen3-8b 2>&1 | tee "$OUT/latency8b.log" ;;
     throughput) python3 benchmarks/throughput.py --hf-max-new 64 2>&1 | tee "$OUT/throughput.log" ;;
     throughputonly) python3 benchmarks/throughput.py 2>&1 | tee "$OUT/throughput.log" ;;
+    throughputfp8) python3 benchmarks/throughput.py --kv-cache-dtype fp8 2>&1 | tee "$OUT/throughput_fp8.log" ;;
+    latencyfp8) python3 benchmarks/latency.py --shape qwen3-0.6b --kv-cache-dtype fp8 2>&1 | tee "$OUT/latency_fp8.log" ;;
+    latency8bfp8) python3 benchmarks/latency.py --shape qwen3-8b --kv-cache-dtype fp8 2>&1 | tee "$OUT/latency8b_fp8.log" ;;
     kernels) python3 benchmarks/kernels.py --quick 2>&1 | tee "$OUT/kernels.log" ;;
     fusedops) python3 benchmarks/fused_ops.py 2>&1 | tee "$OUT/fused_ops.log" ;;
     skinny) python3 benchmarks/skinny_gemm.py 2>&1 | tee "$OUT/skinny.log" ;;

@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     parser.add_argument("--skinny", action="append", default=[], metavar="N:K:BN:BK[:defer]")
     parser.add_argument("--host-timing", action="store_true",
                         help="then as many generations again, each with its steps' host time, "
@@ -137,7 +138,10 @@ def main() -> None:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
         llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
                   enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  # Passed only when set, so that older builds (A/B runs) take the script.
+                  **({"kv_cache_dtype": args.kv_cache_dtype}
+                     if args.kv_cache_dtype != "auto" else {}))
         time_generate(llm, prompt, 8, 1)  # warm-up
         collections: list[dict] = []
         fulls = time_generate(llm, prompt, args.new_tokens, args.repeats, collections)
@@ -165,6 +169,7 @@ def main() -> None:
           "fraction_of_floor": round(floor_ms / per_token_ms, 3),
           "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
           "tensor_parallel_size": args.tensor_parallel_size,
+          "kv_cache_dtype": args.kv_cache_dtype,
           **environment()})
 
 

@@ -31,12 +31,13 @@ def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed:
 
 
 def floor_seconds(shape: dict, prompts: list[list[int]], max_tokens: list[int],
-                  bandwidth_gbs: float, num_gpus: int = 1) -> float:
+                  bandwidth_gbs: float, num_gpus: int = 1, kv_bytes: int = 2) -> float:
     """Bytes the decode steps must read (all KV + weights once per step) / bandwidth.
 
-    With tensor parallelism each of ``num_gpus`` GPUs reads its share at the same time."""
+    With tensor parallelism each of ``num_gpus`` GPUs reads its share at the same time;
+    ``kv_bytes`` per cached value (2: bf16, 1: fp8)."""
     kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
-                    * shape["head_dim"] * 2)
+                    * shape["head_dim"] * kv_bytes)
     kv_tokens = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
     weights = weight_bytes(shape)
     return ((kv_tokens * kv_per_token + max(max_tokens) * weights)
@@ -171,6 +172,9 @@ def main() -> None:
                         help="also time transformers' generate, capped at this many tokens")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (bf16) or fp8; the floor is the issue's, for a bf16 cache, "
+                             "and floor_tok_s_for_cache_dtype is the cache's own")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's per-step token budget (default: the engine's)")
     parser.add_argument("--profile-kernels", action="store_true",
@@ -192,6 +196,9 @@ def main() -> None:
         llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
                   max_num_seqs=max(args.num_seqs, 1),
                   tensor_parallel_size=args.tensor_parallel_size,
+                  # Passed only when set, so that older builds (A/B runs) take the script.
+                  **({"kv_cache_dtype": args.kv_cache_dtype}
+                     if args.kv_cache_dtype != "auto" else {}),
                   **({"max_num_batched_tokens": args.max_num_batched_tokens}
                      if args.max_num_batched_tokens else {}))
         load_s = time.perf_counter() - t0
@@ -214,11 +221,16 @@ def main() -> None:
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         assert produced == sum(max_tokens), "every request must run to its max_tokens"
         floor = floor_seconds(shape, prompts, max_tokens, bandwidth, args.tensor_parallel_size)
+        own_floor = floor_seconds(shape, prompts, max_tokens, bandwidth,
+                                  args.tensor_parallel_size,
+                                  1 if args.kv_cache_dtype.startswith("fp8") else 2)
         record = {"bench": "throughput", "shape": args.shape, "num_seqs": args.num_seqs,
                   "output_tokens": produced, "seconds": round(elapsed, 3),
                   "output_tok_s": round(produced / elapsed, 1),
                   "floor_seconds": round(floor, 3), "floor_tok_s": round(produced / floor, 1),
                   "fraction_of_floor": round(floor / elapsed, 3),
+                  "kv_cache_dtype": args.kv_cache_dtype,
+                  "floor_tok_s_for_cache_dtype": round(produced / own_floor, 1),
                   "bandwidth_gbs": round(bandwidth, 1), "num_kv_blocks": llm.engine.stats().num_total_blocks,
                   "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
                   "cuda_graphs": not args.enforce_eager,
