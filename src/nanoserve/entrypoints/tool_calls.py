@@ -19,7 +19,8 @@ from nanoserve.entrypoints.reasoning import tag_start_at_end
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 # Every closed call, and a last one cut short (by max_tokens or a stop) whose JSON is whole.
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_CALL = re.compile(f"{re.escape(TOOL_CALL_START)}(.*?)(?:{re.escape(TOOL_CALL_END)}|$)",
+                   re.DOTALL)
 
 
 class FunctionCall(BaseModel):
