@@ -25,8 +25,7 @@ from nanoserve.entrypoints.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
     UsageInfo, check_template_kwargs, value_error_to_api)
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
-from nanoserve.entrypoints.reasoning import split_reasoning
-from nanoserve.entrypoints.tool_calls import parse_tool_calls
+from nanoserve.entrypoints.chat_answer import split_answer
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.prompts import (ContextLengthError, as_prompt_list, check_context_length,
@@ -266,18 +265,11 @@ def _parses_tool_calls(req: CompletionRequest | ChatCompletionRequest) -> bool:
 
 def _chat_message(out: CompletionOutput, tool_calls: bool, reasoning_parser: str | None
                   ) -> tuple[ChatMessageOut, str | None]:
-    """A chat choice's message and finish reason: with a ``reasoning_parser``, the thinking
-    split off; with ``tool_calls``, the calls parsed out of the rest, and finish reason
-    'tool_calls' when there are some."""
-    reasoning, text = split_reasoning(out.text, reasoning_parser) if reasoning_parser \
-        else (None, out.text)
-    if reasoning is not None:
-        text = text or None  # vLLM's: no content rather than an empty one
-    content, calls = parse_tool_calls(text) if tool_calls and text else (text, [])
-    if not calls:
-        return ChatMessageOut(content=text, reasoning_content=reasoning), out.finish_reason
-    return ChatMessageOut(content=content, reasoning_content=reasoning,
-                          tool_calls=calls), "tool_calls"
+    """A chat choice's message and finish reason ('tool_calls' when it calls some)."""
+    parts = split_answer(out.text, tool_calls, reasoning_parser)
+    message = ChatMessageOut(content=parts.content, reasoning_content=parts.reasoning,
+                             tool_calls=parts.tool_calls or None)
+    return message, "tool_calls" if parts.tool_calls else out.finish_reason
 
 
 def _best(samples: list[RequestOutput], n: int) -> list[RequestOutput]:

@@ -19,8 +19,7 @@ from nanoserve.entrypoints.logprobs import Decode, chat_logprobs, completion_log
 from nanoserve.entrypoints.protocol import (
     ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
     DeltaToolCall, UsageInfo)
-from nanoserve.entrypoints.reasoning import ReasoningStream
-from nanoserve.entrypoints.tool_calls import ToolCall, ToolCallStream
+from nanoserve.entrypoints.chat_answer import AnswerParts, AnswerStream
 from nanoserve.outputs import RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -57,12 +56,10 @@ def cancel_all(streams: list[RequestStream]) -> None:
 class _Sent:
     """What one choice's chunks have carried so far."""
 
-    text: str = ""
+    answer: AnswerStream  # its text, split into reasoning, content and tool calls
     tokens: int = 0  # tokens whose logprobs went out
     offset: int = 0  # completions' text_offset of the next token
     opened: bool = False  # the choice's first chunk went out (with the echoed prompt)
-    tool_calls: ToolCallStream | None = None  # a chat answer parsed for tool calls
-    reasoning: ReasoningStream | None = None  # a chat answer's thinking split off
 
 
 class ChunkWriter:
@@ -85,10 +82,7 @@ class ChunkWriter:
         self.created = int(time.time())
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        sent = [_Sent(tool_calls=ToolCallStream() if self.tool_calls else None,
-                      reasoning=ReasoningStream(self.reasoning_parser)
-                      if self.reasoning_parser else None)
-                for _ in streams]
+        sent = [_Sent(AnswerStream(self.tool_calls, self.reasoning_parser)) for _ in streams]
         finals: list[RequestOutput] = []
         try:
             if self.chat:  # every choice opens with the assistant's role
@@ -98,15 +92,13 @@ class ChunkWriter:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, out in outputs:
                     completion = out.outputs[0]
-                    reasoning, delta, calls = self._new_parts(sent[i], completion.text,
-                                                              out.finished)
-                    finish_reason = "tool_calls" if calls else completion.finish_reason
+                    new = sent[i].answer.advance(completion.text, out.finished)
+                    finish_reason = "tool_calls" if new.tool_calls else completion.finish_reason
                     if self.echo is not None and not sent[i].opened:
-                        delta = self.echo[i // self.samples_per_prompt] + delta
-                    if delta or reasoning or finish_reason:
-                        yield sse(self._chunk(i, delta, finish_reason,
-                                              self._logprobs_since(sent[i], out), calls,
-                                              reasoning))
+                        new.content = self.echo[i // self.samples_per_prompt] + new.content
+                    if new.content or new.reasoning or finish_reason:
+                        yield sse(self._chunk(i, new, finish_reason,
+                                              self._logprobs_since(sent[i], out)))
                         sent[i].opened = True
                     if out.finished:
                         finals.append(out)
@@ -119,23 +111,6 @@ class ChunkWriter:
             yield SSE_DONE
         finally:
             cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
-
-    @staticmethod
-    def _new_parts(sent: _Sent, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
-        """The reasoning and the content that the cumulative ``text`` adds to the choice's
-        chunks, and, once it is finished, the tool calls parsed from the content."""
-        reasoning = ""
-        if sent.reasoning is not None:
-            reasoning, content = sent.reasoning.split(text, finished)
-            text = content or ""
-        if sent.tool_calls is None:
-            delta, sent.text = text[len(sent.text):], text
-            return reasoning, delta, []
-        delta = sent.tool_calls.content(text)
-        if not finished:
-            return reasoning, delta, []
-        rest, calls = sent.tool_calls.finish(text)
-        return reasoning, delta + rest, calls
 
     def _logprobs_since(self, sent: _Sent, out: RequestOutput) -> BaseModel | None:
         """The logprobs of every token since the choice's last chunk, its text shown or held
@@ -154,17 +129,16 @@ class ChunkWriter:
         sent.offset += sum(map(len, chunk.tokens))
         return chunk
 
-    def _chunk(self, index: int, text: str, finish_reason: str | None,
-               logprobs: BaseModel | None, tool_calls: list[ToolCall], reasoning: str = ""
-               ) -> BaseModel:
+    def _chunk(self, index: int, new: AnswerParts, finish_reason: str | None,
+               logprobs: BaseModel | None) -> BaseModel:
         if self.chat:
-            delta = DeltaMessage(content=text or None, reasoning_content=reasoning or None,
-                                 tool_calls=[
-                DeltaToolCall(index=k, **call.model_dump()) for k, call in enumerate(tool_calls)
-            ] or None)
+            calls = [DeltaToolCall(index=k, **call.model_dump())
+                     for k, call in enumerate(new.tool_calls)]
+            delta = DeltaMessage(content=new.content or None,
+                                 reasoning_content=new.reasoning or None, tool_calls=calls or None)
             return self._chat_chunk(index, delta, finish_reason, logprobs)
         return CompletionResponse(id=self.request_id, model=self.model, created=self.created,
-                                  choices=[CompletionChoice(index=index, text=text,
+                                  choices=[CompletionChoice(index=index, text=new.content,
                                                             logprobs=logprobs,
                                                             finish_reason=finish_reason)])
 
