@@ -9,8 +9,9 @@ from nanoserve.engine.llm_engine import EngineStats
 from nanoserve.engine.metrics import ServerMetrics
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.protocol import (
-    ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, CompletionRequest,
-    DeltaMessage, UsageInfo, value_error_to_api)
+    ChatCompletionRequest, CompletionRequest, value_error_to_api)
+from nanoserve.entrypoints.responses import (
+    ChatChunkChoice, ChatCompletionChunk, DeltaMessage, UsageInfo)
 from nanoserve.outputs import CompletionOutput, RequestOutput
 
 

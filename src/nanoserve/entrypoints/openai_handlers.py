@@ -21,9 +21,11 @@ from nanoserve.engine.request_stream import RequestStream
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.logprobs import PromptLogprobs, choice_logprobs, prompt_logprobs_out
 from nanoserve.entrypoints.protocol import (
-    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatMessageOut,
-    CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest, TokenizeRequest,
-    UsageInfo, check_template_kwargs, value_error_to_api)
+    ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    check_template_kwargs, value_error_to_api)
+from nanoserve.entrypoints.responses import (
+    ChatChoice, ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionResponse,
+    UsageInfo)
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
 from nanoserve.entrypoints.chat_answer import split_answer
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams

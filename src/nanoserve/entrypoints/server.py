@@ -41,7 +41,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     from nanoserve.engine.metrics import ServerMetrics
     from nanoserve.entrypoints.errors import APIError, parse_json
     from nanoserve.entrypoints.openai_handlers import OpenAIServing
-    from nanoserve.entrypoints.protocol import ModelCard, ModelList
+    from nanoserve.entrypoints.responses import ModelCard, ModelList
 
     name = served_model_name or engine.model_name
     serving = OpenAIServing(engine, name, reasoning_parser)
