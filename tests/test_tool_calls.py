@@ -275,3 +275,22 @@ def test_chat_template_kwargs(client):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
     no_thinking = _ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert no_thinking.usage.prompt_tokens == _ask(client).usage.prompt_tokens + 4
+
+
+def test_offline_chat_takes_tools_and_template_kwargs(tmp_path):
+    """LLM.chat renders tools and chat_template_kwargs as the server does, and returns the
+    answer as text (as vLLM's offline chat)."""
+    if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
+        pytest.skip("Qwen3's tokenizer is fetched by `make test`")
+    from nanoserve import LLM, SamplingParams
+
+    llm = LLM(str(build_answering_model(tmp_path / "model", ANSWER)), device="cpu",
+              dtype="float32", num_kv_blocks=64)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain, with_tool = (llm.chat(messages, params, use_tqdm=False, **extra)[0]
+                        for extra in ({}, {"tools": [WEATHER_TOOL]}))
+    assert plain.outputs[0].text == with_tool.outputs[0].text == ANSWER
+    assert len(with_tool.prompt_token_ids) > len(plain.prompt_token_ids) + 50
+    no_thinking = llm.render_chat(messages, chat_template_kwargs={"enable_thinking": False})
+    assert len(no_thinking) == len(plain.prompt_token_ids) + 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -70,14 +71,24 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate.
+
+        As vLLM's: ``tools`` (OpenAI function definitions) and ``chat_template_kwargs`` (e.g.
+        Qwen3's ``{"enable_thinking": False}``) go to the template; the answers are returned
+        as text (the server parses tool calls out of them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def render_chat(self, conversation: list[Message]) -> list[int]:
-        return render_chat(self.tokenizer, conversation)
+    def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools,
+                           chat_template_kwargs)
 
     def stream_chat(self, conversation: list[Message],
                     sampling_params: SamplingParams | None = None) -> Iterator[str]:
