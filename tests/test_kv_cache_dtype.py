@@ -53,3 +53,16 @@ def test_fp8_cache_holds_four_times_the_blocks_of_fp32(tiny_llama):
 def test_unknown_kv_cache_dtype_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         LLM(str(tiny_llama), device="cpu", kv_cache_dtype="int4")
+
+
+def test_fp8_cache_on_a_gpu_without_fp8_conversions_is_refused(monkeypatch):
+    """Triton converts to and from fp8 e4m3 on compute capability 8.9 and newer only."""
+    from nanoserve.runner.model_runner import resolve_kv_cache_dtype
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda)
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda) == torch.float8_e4m3fn

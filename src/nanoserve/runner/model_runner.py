@@ -32,10 +32,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's element type: the model's (``auto``), or fp8 e4m3 (values stored as they
     are, without a scale: vLLM's default when a checkpoint has no calibrated scales)."""
-    return dtype if name == "auto" else torch.float8_e4m3fn
+    if name == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype {name!r} needs a GPU of compute capability 8.9 or "
+                         "newer (Ada, Hopper, Blackwell), whose kernels convert to and from "
+                         f"fp8; this one has {torch.cuda.get_device_capability(device)}")
+    return torch.float8_e4m3fn
 
 
 def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
@@ -62,7 +68,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
+                                                     self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len(config, model_config)
         torch.manual_seed(config.seed)
