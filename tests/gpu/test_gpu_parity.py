@@ -60,63 +60,61 @@ def engine_greedy_with_top5(model_dir: Path, prompts: list[list[int]], **engine_
     return tokens, top5
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen3-moe-small"])
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factory):
+def random_model_dir(shape: str, tmp_path_factory) -> Path:
+    """A random bf16 model of ``shape`` saved with transformers, once per session."""
     from common import save_random_hf_model
-    from transformers import AutoModelForCausalLM
 
     model_dir = tmp_path_factory.getbasetemp() / f"hf-{shape}"
     if not (model_dir / "config.json").exists() or not list(model_dir.glob("*.safetensors")):
         save_random_hf_model(shape, model_dir)
+    return model_dir
+
+
+def assert_greedy_close_to_transformers(model_dir: Path, label: str, hf_cache=None,
+                                        **engine_args) -> None:
+    """8 random prompts, greedy, against transformers by the logprobs-close rule;
+    ``hf_cache(config)``: a fresh cache for each of transformers' generations."""
+    from transformers import AutoModelForCausalLM
+
     random.seed(1)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 300))]
                for _ in range(8)]
-    all_ours, all_our_top5 = engine_greedy_with_top5(model_dir, prompts,
-                                                     enforce_eager=enforce_eager)
+    all_ours, all_our_top5 = engine_greedy_with_top5(model_dir, prompts, **engine_args)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     exact = 0
     for prompt, ours, our_top5 in zip(prompts, all_ours, all_our_top5):
-        theirs, their_top5 = _hf_greedy_with_top5(model, prompt)
+        cache = {} if hf_cache is None else {"past_key_values": hf_cache(model.config)}
+        theirs, their_top5 = _hf_greedy_with_top5(model, prompt, **cache)
         exact += ours == theirs
         assert_logprobs_close(ours, our_top5, theirs, their_top5)
-    print(f"{shape} eager={enforce_eager}: {exact}/8 identical")
+    print(f"{label}: {exact}/8 identical")
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen3-moe-small"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factory):
+    assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
+                                        f"{shape} eager={enforce_eager}",
+                                        enforce_eager=enforce_eager)
 
 
 def test_fp8_kv_cache_close_to_transformers_rounding_its_cache(tmp_path_factory):
     """kv_cache_dtype="fp8" against transformers whose cache rounds keys and values to fp8."""
-    from common import save_random_hf_model
     from reference import fp8_rounding_cache
-    from transformers import AutoModelForCausalLM
 
-    model_dir = tmp_path_factory.getbasetemp() / "hf-qwen3-0.6b"
-    if not (model_dir / "config.json").exists() or not list(model_dir.glob("*.safetensors")):
-        save_random_hf_model("qwen3-0.6b", model_dir)
-    random.seed(1)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 300))]
-               for _ in range(8)]
-    all_ours, all_our_top5 = engine_greedy_with_top5(model_dir, prompts, kv_cache_dtype="fp8")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-    exact = 0
-    for prompt, ours, our_top5 in zip(prompts, all_ours, all_our_top5):
-        theirs, their_top5 = _hf_greedy_with_top5(
-            model, prompt, past_key_values=fp8_rounding_cache(model.config))
-        exact += ours == theirs
-        assert_logprobs_close(ours, our_top5, theirs, their_top5)
-    print(f"qwen3-0.6b fp8 KV cache: {exact}/8 identical")
+    assert_greedy_close_to_transformers(random_model_dir("qwen3-0.6b", tmp_path_factory),
+                                        "qwen3-0.6b fp8 KV cache", fp8_rounding_cache,
+                                        kv_cache_dtype="fp8")
 
 
 def test_bf16_prompt_logprobs_close_to_transformers(tmp_path_factory):
     """Prompt logprobs run the prefill's every row through the LM head: on the GPU path (Triton
     prefill attention, fused ops) they stay within bf16 rounding of transformers'."""
-    from common import save_random_hf_model
     from transformers import AutoModelForCausalLM
 
     from nanoserve import LLM, SamplingParams
 
-    model_dir = tmp_path_factory.getbasetemp() / "hf-qwen3-0.6b"
-    if not (model_dir / "config.json").exists() or not list(model_dir.glob("*.safetensors")):
-        save_random_hf_model("qwen3-0.6b", model_dir)
+    model_dir = random_model_dir("qwen3-0.6b", tmp_path_factory)
     random.seed(3)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 600))]
                for _ in range(4)]

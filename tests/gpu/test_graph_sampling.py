@@ -17,18 +17,16 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from common import save_random_hf_model
+    from test_gpu_parity import random_model_dir
 
-    path = tmp_path_factory.getbasetemp() / "hf-qwen3-0.6b"
-    if not (path / "config.json").exists() or not list(path.glob("*.safetensors")):
-        save_random_hf_model("qwen3-0.6b", path)
-    return path
+    return random_model_dir("qwen3-0.6b", tmp_path_factory)
 
 
 def _prompts(n: int) -> list[list[int]]:
