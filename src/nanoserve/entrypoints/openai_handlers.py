@@ -262,7 +262,7 @@ class OpenAIServing:
 
 
 def _parses_tool_calls(req: CompletionRequest | ChatCompletionRequest) -> bool:
-    return isinstance(req, ChatCompletionRequest) and req.tools_offered() is not None
+    return isinstance(req, ChatCompletionRequest) and req.offers_tools()
 
 
 def _chat_message(out: CompletionOutput, tool_calls: bool, reasoning_parser: str | None

@@ -215,10 +215,14 @@ class ChatCompletionRequest(_GenerationRequest):
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def offers_tools(self) -> bool:
+        """Whether tools go to the chat template and the answer is parsed for their calls
+        (there are some, and tool_choice is not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def tools_offered(self) -> list[dict[str, Any]] | None:
-        """The tools for the chat template, and whose calls the answer is parsed for (None
-        without tools, or with tool_choice 'none')."""
-        if not self.tools or self.tool_choice == "none":
+        """The tools for the chat template (None unless ``offers_tools``)."""
+        if not self.offers_tools():
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
