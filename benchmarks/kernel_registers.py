@@ -75,7 +75,7 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n,
                      NUM_SPLITS=splits, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
                      PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens,
-                     NARROW_OFFSETS=narrow_offsets)
+                     NARROW_OFFSETS=narrow_offsets, FP16_PRODUCTS=False)
     names = _decode_split_kernel.arg_names
     signature = {name: "constexpr" if name in constants else arg_type(name) for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
