@@ -132,6 +132,22 @@ def test_decode_in_longest_first_order(num_splits, heads_first):
         assert_matches_reference(out, q, k_cache, v_cache, meta)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_a_column_major_block_table(num_splits):
+    """The decode graphs keep their block table column-major ([max_blocks, batch] storage, so a
+    step uploads only the columns it uses), with spare columns past the step's width."""
+    seq_lens = [37, 1, 70, 16]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 4, num_heads=4, num_kv_heads=2,
+                                           head_dim=64, block_size=16)
+    storage = torch.full((meta.block_tables.shape[1] + 3, 6), 10 ** 6, dtype=torch.int32)
+    storage[:meta.block_tables.shape[1], :4] = meta.block_tables.T
+    tables = storage[:, :4].T  # [4, width + 3] with strides (1, 6)
+    assert tables.stride() == (1, 6)
+    out = decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc,
+                           meta.max_seq_len, 64 ** -0.5, num_splits=num_splits)
+    assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+
 def test_decode_more_splits_than_tiles_and_empty_sequences():
     # Splits beyond a sequence's tile count stay empty; seq_len 0 (graph padding) gives zeros.
     q, k_cache, v_cache, meta = make_batch([5, 0, 40], [1, 1, 1], num_heads=4, num_kv_heads=2,

@@ -115,7 +115,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
-    are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]``.
+    are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]`` (any strides:
+    the decode graphs keep theirs column-major, so a step uploads only the columns it uses).
     ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it, and
     ``tuning`` the tile and launch options (benchmarks sweep them). ``seq_order`` (``[B]`` int32,
     a permutation of the sequences, longest context first) is the order in which programs
@@ -163,7 +164,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), *new_strides,
         GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -24,7 +24,7 @@ def _decode_split_kernel(
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    stride_bt,
+    stride_bt, stride_btc,
     stride_ot, stride_oh,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -125,7 +125,7 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
-        block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0)
+        block = tl.load(block_row + (pos // BLOCK_SIZE) * stride_btc, mask=valid, other=0)
         offset = pos % BLOCK_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
         if NARROW_OFFSETS:  # V's strides are K's: one [BLOCK_N, D] tile of int32 offsets
