@@ -4,17 +4,20 @@
 #   [latency8b] [throughputfp8] [latencyfp8] [latency8bfp8] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
-# by more than most changes): first, here, `git archive REF src | tar -x -C abbase` (an untracked
-# folder travels with the tree; delete it before committing), then BASE=abbase on the device.
+# by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
+# untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
+# device. Each build runs its own benchmark scripts where the folder has them.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 
 ab() {  # ab LOG SCRIPT ARGS...: SCRIPT under BASE's sources, then this tree's; JSON lines labelled
-  local log=$1; shift
+  local log=$1 script=$2 scripts; shift 2
   for tree in "${BASE:?set BASE to the folder of the older build}" .; do
-    PYTHONPATH=$tree/src:$PWD/benchmarks python3 "$@" 2>&1 | grep '^{' \
+    scripts=$PWD/benchmarks
+    [ -d "$tree/benchmarks" ] && scripts=$(cd "$tree/benchmarks" && pwd)
+    PYTHONPATH=$tree/src:$scripts python3 "$scripts/$(basename "$script")" "$@" 2>&1 | grep '^{' \
       | sed "s|^{|{\"tree\": \"$tree\", |" | tee -a "$OUT/$log"
   done
 }

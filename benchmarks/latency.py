@@ -81,10 +81,12 @@ def graph_ms(llm: LLM, replays: int = 200) -> dict[str, float | None]:
     # Its static inputs still hold the last step's, a valid decode; the forward-only graph
     # takes a copy of them.
     step = replay_ms(graphs.graphs[1], replays)
-    forward = DecodeGraphs(runner.model, 1, graphs.tables.shape[1], graphs.max_seq_len,
+    forward = DecodeGraphs(runner.model, 1, graphs.max_blocks, graphs.max_seq_len,
                            runner.device)
-    for name in ("ids", "positions", "slots", "seq_lens", "tables", "order"):
-        getattr(forward, name).copy_(getattr(graphs, name)[:1])
+    source, target = graphs.arena.regions[1], forward.arena.regions[1]
+    for name in ("positions", "slots", "seq_lens", "tables", "order"):
+        getattr(target, name).copy_(getattr(source, name))
+    target.token_ids.copy_(graphs.arena.int64[source.sources])  # target's rows read their own
     forward_ms = replay_ms(forward.graphs[1], replays)
     forward.release()
     return {"step_graph_ms": step, "forward_graph_ms": forward_ms}

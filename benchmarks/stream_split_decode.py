@@ -17,19 +17,18 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from common import SHAPES, emit, environment, make_model_dir
 from decode_workload import decode_steps
 
 from nanoserve import LLM
-from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.runner.cuda_graph import DecodeGraphs
-
-Inputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
+from nanoserve.runner.graph_inputs import DecodeRows
 
 
 def decode_inputs(seq_lens: list[int], first_block: int, block_size: int, vocab: int
-                  ) -> tuple[Inputs, int]:
+                  ) -> tuple[DecodeRows, int]:
     """A decode batch over contiguous fresh blocks from ``first_block``; also the next free one."""
     tables, slots, block = [], [], first_block
     width = -(-max(seq_lens) // block_size)
@@ -38,18 +37,15 @@ def decode_inputs(seq_lens: list[int], first_block: int, block_size: int, vocab:
         tables.append(list(range(block, block + blocks)) + [0] * (width - blocks))
         slots.append((block + (n - 1) // block_size) * block_size + (n - 1) % block_size)
         block += blocks
-    dev = torch.device("cuda")
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-        max_query_len=1, max_seq_len=max(seq_lens),
-        seq_order=torch.tensor(order, dtype=torch.int32, device=dev))
-    ids = torch.randint(0, vocab, (len(seq_lens),), device=dev)
-    positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev)
-    return (ids, positions, meta), block
+    rows = DecodeRows(token_ids=np.random.randint(0, vocab, len(seq_lens)).astype(np.int64),
+                      sample_rows=np.full(len(seq_lens), -1, dtype=np.int64),
+                      positions=np.array([n - 1 for n in seq_lens], dtype=np.int64),
+                      slots=np.array(slots, dtype=np.int64),
+                      seq_lens=np.array(seq_lens, dtype=np.int32),
+                      order=np.array(order, dtype=np.int32),
+                      tables=np.array(tables, dtype=np.int32))
+    return rows, block
 
 
 def split(seq_lens: list[int], parts: int) -> list[list[int]]:
@@ -87,7 +83,7 @@ def main() -> None:
                   max_num_seqs=256)
     runner = llm.engine.executor
     dev, block_size = runner.device, runner.block_size
-    width = runner.graphs.tables.shape[1]
+    width = runner.graphs.max_blocks
     vocab = runner.model_config.vocab_size
     # Forwards alone (the engine's graphs also run the LM head and sampler); one set of static
     # buffers and graphs per stream.
@@ -118,17 +114,17 @@ def main() -> None:
                     continue
                 if p == 1:
                     def run() -> None:
-                        whole.run(*batch)
+                        whole.run(batch)
                 else:
                     def run(p: int = p, name: str = name, mode: str = mode) -> None:
                         for graphs, stream, inputs in zip(split_graphs[p], streams[name],
                                                           parted[p]):
                             if mode == "serial":
-                                graphs.run(*inputs)
+                                graphs.run(inputs)
                                 continue
                             stream.wait_stream(main_stream)
                             with torch.cuda.stream(stream):
-                                graphs.run(*inputs)
+                                graphs.run(inputs)
                         if mode != "serial":
                             for stream in streams[name]:
                                 main_stream.wait_stream(stream)

@@ -44,14 +44,14 @@ def _generate_recording(model_dir: Path, params) -> tuple[list, list[tuple], lis
     runner = llm.engine.executor
     graphs, replays, sampler_inputs = runner.graphs, [], []
     run, sample = graphs.run, runner.sampler.forward
-    temperature, noise_seed = graphs.temperature, graphs.noise_seed  # the static buffers
 
     def recording_run(*args):
         out = run(*args)
         if out.token_ids is not None:
             n = out.token_ids.shape[0]
+            region = graphs.arena.regions[graphs.size_for(n)]  # the graph's static inputs
             replays.append((out.logits.clone(), out.token_ids.clone(),
-                            temperature[:n].clone(), noise_seed.clone()))
+                            region.temperature[:n].clone(), region.noise_seed.clone()))
         return out
 
     def recording_sample(logits, tensors):

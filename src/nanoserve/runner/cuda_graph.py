@@ -4,11 +4,13 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
-from nanoserve.runner.sampling_tensors import SamplingTensors
+from nanoserve.runner.graph_inputs import DecodeRows, GraphArena
+from nanoserve.runner.inputs import SequenceChunk
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -30,61 +32,52 @@ class DecodeOutput(NamedTuple):
 class DecodeGraphs:
     """Decode forwards (one token per sequence) captured as CUDA graphs, one per batch size.
 
-    Inputs live in static buffers that every graph reads; a step copies its tensors into them,
-    replays the smallest graph that fits, and returns the first rows of its static output. Rows
-    past the batch hold padding (slot -1: nothing stored; length 1 over block 0: harmless
-    reads); they are re-padded only when the batch shrinks, so a steady batch copies its
-    inputs and nothing else.
+    Inputs live in a static arena that every graph reads (``graph_inputs.GraphArena``): a step
+    copies its inputs there in one go, replays the smallest graph that fits, and returns the
+    first rows of its static output. Rows past the batch hold padding. Token ids come through
+    an index, so tokens the previous step sampled into the arena are fed back without a copy.
 
     With ``sample`` the graphs also run the LM head and the fused greedy / temperature sampler
-    (nanoserve.kernels.sampling), reading each step's temperatures and noise seed from static
-    buffers: a step then costs the host one graph launch instead of three launches, two of them
-    through Triton's Python launcher. A batch that needs more than temperatures sets the seed
-    to -1, and the graph's sampling pass exits at once.
+    (nanoserve.kernels.sampling), reading each step's temperatures and noise seed from the
+    arena, and write the samples into its first part: a step then costs the host one copy and
+    one graph launch. A batch that needs more than temperatures stages the seed -1, and the
+    graph's sampling pass exits at once.
     """
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
-                 device: torch.device, sample: bool = False):
+                 device: torch.device, sample: bool = False, max_samples: int = 0):
         self.model = model
         self.sample = sample
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        n = self.max_batch
-        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.order = torch.arange(n, dtype=torch.int32, device=device)
-        self.batch_order = self.order.clone()  # padding rows keep their own place
-        self.rows_in_use = n  # rows from here on hold padding (after capture: unknown, pad all)
-        self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
-        self.noise_seed = torch.full((1,), -1, dtype=torch.int64, device=device)
-        if sample:  # one buffer for every size's logits and samples (a pool keeps live outputs)
+        self.max_blocks = max_blocks
+        # Samples of a step the graphs did not run (prefill) may number more than max_batch.
+        self.arena = GraphArena(self.sizes, max_blocks, max(max_samples, self.max_batch), device)
+        self.samples = self.arena.samples
+        self.query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        if sample:  # one buffer for every size's logits (a pool keeps live outputs)
             head = model.lm_head.weight
-            self.logits = torch.empty(n, model.lm_head.vocab_size, dtype=head.dtype, device=device)
-            self.token_ids = torch.zeros(n, dtype=torch.int64, device=device)
+            self.logits = torch.empty(self.max_batch, model.lm_head.vocab_size,
+                                      dtype=head.dtype, device=device)
         self.max_seq_len = max_seq_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, DecodeOutput] = {}
         self._capture()
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(self.query_start[:bs + 1], self.seq_lens[:bs], self.slots[:bs],
-                                 self.tables[:bs], max_query_len=1, max_seq_len=self.max_seq_len,
-                                 seq_order=self.order[:bs])
-
     def _forward(self, bs: int) -> DecodeOutput:
-        with attention_metadata(self._meta(bs)):
-            hidden = self.model(self.ids[:bs], self.positions[:bs])
+        region = self.arena.regions[bs]
+        meta = AttentionMetadata(self.query_start[:bs + 1], region.seq_lens, region.slots,
+                                 region.tables, max_query_len=1, max_seq_len=self.max_seq_len,
+                                 seq_order=region.order)
+        with attention_metadata(meta):
+            hidden = self.model(self.arena.int64[region.sources], region.positions)
         if not self.sample:
             return DecodeOutput(hidden, None, None)
         from nanoserve.kernels.sampling import gumbel_max_sample
 
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
         return DecodeOutput(hidden, logits, gumbel_max_sample(
-            logits, self.temperature[:bs], self.noise_seed, out=self.token_ids[:bs]))
+            logits, region.temperature, region.noise_seed, out=self.samples[:bs]))
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -98,43 +91,31 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, meta: AttentionMetadata) -> bool:
-        return (meta.decode_only and meta.num_seqs <= self.max_batch
-                and meta.block_tables.shape[1] <= self.tables.shape[1])
+    def accepts(self, chunks: list[SequenceChunk]) -> bool:
+        """Whether a step's chunks are a batch the graphs run: one token per sequence, each
+        sampled (a one-token chunk from a prompt's middle goes the eager way)."""
+        return 0 < len(chunks) <= self.max_batch and all(
+            len(c.token_ids) == 1 and c.sample for c in chunks)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            sampling: SamplingTensors | None = None) -> DecodeOutput:
-        """Replay the step. ``sampling`` describes every row (sampling graphs only; None: no
-        row is sampled in the graph)."""
-        n = ids.shape[0]
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.order[:n].copy_(self.batch_order[:n] if meta.seq_order is None else meta.seq_order)
-        width = meta.block_tables.shape[1]
-        self.tables[:n, :width].copy_(meta.block_tables)
-        if self.rows_in_use > n:  # a larger batch ran before: pad the rows it leaves behind
-            self._pad(n, self.rows_in_use)
-        self.rows_in_use = n
-        sampled = self.sample and sampling is not None and sampling.only_temperature
-        if sampled:
-            self.temperature[:n].copy_(sampling.temperature)
-            self.noise_seed.copy_(sampling.noise_seed)
-        elif self.sample:
-            self.noise_seed.fill_(-1)
+    def size_for(self, num_seqs: int) -> int:
+        """The graph size that runs a batch of ``num_seqs``."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
+    def run(self, rows: DecodeRows, temperature: np.ndarray | None = None,
+            noise_seed: int = -1) -> DecodeOutput:
+        """Replay the step. ``temperature`` (float32 per row, 0: greedy) and ``noise_seed``
+        (see ``SamplingTensors.noise_seed``) sample every row in the graph (sampling graphs
+        only); without them no row is sampled there. Rows fed the previous step's samples
+        (``rows.sample_rows``) read them from ``samples``, which must hold them."""
+        n = len(rows.positions)
+        bs = self.size_for(n)
+        sampled = self.sample and temperature is not None
+        self.arena.stage(bs, rows, temperature if sampled else None,
+                         noise_seed if sampled else -1)
         self.graphs[bs].replay()
         hidden, logits, token_ids = self.outputs[bs]
         return DecodeOutput(hidden[:n], None if logits is None else logits[:n],
                             token_ids[:n] if sampled else None)
-
-    def _pad(self, start: int, end: int) -> None:
-        """Padding rows: no slot (nothing stored), length 1 over block 0 (harmless reads)."""
-        self.slots[start:end].fill_(-1)
-        self.seq_lens[start:end].fill_(1)
-        self.order[start:end].copy_(self.batch_order[start:end])
-        self.tables[start:end, 0].zero_()
 
     def release(self) -> None:
         """Destroy the graphs. Graphs that captured NCCL collectives hold their communicator:

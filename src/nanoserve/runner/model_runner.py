@@ -12,12 +12,14 @@ from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.models.loader import iter_weights
 from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs
+from nanoserve.runner.graph_inputs import decode_rows
 from nanoserve.runner.inputs import (CompletedStep, InFlightStep, SequenceChunk, StepInput,
                                      StepOutput)
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler, with_fused_logprobs
-from nanoserve.runner.sampling_tensors import SamplingTensors
+from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed, max_logprobs,
+                                               temperatures_only)
 from nanoserve.runner.step_inputs import prepare_inputs
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -104,7 +106,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, 512), self._blocks_per_seq(),
-                self.max_model_len, self.device, sample=self.graphs_sample)
+                self.max_model_len, self.device, sample=self.graphs_sample,
+                max_samples=config.max_num_seqs)
         if self.device.type == "cuda" and self.sampling_rank:
             from nanoserve.kernels.sampling import compile_for_batches
             compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
@@ -201,41 +204,62 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device; return without waiting."""
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
-        ids, positions, meta, last = self._prepare(step.chunks)
-        self.last_samples, self.last_sample_rows = None, {}
         sampling = [c for c in step.chunks if c.sample]
-        tensors = None
-        if sampling and self.sampling_rank:
-            tensors = SamplingTensors.build(
-                [c.params for c in sampling], [c.prompt_token_ids for c in sampling],
-                [c.output_token_ids for c in sampling], [c.banned_token_ids for c in sampling],
-                [self._generator(c) for c in sampling], self.model_config.vocab_size,
-                self.device)
-        logits = token_ids = None
-        if self.graphs is not None and self.graphs.can_run(meta):
-            # A one-token chunk may be a prompt's middle, which samples nothing: the graph's
-            # logits and samples are used only when every row samples.
-            hidden, logits, token_ids = self.graphs.run(ids, positions, meta,
-                                                        tensors if last is None else None)
-            if last is not None:
-                logits = None
+        params = [c.params for c in sampling]
+        tensors = logits = token_ids = last = None
+        if self.graphs is not None and self.graphs.accepts(step.chunks):
+            hidden, logits, token_ids, tensors = self._replay(step.chunks)
         else:
+            ids, positions, meta, last = self._prepare(step.chunks)
+            if self.sampling_rank:
+                tensors = self._sampling_tensors(sampling)
             with attention_metadata(meta):
                 hidden = self.model(ids, positions)
+        self.last_samples, self.last_sample_rows = None, {}
         prompt = prompt_logprobs(self.model, step.chunks, hidden)
         if not sampling:
             return CompletedStep(StepOutput([], prompt_logprobs=prompt))
         if logits is None:
             logits = self.model.compute_logits(hidden if last is None else hidden[last])
-        if tensors is None:  # a tensor-parallel worker: rank 0 gathers the logits and samples
+        if not self.sampling_rank:  # a tensor-parallel worker: rank 0 gathers and samples
             return CompletedStep(StepOutput([]))
         if token_ids is not None:
-            out = with_fused_logprobs(logits, token_ids, tensors.max_logprobs)
+            out = with_fused_logprobs(logits, token_ids, max_logprobs(params))
         else:
             out = self.sampler(logits, tensors)
         self.last_samples = out.token_ids
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
-        return SampledStep(out, [c.params.logprobs for c in sampling], prompt)
+        return SampledStep(out, [p.logprobs for p in params], prompt)
+
+    def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors | None:
+        if not chunks:
+            return None
+        return SamplingTensors.build(
+            [c.params for c in chunks], [c.prompt_token_ids for c in chunks],
+            [c.output_token_ids for c in chunks], [c.banned_token_ids for c in chunks],
+            [self._generator(c) for c in chunks], self.model_config.vocab_size, self.device)
+
+    def _replay(self, chunks: list[SequenceChunk]) -> tuple[
+            torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
+        """A decode step through the CUDA graphs (every chunk one token, each sampled): the
+        hidden states, the graph's logits and samples where it ran them, and the sampling
+        tensors where the batch needs the general sampler."""
+        rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
+        if rows.feeds_samples and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
+            # The previous step sampled outside the graphs: its tokens join the arena.
+            self.graphs.samples[:len(self.last_samples)].copy_(self.last_samples)
+        temperature = tensors = None
+        if self.sampling_rank:
+            params = [c.params for c in chunks]
+            generators = [self._generator(c) for c in chunks]
+            if self.graphs.sample:
+                temperature = temperatures_only(params, [c.banned_token_ids for c in chunks],
+                                                generators, self.model_config.vocab_size)
+            if temperature is None:
+                tensors = self._sampling_tensors(chunks)
+        noise_seed = -1 if temperature is None else draw_noise_seed(bool(temperature.any()))
+        hidden, logits, token_ids = self.graphs.run(rows, temperature, noise_seed)
+        return hidden, logits, token_ids, tensors
 
     def close(self) -> None:
         self.generators.clear()

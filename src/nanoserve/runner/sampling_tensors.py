@@ -94,13 +94,9 @@ class SamplingTensors:
         restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
         allowed = [(row, t) for row in restricted for t in params[row].allowed_token_ids]
         max_top_k = max((k for k in top_k if k < vocab_size), default=0)
-        seeded = any(g is not None for g, s in zip(generators, sampled) if s)
-        only_temperature = not (any(reads_output) or banned or bias or allowed or max_top_k
-                                or any(p < 1.0 for p in top_p) or any(m > 0.0 for m in min_p)
-                                or seeded)
-        noise_seed = -1
-        if only_temperature:
-            noise_seed = int(torch.randint(2 ** 62, ())) if any(sampled) else 0
+        only_temperature = temperatures_only(params, banned_token_ids, generators,
+                                             vocab_size) is not None
+        noise_seed = draw_noise_seed(any(sampled)) if only_temperature else -1
 
         # One copy for everything the step's sampling reads on the device.
         no_history = np.empty(0, dtype=np.int64)
@@ -147,11 +143,42 @@ class SamplingTensors:
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(m > 0.0 for m in min_p),
             any_count_penalty=any(uses_count),
-            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
-                             default=-1),
+            max_logprobs=max_logprobs(params),
             only_temperature=only_temperature,
             noise_seed=seed_t,
         )
+
+
+def temperatures_only(params: list[SamplingParams], banned_token_ids: list[list[int]],
+                      generators: list[torch.Generator | None], vocab_size: int
+                      ) -> np.ndarray | None:
+    """Each row's temperature (float32, 0 where greedy) when no row of the batch needs more
+    than its temperature (no penalty, bias, banned or allowed list, top-k / top-p / min-p
+    filter or seeded generator), so that the fused sampler serves it; otherwise None."""
+    temperature = np.zeros(len(params), dtype=np.float32)
+    for row, (p, banned, generator) in enumerate(zip(params, banned_token_ids, generators)):
+        if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0 or p.logit_bias or p.allowed_token_ids
+                or any(0 <= t < vocab_size for t in banned)):
+            return None
+        if p.temperature < GREEDY_TEMPERATURE:
+            continue
+        if (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0
+                or generator is not None):
+            return None
+        temperature[row] = p.temperature
+    return temperature
+
+
+def draw_noise_seed(any_sampled: bool) -> int:
+    """The fused sampler's noise seed for a step: from torch's default CPU generator (no device
+    sync, and torch.manual_seed still makes runs reproducible); 0 when no row is drawn."""
+    return int(torch.randint(2 ** 62, ())) if any_sampled else 0
+
+
+def max_logprobs(params: list[SamplingParams]) -> int:
+    """The largest number of top logprobs a row asked for, -1 if none asked."""
+    return max((p.logprobs for p in params if p.logprobs is not None), default=-1)
 
 
 def _padded(rows: list[list[int]], pad: int) -> np.ndarray:

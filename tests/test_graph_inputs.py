@@ -1,0 +1,119 @@
+"""The decode graphs' input arena (runner/graph_inputs.py), on the CPU: a staged step reads
+back as the inputs the eager path prepares for the same chunks, padding and all."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.runner.graph_inputs import GraphArena, decode_rows
+from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
+from nanoserve.runner.sampling_tensors import SamplingTensors, temperatures_only
+from nanoserve.runner.step_inputs import prepare_inputs
+from nanoserve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+MAX_BLOCKS = 6
+SIZES = [1, 2, 4, 8]
+
+
+def decode_step(seed: int, num_seqs: int) -> tuple[list[SequenceChunk], dict[str, int]]:
+    """Chunks of one token each, some fed the previous step's sample (rows shuffled)."""
+    rng = random.Random(seed)
+    blocks = rng.sample(range(100), num_seqs * MAX_BLOCKS)
+    chunks, last_rows = [], {}
+    rows = rng.sample(range(8), num_seqs)
+    for i in range(num_seqs):
+        start = rng.randrange(MAX_BLOCKS * BLOCK_SIZE)
+        table = blocks[i * MAX_BLOCKS:i * MAX_BLOCKS + start // BLOCK_SIZE + 1]
+        pending = rng.random() < 0.6
+        token = PENDING_TOKEN if pending else rng.randrange(1000)
+        if pending:
+            last_rows[f"r{i}"] = rows[i]
+        chunks.append(SequenceChunk(f"r{i}", [token], start, table, True, SamplingParams(),
+                                    [], [], []))
+    return chunks, last_rows
+
+
+@pytest.mark.parametrize("num_seqs,seed", [(1, 0), (3, 1), (4, 2), (7, 3)])
+def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
+    chunks, last_rows = decode_step(seed, num_seqs)
+    arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"))
+    last_samples = torch.randint(0, 1000, (8,), generator=torch.Generator().manual_seed(seed))
+    arena.samples.copy_(last_samples)
+    temperature = np.linspace(0.0, 1.0, num_seqs, dtype=np.float32)
+    bs = next(s for s in SIZES if s >= num_seqs)
+    region = arena.stage(bs, decode_rows(chunks, BLOCK_SIZE, last_rows), temperature, 1234)
+
+    ids, positions, meta, last = prepare_inputs(chunks, BLOCK_SIZE, torch.device("cpu"),
+                                                last_samples, last_rows)
+    n, width = num_seqs, meta.block_tables.shape[1]
+    assert last is None and meta.decode_only
+    assert torch.equal(arena.int64[region.sources][:n], ids)
+    assert torch.equal(region.positions[:n], positions)
+    assert torch.equal(region.slots[:n], meta.slot_mapping)
+    assert torch.equal(region.seq_lens[:n], meta.seq_lens)
+    assert torch.equal(region.order[:n], meta.seq_order)
+    assert torch.equal(region.tables[:n, :width], meta.block_tables)
+    assert region.tables.stride() == (1, bs)  # column-major: a step's columns are contiguous
+    assert torch.equal(region.temperature[:n], torch.from_numpy(temperature))
+    assert region.noise_seed.tolist() == [1234]
+    # Padding rows: no slot, length 1 over block 0, greedy, in their own place, token 0.
+    assert (region.slots[n:] == -1).all() and (region.seq_lens[n:] == 1).all()
+    assert (region.tables[n:, 0] == 0).all() and (region.temperature[n:] == 0).all()
+    assert region.order[n:].tolist() == list(range(n, bs))
+    assert (arena.int64[region.sources][n:] == 0).all()
+
+
+def test_a_smaller_batch_pads_the_rows_a_larger_one_used():
+    arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"))
+    chunks, last_rows = decode_step(5, 4)
+    arena.samples.fill_(7)
+    arena.stage(4, decode_rows(chunks, BLOCK_SIZE, last_rows), None, -1)
+    region = arena.stage(4, decode_rows(chunks[:3], BLOCK_SIZE, last_rows), None, -1)
+    assert region.slots[3].item() == -1 and region.seq_lens[3].item() == 1
+    assert region.tables[3, 0].item() == 0 and region.order[3].item() == 3
+    assert region.noise_seed.item() == -1 and (region.temperature == 0).all()
+    # Other sizes' regions are untouched by it.
+    assert (arena.regions[8].slots == -1).all() and (arena.regions[8].seq_lens == 1).all()
+
+
+def test_staging_copies_only_the_columns_a_step_uses():
+    """A step's upload ends after the block-table columns it uses: stale columns past them are
+    never read (each row reads the blocks its length covers)."""
+    arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"))
+    region = arena.regions[2]
+    region.tables.fill_(99)
+    chunks, last_rows = decode_step(6, 2)
+    rows = decode_rows(chunks, BLOCK_SIZE, last_rows)
+    arena.stage(2, rows, None, -1)
+    width = rows.tables.shape[1]
+    assert width < MAX_BLOCKS and (region.tables[:, width:] == 99).all()
+    assert region.upload_bytes(width) < region.upload_bytes(MAX_BLOCKS)
+
+
+def test_temperatures_only_agrees_with_the_sampling_tensors():
+    """The graphs sample a batch themselves exactly when the sampler would take its fused
+    path, with the temperatures it would use."""
+    rng = random.Random(0)
+    vocab = 50
+    options = [dict(), dict(temperature=0.0), dict(temperature=0.7),
+               dict(temperature=0.7, top_k=5), dict(temperature=0.0, top_k=5),
+               dict(temperature=0.7, top_p=0.9), dict(temperature=0.0, min_p=0.1),
+               dict(temperature=0.7, min_p=0.1), dict(repetition_penalty=1.2),
+               dict(temperature=0.0, presence_penalty=0.5), dict(logit_bias={3: 1.0}),
+               dict(allowed_token_ids=[1, 2]), dict(temperature=0.7, seed=3),
+               dict(temperature=0.0, seed=3), dict(temperature=0.7, top_k=vocab + 10)]
+    for trial in range(200):
+        picks = [rng.choice(options) for _ in range(rng.randint(1, 4))]
+        params = [SamplingParams(**p) for p in picks]
+        banned = [rng.choice([[], [], [vocab + 1], [2]]) for _ in params]
+        generators = [torch.Generator() if p.seed is not None else None for p in params]
+        temperature = temperatures_only(params, banned, generators, vocab)
+        tensors = SamplingTensors.build(params, [[1]] * len(params), [[2]] * len(params),
+                                        banned, generators, vocab, torch.device("cpu"))
+        assert (temperature is not None) == tensors.only_temperature, picks
+        if temperature is not None:
+            assert torch.equal(torch.from_numpy(temperature), tensors.temperature)
