@@ -7,7 +7,7 @@ Triton version (3.6: ``pip install --no-deps --target DIR triton==3.6.0`` and pu
 PYTHONPATH); others allocate differently. One JSON line per variant:
 
     python benchmarks/kernel_registers.py [--block-n 32 64] [--warps 4 8] [--new-tokens]
-        [--wide-offsets] [--splits 32]
+        [--wide-offsets] [--splits 32] [--max-registers 96]
     python benchmarks/kernel_registers.py --skinny
     python benchmarks/kernel_registers.py --persistent   (persistent_layers.py's kernel)
 """
@@ -70,7 +70,8 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bool,
-                   narrow_offsets: bool, group: int, head_dim: int, splits: int) -> dict:
+                   narrow_offsets: bool, group: int, head_dim: int, splits: int,
+                   max_registers: int | None = None) -> dict:
     constants = dict(GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n,
                      NUM_SPLITS=splits, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
@@ -81,13 +82,15 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                  if name not in constants and name not in NOT_SPECIALISED}
     kernel = triton.compile(ASTSource(_decode_split_kernel, signature, constants, divisible),
-                            target=H200, options=dict(num_warps=num_warps, num_stages=num_stages))
+                            target=H200, options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                      maxnreg=max_registers))
     usage = resource_usage(kernel.asm["cubin"])
     threads = 32 * num_warps
     return {"kernel": "decode_split", "block_n": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "new_tokens": new_tokens,
             "narrow_offsets": narrow_offsets, "splits": splits, "group": group,
-            "head_dim": head_dim, **usage, "shared_bytes": kernel.metadata.shared,
+            "head_dim": head_dim, "max_registers": max_registers, **usage,
+            "shared_bytes": kernel.metadata.shared,
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (usage["registers"] * threads),
             "programs_per_sm_by_shared": SHARED_PER_SM // (kernel.metadata.shared + 1024),
             "triton": triton.__version__}
@@ -188,6 +191,8 @@ def main() -> None:
                         help="64-bit K/V offsets (DecodeTuning.narrow_offsets=False, as split "
                              "decode runs); default: the engine's 32-bit ones")
     parser.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (batch 1: 32)")
+    parser.add_argument("--max-registers", type=int,
+                        help="cap per thread (DecodeTuning.max_registers, ptx .maxnreg)")
     parser.add_argument("--skinny", action="store_true",
                         help="the batch-1 GEMV of each Qwen3 projection instead")
     parser.add_argument("--persistent", action="store_true",
@@ -203,7 +208,7 @@ def main() -> None:
         for warps in args.warps:
             print(json.dumps(decode_variant(block_n, warps, args.stages, args.new_tokens,
                                             not args.wide_offsets, args.group, args.head_dim,
-                                            args.splits)))
+                                            args.splits, args.max_registers)))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
 from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from nanoserve.attention.triton_backend import SPLIT_DECODE_TUNING  # noqa: E402
 from nanoserve.kernels.common import device_sm_count  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
     NewTokens,
@@ -78,7 +79,8 @@ def decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim
 def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
                        device: str, num_kv_heads: int = 8, block_size: int = 16,
                        cache_dtype: torch.dtype | None = None) -> None:
-    """``cache_dtype``: the KV cache's, when not the model's (fp8)."""
+    """``cache_dtype``: the KV cache's, when not the model's (fp8). With the engine's tuning
+    for split decode."""
     q, k, v, positions, k_cache, v_cache, meta = decode_case(
         seq_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, device,
         seed=len(seq_lens) + group)
@@ -101,7 +103,8 @@ def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: to
                            seq_order=torch.tensor(order, dtype=torch.int32, device=device),
                            new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
                                                 rotary.cos_sin, norms[0].weight,
-                                                norms[1].weight, 1e-6))
+                                                norms[1].weight, 1e-6),
+                           tuning=SPLIT_DECODE_TUNING)
     torch.testing.assert_close(out.float(), expected.float(), **BF16)
     # An fp8 cache: the same bf16 keys rounded to fp8, up to one fp8 step where the fused
     # kernel's rotation differs from the reference's in its last bf16 bit.
