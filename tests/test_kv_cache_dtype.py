@@ -57,7 +57,7 @@ def test_unknown_kv_cache_dtype_is_refused(tiny_llama):
 
 def test_fp8_cache_on_a_gpu_without_fp8_conversions_is_refused(monkeypatch):
     """Triton converts to and from fp8 e4m3 on compute capability 8.9 and newer only."""
-    from nanoserve.runner.model_runner import resolve_kv_cache_dtype
+    from nanoserve.runner.device import resolve_kv_cache_dtype
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.layers.parallel_state import tensor_parallel_group
-from nanoserve.runner.model_runner import ModelRunner, resolve_device
+from nanoserve.runner.device import resolve_device
+from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.runner.step_channel import SharedMemoryStepChannel, StepChannel
 
 
