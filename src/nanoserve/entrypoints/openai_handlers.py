@@ -11,7 +11,6 @@ import uuid
 from typing import Any
 from collections.abc import Awaitable
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -19,15 +18,12 @@ from nanoserve.engine.async_engine import AsyncLLMEngine
 from nanoserve.engine.chat import render_chat
 from nanoserve.engine.request_stream import RequestStream
 from nanoserve.entrypoints.errors import APIError, parse_request
-from nanoserve.entrypoints.logprobs import PromptLogprobs, choice_logprobs, prompt_logprobs_out
+from nanoserve.entrypoints.logprobs import choice_logprobs, prompt_logprobs_out
 from nanoserve.entrypoints.protocol import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
     check_template_kwargs, value_error_to_api)
-from nanoserve.entrypoints.responses import (
-    ChatChoice, ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionResponse,
-    UsageInfo)
+from nanoserve.entrypoints.responses import UsageInfo, full_response
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
-from nanoserve.entrypoints.chat_answer import split_answer
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.prompts import (ContextLengthError, as_prompt_list, check_context_length,
@@ -208,9 +204,9 @@ class OpenAIServing:
         logprobs_of = choice_logprobs(chat, params.logprobs, self._decode, echo is not None)
         prompt_logprobs = None if req.prompt_logprobs is None else \
             [prompt_logprobs_out(f, req.prompt_logprobs, self._decode) for f in finals]
-        body = _full_response(request_id, self.served_model_name, chat, outs, usage,
-                              [logprobs_of(f) for f in finals], prompt_logprobs,
-                              _parses_tool_calls(req), self.reasoning_parser)
+        body = full_response(request_id, self.served_model_name, chat, outs, usage,
+                             [logprobs_of(f) for f in finals], prompt_logprobs,
+                             _parses_tool_calls(req), self.reasoning_parser)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _beam_search(self, request_id: str, prompts: list[list[int]],
@@ -255,23 +251,14 @@ class OpenAIServing:
         completion_tokens = sum(len(h.token_ids) for h in beams)
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
-        body = _full_response(request_id, self.served_model_name, chat, outs, usage,
-                              [None] * len(outs), tool_calls=_parses_tool_calls(req),
-                              reasoning_parser=self.reasoning_parser)
+        body = full_response(request_id, self.served_model_name, chat, outs, usage,
+                             [None] * len(outs), tool_calls=_parses_tool_calls(req),
+                             reasoning_parser=self.reasoning_parser)
         return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _parses_tool_calls(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return isinstance(req, ChatCompletionRequest) and req.offers_tools()
-
-
-def _chat_message(out: CompletionOutput, tool_calls: bool, reasoning_parser: str | None
-                  ) -> tuple[ChatMessageOut, str | None]:
-    """A chat choice's message and finish reason ('tool_calls' when it calls some)."""
-    parts = split_answer(out.text, tool_calls, reasoning_parser)
-    message = ChatMessageOut(content=parts.content, reasoning_content=parts.reasoning,
-                             tool_calls=parts.tool_calls or None)
-    return message, "tool_calls" if parts.tool_calls else out.finish_reason
 
 
 def _best(samples: list[RequestOutput], n: int) -> list[RequestOutput]:
@@ -310,28 +297,3 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         task.cancel()  # no-op when done; else its streams get aborted as it unwinds
     return task.result() if task in done else None
-
-
-def _full_response(request_id: str, model: str, chat: bool, outs: list[CompletionOutput],
-                   usage: UsageInfo, logprobs: list[BaseModel | None],
-                   prompt_logprobs: list[PromptLogprobs] | None = None,
-                   tool_calls: bool = False, reasoning_parser: str | None = None) -> BaseModel:
-    """``logprobs`` per choice; ``prompt_logprobs`` per choice (chat has one prompt: its
-    response carries them once), or None when not asked for; ``tool_calls`` and
-    ``reasoning_parser``: see _chat_message."""
-    if chat:
-        messages = [_chat_message(o, tool_calls, reasoning_parser) for o in outs]
-        return ChatCompletionResponse(
-            id=request_id, model=model, usage=usage,
-            prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None,
-            choices=[ChatChoice(index=i, message=message, logprobs=lp, finish_reason=finish,
-                                stop_reason=o.stop_reason)
-                     for i, (o, lp, (message, finish))
-                     in enumerate(zip(outs, logprobs, messages, strict=True))])
-    return CompletionResponse(
-        id=request_id, model=model, usage=usage,
-        choices=[CompletionChoice(index=i, text=o.text, logprobs=lp,
-                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                                  prompt_logprobs=None if prompt_logprobs is None
-                                  else prompt_logprobs[i])
-                 for i, (o, lp) in enumerate(zip(outs, logprobs, strict=True))])

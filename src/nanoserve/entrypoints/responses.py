@@ -1,4 +1,5 @@
-"""OpenAI API response bodies (whole and streamed) as pydantic models."""
+"""OpenAI API response bodies (whole and streamed) as pydantic models, and the whole body of a
+finished request."""
 from __future__ import annotations
 
 import time
@@ -6,9 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from nanoserve.entrypoints.chat_answer import split_answer
 from nanoserve.entrypoints.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 from nanoserve.entrypoints.tool_calls import ToolCall
-from nanoserve.outputs import RequestOutput
+from nanoserve.outputs import CompletionOutput, RequestOutput
 
 
 def _unset_if_none() -> Any:
@@ -114,3 +116,37 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def chat_message(out: CompletionOutput, tool_calls: bool, reasoning_parser: str | None
+                 ) -> tuple[ChatMessageOut, str | None]:
+    """A chat choice's message and finish reason ('tool_calls' when it calls some)."""
+    parts = split_answer(out.text, tool_calls, reasoning_parser)
+    message = ChatMessageOut(content=parts.content, reasoning_content=parts.reasoning,
+                             tool_calls=parts.tool_calls or None)
+    return message, "tool_calls" if parts.tool_calls else out.finish_reason
+
+
+def full_response(request_id: str, model: str, chat: bool, outs: list[CompletionOutput],
+                  usage: UsageInfo, logprobs: list[BaseModel | None],
+                  prompt_logprobs: list[PromptLogprobs] | None = None,
+                  tool_calls: bool = False, reasoning_parser: str | None = None) -> BaseModel:
+    """``logprobs`` per choice; ``prompt_logprobs`` per choice (chat has one prompt: its
+    response carries them once), or None when not asked for; ``tool_calls`` and
+    ``reasoning_parser``: see chat_message."""
+    if chat:
+        messages = [chat_message(o, tool_calls, reasoning_parser) for o in outs]
+        return ChatCompletionResponse(
+            id=request_id, model=model, usage=usage,
+            prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None,
+            choices=[ChatChoice(index=i, message=message, logprobs=lp, finish_reason=finish,
+                                stop_reason=o.stop_reason)
+                     for i, (o, lp, (message, finish))
+                     in enumerate(zip(outs, logprobs, messages, strict=True))])
+    return CompletionResponse(
+        id=request_id, model=model, usage=usage,
+        choices=[CompletionChoice(index=i, text=o.text, logprobs=lp,
+                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                  prompt_logprobs=None if prompt_logprobs is None
+                                  else prompt_logprobs[i])
+                 for i, (o, lp) in enumerate(zip(outs, logprobs, strict=True))])
