@@ -2,8 +2,10 @@
 
 Engine bookkeeping is timed with a stub executor that returns random ids at once; the
 runner's input preparation and the sampler's tensors are timed on a tiny random model on the
-CPU. Shape: --num-seqs running requests of --prompt-len prompt tokens, decoding. Prints one
-JSON line (milliseconds per step).
+CPU, and so is what a decode-graph step does on the host instead of both: its rows, the
+temperature check and the packing of its one upload (``runner/graph_inputs.py``; the arena is
+in CPU memory here). Shape: --num-seqs running requests of --prompt-len prompt tokens,
+decoding. Prints one JSON line (milliseconds per step).
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ from common import make_model_dir
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.gc_tuning import freeze_startup_heap
+from nanoserve.runner.cuda_graph import capture_sizes
+from nanoserve.runner.graph_inputs import GraphArena, decode_rows
 from nanoserve.runner.inputs import CompletedStep, SequenceChunk, StepOutput
-from nanoserve.runner.sampling_tensors import SamplingTensors
+from nanoserve.runner.sampling_tensors import SamplingTensors, draw_noise_seed, temperatures_only
 from nanoserve.sampling_params import SamplingParams
 
 QWEN3_06B = ModelConfig("Qwen3ForCausalLM", 1024, 3072, 28, 16, 8, 128, 151936, 1e-6, 1e6, None,
@@ -62,7 +66,7 @@ def engine_ms(num_seqs: int, prompt_len: int, steps: int, freeze: bool) -> float
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def runner_ms(num_seqs: int, prompt_len: int, steps: int) -> tuple[float, float]:
+def runner_ms(num_seqs: int, prompt_len: int, steps: int) -> tuple[float, float, float]:
     from nanoserve import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,14 +85,24 @@ def runner_ms(num_seqs: int, prompt_len: int, steps: int) -> tuple[float, float]
                                      [c.banned_token_ids for c in chunks], [None] * num_seqs,
                                      QWEN3_06B.vocab_size, runner.device)
 
+    sizes = capture_sizes(num_seqs)
+    arena = GraphArena(sizes, blocks + 1, num_seqs, runner.device)
+
+    def stage() -> None:
+        temperature = temperatures_only([c.params for c in chunks],
+                                        [c.banned_token_ids for c in chunks], [None] * num_seqs,
+                                        QWEN3_06B.vocab_size)
+        arena.stage(sizes[-1], decode_rows(chunks, 16, {}), temperature,
+                    draw_noise_seed(bool(temperature.any())))
+
     timings = []
-    for fn in (lambda: runner._prepare(chunks), build):
+    for fn in (lambda: runner._prepare(chunks), build, stage):
         fn()
         start = time.perf_counter()
         for _ in range(steps):
             fn()
         timings.append((time.perf_counter() - start) / steps * 1e3)
-    return timings[0], timings[1]
+    return timings[0], timings[1], timings[2]
 
 
 def main() -> None:
@@ -102,12 +116,13 @@ def main() -> None:
     random.seed(0)
     # The engine first: building the runner's LLM freezes the heap itself.
     engine = engine_ms(args.num_seqs, args.prompt_len, args.steps, not args.no_gc_freeze)
-    prepare, sampling = runner_ms(args.num_seqs, args.prompt_len, args.steps)
+    prepare, sampling, graph_inputs = runner_ms(args.num_seqs, args.prompt_len, args.steps)
     print(json.dumps({"bench": "host_overhead", "num_seqs": args.num_seqs,
                       "engine_ms_per_step": round(engine, 3),
                       "gc_freeze": not args.no_gc_freeze,
                       "prepare_inputs_ms": round(prepare, 3),
                       "sampling_tensors_ms": round(sampling, 3),
+                      "graph_step_inputs_ms": round(graph_inputs, 3),
                       "date": time.strftime("%Y-%m-%d")}))
 
 

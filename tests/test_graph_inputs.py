@@ -67,6 +67,15 @@ def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
     assert (arena.int64[region.sources][n:] == 0).all()
 
 
+def test_rows_go_longest_first_and_ties_keep_batch_order():
+    lengths = [5, 9, 5, 12, 9, 5]
+    chunks = [SequenceChunk(f"r{i}", [7], n - 1, [i], True, SamplingParams(), [], [], [])
+              for i, n in enumerate(lengths)]
+    rows = decode_rows(chunks, 16, {})
+    assert rows.order.tolist() == [3, 1, 4, 0, 2, 5]
+    assert rows.seq_lens.tolist() == lengths
+
+
 def test_a_smaller_batch_pads_the_rows_a_larger_one_used():
     arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"))
     chunks, last_rows = decode_step(5, 4)
