@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
+from nanoserve.runner.step_inputs import (first_token_slot, longest_first, padded_block_tables,
+                                          table_width)
 
 ALIGNMENT = 16  # bytes: each view starts on a boundary Triton specialises pointers on
 
@@ -49,26 +51,20 @@ class DecodeRows(NamedTuple):
 def decode_rows(chunks: list[SequenceChunk], block_size: int,
                 last_sample_rows: dict[str, int]) -> DecodeRows:
     """The rows of a decode step whose chunks are one token each."""
-    width = max(1, max(len(c.block_table) for c in chunks))
-    token_ids, sample_rows, starts, slots, tables = [], [], [], [], []
-    for c in chunks:  # one pass: at 256 rows this runs every step on the host
-        token, start, table = c.token_ids[0], c.start, c.block_table
-        token_ids.append(token)
-        sample_rows.append(last_sample_rows[c.request_id] if token == PENDING_TOKEN else -1)
-        starts.append(start)
-        slots.append(table[start // block_size] * block_size + start % block_size)
-        tables += table
-        tables += [0] * (width - len(table))
-    seq_lens = np.array(starts, dtype=np.int32) + 1
+    width = table_width(chunks)
+    token_ids = [c.token_ids[0] for c in chunks]
+    starts = [c.start for c in chunks]
+    seq_lens = [s + 1 for s in starts]
     return DecodeRows(
         token_ids=np.array(token_ids, dtype=np.int64),
-        sample_rows=np.array(sample_rows, dtype=np.int64),
+        sample_rows=np.array([last_sample_rows[c.request_id] if t == PENDING_TOKEN else -1
+                              for c, t in zip(chunks, token_ids)], dtype=np.int64),
         positions=np.array(starts, dtype=np.int64),
-        slots=np.array(slots, dtype=np.int64),
-        seq_lens=seq_lens,
-        # Longest first; a stable sort keeps batch order among equal lengths.
-        order=np.argsort(-seq_lens, kind="stable").astype(np.int32),
-        tables=np.array(tables, dtype=np.int32).reshape(len(chunks), width),
+        slots=np.array([first_token_slot(c, block_size) for c in chunks], dtype=np.int64),
+        seq_lens=np.array(seq_lens, dtype=np.int32),
+        order=np.array(longest_first(seq_lens), dtype=np.int32),
+        tables=np.array(padded_block_tables(chunks, width),
+                        dtype=np.int32).reshape(len(chunks), width),
     )
 
 

@@ -39,21 +39,15 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         if c.token_ids[-1] == PENDING_TOKEN:
             pending_at.append(len(ids) - 1)
             pending_rows.append(last_sample_rows[c.request_id])
-    width = max(1, max(len(c.block_table) for c in chunks))
-    if dummy:
-        width = -(-max(seq_lens) // block_size)
-    tables: list[int] = []
-    for c in chunks:
-        tables += c.block_table
-        tables += [0] * (width - len(c.block_table))
+    width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks)
+    tables = padded_block_tables(chunks, width)
     decode_only = max(q_lens) == 1
     order, slots = [], []
     if decode_only:
         # One token per sequence: its cache slot is cheaper to find here than with a handful
         # of device ops, and the decode kernel takes sequences longest first.
-        order = sorted(range(len(chunks)), key=seq_lens.__getitem__, reverse=True)
-        slots = [-1 if dummy else c.block_table[c.start // block_size] * block_size
-                 + c.start % block_size for c in chunks]
+        order = longest_first(seq_lens)
+        slots = [-1 if dummy else first_token_slot(c, block_size) for c in chunks]
     sample_all = len(last) == len(ids)  # every token ends its chunk and samples: all rows
     starts = list(itertools.accumulate(q_lens, initial=0))
     (ids_t, pos, q_lens_t, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
@@ -81,3 +75,28 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
                              max_query_len=max(q_lens), max_seq_len=max(seq_lens),
                              seq_order=order_t if decode_only else None)
     return ids_t, pos, meta, None if sample_all else last_t
+
+
+def table_width(chunks: list[SequenceChunk]) -> int:
+    """Columns of a step's block table: the longest chunk's block count (at least 1)."""
+    return max(1, max(len(c.block_table) for c in chunks))
+
+
+def padded_block_tables(chunks: list[SequenceChunk], width: int) -> list[int]:
+    """Every chunk's block table padded with block 0 to ``width`` blocks, back to back."""
+    tables: list[int] = []
+    for c in chunks:
+        tables += c.block_table
+        tables += [0] * (width - len(c.block_table))
+    return tables
+
+
+def first_token_slot(chunk: SequenceChunk, block_size: int) -> int:
+    """The cache slot of the chunk's first token (a decode chunk's only one)."""
+    return chunk.block_table[chunk.start // block_size] * block_size + chunk.start % block_size
+
+
+def longest_first(seq_lens: list[int]) -> list[int]:
+    """Row indices by decreasing length, batch order among equal lengths: the order in which
+    decode kernels take sequences."""
+    return sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
