@@ -164,6 +164,26 @@ def host_profile(enabled: bool):
         stats.print_callees(r"llm_engine.py:\d+\(step\)")
 
 
+def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+              args: argparse.Namespace) -> tuple[float, dict]:
+    """One timed pass of the workload: its seconds and the report of the options' probes."""
+    with kernel_profile(args.profile_kernels) as report, \
+            host_timing(args.host_timing, llm) as host_report, \
+            host_profile(args.host_profile):
+        allocs_before = torch.cuda.memory_stats()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        allocs_after = torch.cuda.memory_stats()
+        # cudaMalloc/cudaFree inside the run: either can stall the host until the device idles.
+        allocs = {f"{key}_in_run": allocs_after.get(key, 0) - allocs_before.get(key, 0)
+                  for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(p.max_tokens for p in params), "every request must run to max_tokens"
+    return elapsed, {**allocs, **report, **host_report}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
@@ -177,6 +197,10 @@ def main() -> None:
                              "and floor_tok_s_for_cache_dtype is the cache's own")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's per-step token budget (default: the engine's)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=None,
+                        help="time the workload once per step budget, in this order, in one "
+                             "process: one engine built for the largest, the prefix cache "
+                             "reset before each run (an A/B of budgets on one machine)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also print (to stderr) the device's kernel time over the run, "
                              "by kernel; the profiler slows the host, so seconds grows")
@@ -189,62 +213,58 @@ def main() -> None:
 
     prompts, max_tokens = workload(args.num_seqs)
     shape = SHAPES[args.shape]
+    budgets = args.budgets or [args.max_num_batched_tokens]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
         bandwidth = copy_bandwidth_gbs()
         t0 = time.perf_counter()
+        budget = max(budgets) if args.budgets else args.max_num_batched_tokens
         llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
                   max_num_seqs=max(args.num_seqs, 1),
                   tensor_parallel_size=args.tensor_parallel_size,
                   # Passed only when set, so that older builds (A/B runs) take the script.
                   **({"kv_cache_dtype": args.kv_cache_dtype}
                      if args.kv_cache_dtype != "auto" else {}),
-                  **({"max_num_batched_tokens": args.max_num_batched_tokens}
-                     if args.max_num_batched_tokens else {}))
+                  **({"max_num_batched_tokens": budget} if budget else {}))
         load_s = time.perf_counter() - t0
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
                   for n in max_tokens]
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
-        with kernel_profile(args.profile_kernels) as report, \
-                host_timing(args.host_timing, llm) as host_report, \
-                host_profile(args.host_profile):
-            allocs_before = torch.cuda.memory_stats()
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            allocs_after = torch.cuda.memory_stats()
-            # cudaMalloc/cudaFree inside the run: either can stall the host until the device idles.
-            allocs = {f"{key}_in_run": allocs_after.get(key, 0) - allocs_before.get(key, 0)
-                      for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert produced == sum(max_tokens), "every request must run to its max_tokens"
         floor = floor_seconds(shape, prompts, max_tokens, bandwidth, args.tensor_parallel_size)
         own_floor = floor_seconds(shape, prompts, max_tokens, bandwidth,
                                   args.tensor_parallel_size,
                                   1 if args.kv_cache_dtype.startswith("fp8") else 2)
-        record = {"bench": "throughput", "shape": args.shape, "num_seqs": args.num_seqs,
-                  "output_tokens": produced, "seconds": round(elapsed, 3),
-                  "output_tok_s": round(produced / elapsed, 1),
-                  "floor_seconds": round(floor, 3), "floor_tok_s": round(produced / floor, 1),
-                  "fraction_of_floor": round(floor / elapsed, 3),
-                  "kv_cache_dtype": args.kv_cache_dtype,
-                  "floor_tok_s_for_cache_dtype": round(produced / own_floor, 1),
-                  "bandwidth_gbs": round(bandwidth, 1), "num_kv_blocks": llm.engine.stats().num_total_blocks,
-                  "preemptions": llm.engine.stats().num_preemptions, "load_seconds": round(load_s, 1),
-                  "cuda_graphs": not args.enforce_eager,
-                  "tensor_parallel_size": args.tensor_parallel_size,
-                  "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
-                  **allocs, **report, **host_report}
+        records = []
+        for run_budget in budgets:
+            if args.budgets:  # the engine was built for the largest; the scheduler takes this
+                llm.engine.scheduler.max_num_batched_tokens = run_budget
+                assert llm.reset_prefix_cache(), "every request of the last run has finished"
+            elapsed, run_report = timed_run(llm, prompts, params, args)
+            records.append(
+                {"bench": "throughput", "shape": args.shape, "num_seqs": args.num_seqs,
+                 "output_tokens": sum(max_tokens), "seconds": round(elapsed, 3),
+                 "output_tok_s": round(sum(max_tokens) / elapsed, 1),
+                 "floor_seconds": round(floor, 3), "floor_tok_s": round(sum(max_tokens) / floor, 1),
+                 "fraction_of_floor": round(floor / elapsed, 3),
+                 "kv_cache_dtype": args.kv_cache_dtype,
+                 "floor_tok_s_for_cache_dtype": round(sum(max_tokens) / own_floor, 1),
+                 "bandwidth_gbs": round(bandwidth, 1),
+                 "num_kv_blocks": llm.engine.stats().num_total_blocks,
+                 "preemptions": llm.engine.stats().num_preemptions,
+                 "load_seconds": round(load_s, 1), "cuda_graphs": not args.enforce_eager,
+                 "tensor_parallel_size": args.tensor_parallel_size,
+                 "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
+                 **run_report})
         llm.close()
         del llm
         torch.cuda.empty_cache()
         if args.hf_max_new:
             hf = run_transformers(model_dir, prompts, args.hf_max_new)
-            record.update(hf_tok_s=round(hf, 1), hf_max_new=args.hf_max_new,
-                          speedup_vs_hf=round(produced / elapsed / hf, 1))
-    emit({**record, **environment()})
+            records[-1].update(hf_tok_s=round(hf, 1), hf_max_new=args.hf_max_new,
+                               speedup_vs_hf=round(records[-1]["output_tok_s"] / hf, 1))
+    for record in records:
+        emit({**record, **environment()})
 
 
 if __name__ == "__main__":

@@ -99,6 +99,21 @@ def test_idle_cached_blocks_come_back_off_the_free_list():
     assert not set(bm.allocate(3)) & set(hits)
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_no_block_is_held():
+    bm = BlockManager(6, BS)
+    seq = list(range(12))
+    table = _computed(bm, seq)
+    assert not bm.reset_prefix_cache()  # a request still holds the blocks
+    assert bm.match_prefix(seq + [99]) == table[:3]
+    bm.free_blocks(table)
+    assert bm.reset_prefix_cache()
+    assert bm.match_prefix(seq + [99]) == []
+    assert all(b.hash is None for b in bm.blocks)
+    _assert_consistent(bm, [])
+    # the prefix registers again once computed
+    assert bm.match_prefix(seq + [99]) == [] and _computed(bm, seq)
+
+
 def test_match_prefix_follows_the_whole_chain():
     bm = BlockManager(10, BS)
     seq = list(range(16))

@@ -95,6 +95,25 @@ def test_offline_token_budget_defaults_above_the_servers(tiny_llama):
     assert llm.engine.scheduler.max_num_batched_tokens == 64
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(tiny_llama):
+    """A repeated prompt hits the prefix cache; after ``reset_prefix_cache`` it does not, and
+    its output is unchanged (greedy)."""
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", block_size=4)
+    prompt = list(range(3, 40))
+
+    def run() -> tuple[list[int], int]:
+        hits = llm.engine.stats().prefix_cache_hits
+        out = llm.generate([prompt], greedy_params(4), use_tqdm=False)[0].outputs[0].token_ids
+        return out, llm.engine.stats().prefix_cache_hits - hits
+
+    first, first_hits = run()
+    again, again_hits = run()
+    assert first_hits == 0 and again_hits > 0 and again == first
+    assert llm.reset_prefix_cache()
+    after, after_hits = run()
+    assert after_hits == 0 and after == first
+
+
 def test_norm_weights_folded_into_projections_keep_outputs_exact(tiny_model, expected):
     """The GPU path folds each layer's pre-norm weights into the qkv and gate/up columns and
     keeps unit norms; the same model folded on the CPU must still equal transformers."""

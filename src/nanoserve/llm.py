@@ -124,6 +124,10 @@ class LLM:
         while self.engine.aborted:
             self.engine.step()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (all requests must be finished); returns whether it did."""
+        return self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         self.engine.close()
 

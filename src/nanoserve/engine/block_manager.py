@@ -85,6 +85,17 @@ class BlockManager:
             parent = h
         return matched
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so later requests compute theirs again (vLLM's
+        ``reset_prefix_cache``, e.g. between benchmark runs). Only when no block is in use,
+        since a running request's blocks must stay findable; returns whether it reset."""
+        if len(self.free) != len(self.blocks):
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids, block.parent_hash = None, (), None
+        return True
+
     def count_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
         self.prefix_queries += num_queried
         self.prefix_hits += num_hit

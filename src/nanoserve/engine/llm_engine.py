@@ -271,6 +271,10 @@ class LLMEngine:
         self.finished_ids.append(req.request_id)
         return self.output_processor.output(req)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
