@@ -64,6 +64,12 @@ class DecodeGraphs:
         self.outputs: dict[int, DecodeOutput] = {}
         self._capture()
 
+    @staticmethod
+    def arena_bytes(max_batch: int, max_blocks: int, max_samples: int) -> int:
+        """Bytes of the input arena that graphs for batches up to ``max_batch`` keep."""
+        sizes = capture_sizes(max_batch)
+        return GraphArena.layout(sizes, max_blocks, max(max_samples, sizes[-1]))[1]
+
     def _forward(self, bs: int) -> DecodeOutput:
         region = self.arena.regions[bs]
         meta = AttentionMetadata(self.query_start[:bs + 1], region.seq_lens, region.slots,

@@ -161,10 +161,7 @@ class GraphArena:
 
     def __init__(self, sizes: list[int], max_blocks: int, max_samples: int,
                  device: torch.device):
-        layout, end = {}, _aligned(8 * max_samples)
-        for bs in sizes:
-            layout[bs] = end
-            end += GraphRegion.size(bs, max_blocks)
+        layout, end = self.layout(sizes, max_blocks, max_samples)
         self.memory = torch.zeros(end, dtype=torch.uint8, device=device)
         self.int64 = self.memory.view(torch.int64)  # every part is 16-byte aligned
         self.samples = self.int64[:max_samples]
@@ -172,6 +169,15 @@ class GraphArena:
                         for bs, at in layout.items()}
         for bs in sizes:  # padding everywhere: what graph capture's warm-up forwards read
             self.stage(bs, DecodeRows.empty(), None, -1)
+
+    @staticmethod
+    def layout(sizes: list[int], max_blocks: int, max_samples: int) -> tuple[dict[int, int], int]:
+        """Each graph size's region start, and the arena's bytes."""
+        layout, end = {}, _aligned(8 * max_samples)
+        for bs in sizes:
+            layout[bs] = end
+            end += GraphRegion.size(bs, max_blocks)
+        return layout, end
 
     def stage(self, bs: int, rows: DecodeRows, temperature: np.ndarray | None,
               noise_seed: int) -> GraphRegion:

@@ -77,7 +77,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
-                self.model, min(config.max_num_seqs, 512), self._blocks_per_seq(),
+                self.model, self._graph_batch(), self._blocks_per_seq(),
                 self.max_model_len, self.device, sample=self.graphs_sample,
                 max_samples=config.max_num_seqs)
         if self.device.type == "cuda" and self.sampling_rank:
@@ -122,6 +122,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
         peak = torch.cuda.max_memory_allocated(self.device)
+        graphs_bytes = self._decode_graphs_bytes()
         self._allocate_kv_cache(num_blocks=0)
         torch.cuda.empty_cache()
         # The sampler's float32 working copies of the logits come on top of the forward's peak,
@@ -129,7 +130,23 @@ class ModelRunner:
         logits_bytes = self.config.max_num_seqs * self.model_config.vocab_size
         sampler_bytes = logits_bytes * (4 * 4 + self.dtype.itemsize)
         return int(total * self.config.gpu_memory_utilization - peak - sampler_bytes
-                   - max(in_use_by_others, 0))
+                   - graphs_bytes - max(in_use_by_others, 0))
+
+    def _graph_batch(self) -> int:
+        return min(self.config.max_num_seqs, 512)
+
+    def _decode_graphs_bytes(self) -> int:
+        """What the decode graphs will keep beside the KV cache (they are captured after it):
+        their input arena, and their memory pool, which holds about one decode forward's
+        activations at the largest batch (every size shares the pool), measured here."""
+        if self.config.enforce_eager:
+            return 0
+        arena = DecodeGraphs.arena_bytes(self._graph_batch(), self._blocks_per_seq(),
+                                         self.config.max_num_seqs)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run(decode=True)
+        return arena + torch.cuda.max_memory_allocated(self.device) - before
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         attn = self._attention_layers()[0]
@@ -140,9 +157,11 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
-        """A forward over the largest batch the scheduler may build, to measure peak memory."""
-        num_tokens = self.config.max_num_batched_tokens
+    def profile_run(self, decode: bool = False) -> None:
+        """A forward over the largest batch the scheduler may build, to measure peak memory;
+        with ``decode``, over the largest batch a decode graph runs (one token per sequence,
+        no logits: the graphs keep those outside their pool)."""
+        num_tokens = self._graph_batch() if decode else self.config.max_num_batched_tokens
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         q_lens = [num_tokens // num_seqs] * num_seqs
         q_lens[-1] += num_tokens - sum(q_lens)
@@ -151,7 +170,8 @@ class ModelRunner:
         ids, positions, meta, last = self._prepare(chunks, dummy=True)
         with attention_metadata(meta):
             hidden = self.model(ids, positions)
-        self.model.compute_logits(hidden if last is None else hidden[last])
+        if not decode:
+            self.model.compute_logits(hidden if last is None else hidden[last])
         torch.cuda.synchronize(self.device)
 
     # ---- one step -------------------------------------------------------------------------
