@@ -201,9 +201,6 @@ def main() -> None:
                         help="time the workload once per step budget, in this order, in one "
                              "process: one engine built for the largest, the prefix cache "
                              "reset before each run (an A/B of budgets on one machine)")
-    parser.add_argument("--few-rows-max-rows", type=int, default=None,
-                        help="largest decode batch on the few-rows kernels (1: none, the "
-                             "cuBLAS path; for A/B runs; default: the engine's)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also print (to stderr) the device's kernel time over the run, "
                              "by kernel; the profiler slows the host, so seconds grows")
@@ -214,9 +211,6 @@ def main() -> None:
                         help="also print (to stderr) a cProfile of the host over the run")
     args = parser.parse_args()
 
-    if args.few_rows_max_rows is not None:
-        from nanoserve.layers import linear
-        linear.FEW_ROWS_MAX_ROWS = args.few_rows_max_rows
     prompts, max_tokens = workload(args.num_seqs)
     shape = SHAPES[args.shape]
     budgets = args.budgets or [args.max_num_batched_tokens]
@@ -261,8 +255,6 @@ def main() -> None:
                  "load_seconds": round(load_s, 1), "cuda_graphs": not args.enforce_eager,
                  "tensor_parallel_size": args.tensor_parallel_size,
                  "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
-                 **({"few_rows_max_rows": args.few_rows_max_rows}
-                    if args.few_rows_max_rows is not None else {}),
                  **run_report})
         llm.close()
         del llm

@@ -24,16 +24,11 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.few_rows_gemm import (  # noqa: E402
-    few_rows_linear,
-    few_rows_rms_linear,
-)
 from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
 from nanoserve.kernels.skinny_gemm import (  # noqa: E402
     skinny_linear,
     skinny_rms_linear,
 )
-from nanoserve.layers.activation import silu_and_mul_torch  # noqa: E402
 from nanoserve.layers.linear import linear  # noqa: E402
 from nanoserve.layers.moe import experts_loop  # noqa: E402
 from nanoserve.layers.norm import (  # noqa: E402
@@ -195,38 +190,6 @@ def test_prefill_stores_and_reads_an_fp8_cache():
                          ids=["qkv", "gate_up", "qkv-8b", "gate_up-8b"])
 def test_norm_in_gemv_matches_torch_path(n, k):
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
-
-
-@pytest.mark.parametrize("rows", [2, 13, 64])
-@pytest.mark.parametrize("hidden,inter", [(1024, 3072), (4096, 12288)],
-                         ids=["qwen3-0.6b", "qwen3-8b"])
-def test_few_rows_gemm_chain_matches_torch_path(rows, hidden, inter):
-    """A small decode batch's MLP through the few-rows kernels, the norms in their epilogues:
-    down_proj adds into the residual and sums its squares, gate/up normalises with that sum
-    (norm weight folded into W) and applies SiLU-and-mul; against add, RMSNorm, cuBLAS and
-    silu_and_mul. Also the plain product at the qkv shape."""
-    gen = torch.Generator().manual_seed(rows + hidden)
-    dtype = torch.bfloat16
-    act = torch.randn(rows, inter, generator=gen).to("cuda", dtype)
-    down = torch.randn(hidden, inter, generator=gen).div(inter ** 0.5).to("cuda", dtype)
-    h = (2 * torch.randn(rows, hidden, generator=gen)).to("cuda", dtype)
-    residual, sum_squares = h.clone(), torch.zeros(rows, device="cuda")
-    assert few_rows_linear(act, down, residual=residual, sum_squares=sum_squares) is residual
-    expected_residual = (act.float() @ down.float().T).to(dtype) + h
-    torch.testing.assert_close(residual.float(), expected_residual.float(), **BF16)
-    torch.testing.assert_close(sum_squares, residual.float().pow(2).sum(-1), rtol=1e-5, atol=0)
-    norm_weight = (1 + 0.3 * torch.randn(hidden, generator=gen)).to("cuda", dtype)
-    gate_up = torch.randn(2 * inter, hidden, generator=gen).div(hidden ** 0.5).to("cuda", dtype)
-    folded = (gate_up.float() * norm_weight.float()[None, :]).to(dtype)
-    # The kernel normalises the float32 product, not the bf16-rounded row (as the batch-1
-    # GEMV): the reference does the same in float64, then rounds where the kernel rounds.
-    r = residual.double()
-    normed = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)
-    product = ((normed * norm_weight.double()) @ gate_up.double().T).to(dtype)
-    out = few_rows_rms_linear(residual, sum_squares, 1e-6, folded, gate_up=True)
-    torch.testing.assert_close(out.float(), silu_and_mul_torch(product).float(), **BF16)
-    qkv = gate_up[:hidden * 3 // 2]
-    torch.testing.assert_close(few_rows_linear(h, qkv).float(), (h @ qkv.T).float(), **BF16)
 
 
 @pytest.mark.parametrize("rows", [2, 64, 200])

@@ -1,17 +1,8 @@
 """SiLU-gated activation over a merged gate/up projection."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
-
-
-class Activated(NamedTuple):
-    """The MLP's ``silu(gate) * up``, already applied by the gate/up projection's kernel (a
-    few rows on CUDA, ``kernels.few_rows_gemm``): the down projection takes it as it is."""
-
-    values: torch.Tensor
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.activation import Activated, silu_and_mul
+from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 from nanoserve.layers.split_k import split_k_partial_sums
@@ -23,22 +23,10 @@ from nanoserve.layers.split_k import split_k_partial_sums
 ShardId = str | int | None
 
 
-# Largest decode batch whose fused projections (norm, residual add, SiLU in the epilogues) run
-# on the few-rows kernel rather than cuBLAS and separate elementwise launches.
-FEW_ROWS_MAX_ROWS = 64
-
-
-def _gemv_rows(x: torch.Tensor) -> int:
-    """Rows of a 16-bit ``x`` on CUDA that the fused decode kernels serve (1: the skinny GEMV,
-    2 to ``FEW_ROWS_MAX_ROWS``: the few-rows GEMM); 0 for anything else."""
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
-        return 0
-    return x.shape[0] if 1 <= x.shape[0] <= FEW_ROWS_MAX_ROWS else 0
-
-
 def _one_row_on_cuda(x: torch.Tensor) -> bool:
     """Batch-1 decode on CUDA in 16 bits: the skinny-GEMM kernel's case."""
-    return _gemv_rows(x) == 1
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -56,26 +44,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
-                weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False
-                ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
+                weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)``; without a residual, ``(.. norm(x) .., x)``.
 
-    At decode batches on CUDA, where the norm's weight is folded into ``weight`` and the
-    projection before added its output into the residual and summed the squares of each
-    updated row (``AddedToResidual.sum_squares``), the GEMV (one row) or the few-rows GEMM
-    applies the norm itself: one launch, no norm kernel. With ``gate_up`` (``weight`` is the
-    MLP's ``[gate; up]``) the few-rows GEMM also applies ``silu(gate) * up`` and returns it as
-    :class:`Activated`. Elsewhere this is the norm module (which takes every form of ``x``),
+    At batch 1 on CUDA, where the norm's weight is folded into ``weight`` and the projection
+    before added its output into the residual and summed the squares of each updated row
+    (``AddedToResidual.sum_squares``), the skinny GEMV applies the norm itself: one launch,
+    no norm kernel. Elsewhere this is the norm module (which takes every form of ``x``),
     then :func:`linear`.
     """
     if norm.folded and isinstance(x, AddedToResidual) and x.sum_squares is not None:
-        if residual.shape[0] == 1:
-            from nanoserve.kernels.skinny_gemm import skinny_rms_linear
-            return skinny_rms_linear(residual, x.sum_squares, norm.eps, weight, bias), residual
-        if bias is None:
-            from nanoserve.kernels.few_rows_gemm import few_rows_rms_linear
-            out = few_rows_rms_linear(residual, x.sum_squares, norm.eps, weight, gate_up)
-            return (Activated(out) if gate_up else out), residual
+        from nanoserve.kernels.skinny_gemm import skinny_rms_linear
+        return skinny_rms_linear(residual, x.sum_squares, norm.eps, weight, bias), residual
     if residual is None:
         return linear(norm(x), weight, bias), x
     normed, residual = norm(x, residual)
@@ -109,14 +90,6 @@ class ColumnParallelLinear(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the summed residual (:func:`norm_linear`)."""
         return norm_linear(x, residual, norm, self.weight, self.bias)
-
-    def forward_normed_gated(self, x: NormInput, residual: torch.Tensor | None, norm: RMSNorm
-                             ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
-        """:meth:`forward_normed` of the MLP's merged ``[gate; up]``, for a gated
-        :class:`RowParallelLinear` to take: ``[gate | up]``, or ``silu(gate) * up`` as
-        :class:`Activated` where the kernel applied it."""
-        return norm_linear(x, residual, norm, self.weight, self.bias,
-                           gate_up=self.tp.size == 1)
 
     @torch.no_grad()
     def fold_norm(self, norm: RMSNorm) -> None:
@@ -208,9 +181,8 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
             if bias else None
-        # float32 [FEW_ROWS_MAX_ROWS], zeroed before each forward, where the decode kernels sum
-        # the squares of the residual rows they update, for the norm after it
-        # (``DecoderModel.track_sum_squares``).
+        # float32 [1], zeroed before each forward, where the batch-1 GEMV sums the squares of
+        # the residual rows it updates, for the norm after it (``DecoderModel.track_sum_squares``).
         self.sum_squares: torch.Tensor | None = None
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
@@ -229,32 +201,21 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight, self.bias, self.gated))
 
-    def forward_for_norm(self, x: torch.Tensor | Activated, residual: torch.Tensor
+    def forward_for_norm(self, x: torch.Tensor, residual: torch.Tensor
                          ) -> tuple[NormInput, torch.Tensor]:
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
-        (``layers.split_k``) for the norm to add up, or, at decode batches on CUDA, already
-        added into ``residual`` in place by the GEMV's or few-rows GEMM's epilogue
-        (``AddedToResidual``, with the updated rows' sums of squares where ``sum_squares`` is
-        set). A gated layer also takes the activation already applied (:class:`Activated`)."""
-        gated = self.gated
-        if isinstance(x, Activated):
-            x, gated = x.values, False
+        (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
+        into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
+        updated rows' sums of squares where ``sum_squares`` is set)."""
         if self.tp.size > 1:
-            return self.tp.all_reduce(linear(x, self.weight, self.bias, gated)), residual
-        rows = _gemv_rows(x)
-        if (rows and self.bias is None and residual.dtype == x.dtype
+            return self.forward(x), residual
+        if (self.bias is None and _one_row_on_cuda(x) and residual.dtype == x.dtype
                 and residual.is_contiguous()):
-            sum_squares = None if self.sum_squares is None else self.sum_squares[:rows]
-            if rows == 1:
-                from nanoserve.kernels.skinny_gemm import skinny_linear
-                skinny_linear(x, self.weight, gated=gated, residual=residual,
-                              sum_squares=sum_squares)
-            else:
-                from nanoserve.kernels.few_rows_gemm import few_rows_linear
-                few_rows_linear(silu_and_mul(x) if gated else x, self.weight,
-                                residual=residual, sum_squares=sum_squares)
-            return AddedToResidual(sum_squares), residual
-        parts = split_k_partial_sums(x, self.weight, self.bias, gated)
+            from nanoserve.kernels.skinny_gemm import skinny_linear
+            skinny_linear(x, self.weight, gated=self.gated, residual=residual,
+                          sum_squares=self.sum_squares)
+            return AddedToResidual(self.sum_squares), residual
+        parts = split_k_partial_sums(x, self.weight, self.bias, self.gated)
         return (parts if parts is not None
-                else linear(x, self.weight, self.bias, gated)), residual
+                else linear(x, self.weight, self.bias, self.gated)), residual

@@ -18,8 +18,8 @@ from nanoserve.attention.backend import AttentionBackend
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import (FEW_ROWS_MAX_ROWS, MergedColumnParallelLinear,
-                                     QKVParallelLinear, RowParallelLinear, ShardId)
+from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear, ShardId)
 from nanoserve.layers.moe import ExpertShard, SparseMoeBlock
 from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
@@ -79,7 +79,7 @@ class MLP(nn.Module):
     def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
                 ) -> tuple[NormInput, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
-        gate_up, residual = self.gate_up_proj.forward_normed_gated(x, residual, norm)
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_for_norm(gate_up, residual)
 
 
@@ -109,16 +109,15 @@ class DecoderModel(nn.Module):
         self.sum_squares: torch.Tensor | None = None  # see track_sum_squares
 
     def track_sum_squares(self) -> None:
-        """Give each o_proj and down_proj float32 slots (one per row of a decode batch the
-        fused kernels serve) where it sums the squares of the residual rows it updates, for
-        the projection after the norm to normalise with (``norm_linear``). The slots are one
-        buffer, zeroed at the start of each forward."""
+        """Give each o_proj and down_proj a float32 slot where its batch-1 GEMV sums the
+        squares of the residual row it updates, for the GEMV after the norm to normalise with
+        (``norm_linear``). The slots are one buffer, zeroed at the start of each forward."""
         producers = [p for layer in self.layers if isinstance(layer.mlp, MLP)
                      for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-        self.sum_squares = torch.zeros(len(producers), FEW_ROWS_MAX_ROWS, dtype=torch.float32,
+        self.sum_squares = torch.zeros(len(producers), dtype=torch.float32,
                                        device=self.norm.weight.device)
-        for producer, slots in zip(producers, self.sum_squares):
-            producer.sum_squares = slots
+        for i, producer in enumerate(producers):
+            producer.sum_squares = self.sum_squares[i:i + 1]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.sum_squares is not None:
