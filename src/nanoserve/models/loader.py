@@ -92,3 +92,15 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, Checkpoi
                     yield name, CheckpointTensor(name, part.get_shape(), dtype, part.__getitem__)
         except SafetensorError as exc:
             raise ValueError(f"cannot read weights from {file}: {exc}") from exc
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights of the right shapes (``load_format="dummy"``), for benchmarking
+    architectures without a checkpoint."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=gen)

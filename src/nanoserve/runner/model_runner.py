@@ -9,7 +9,7 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import get_tp_group
-from nanoserve.models.loader import iter_weights
+from nanoserve.models.loader import init_dummy_weights, iter_weights
 from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -261,15 +261,3 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
         self.stopped = True
-
-
-@torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
-    """Random weights of the right shapes, for benchmarking architectures without a checkpoint."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, std, generator=gen)
-
