@@ -184,6 +184,16 @@ def warm_gemms(llm: LLM, budget: int) -> None:
     torch.cuda.synchronize()
 
 
+def busy_gpu(seconds: float) -> None:
+    """bf16 matmuls back to back for ``seconds`` of wall time."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def order_free_blocks(llm: LLM, order: str) -> None:
     """Reorder the free list (every block free) for a probe of physical KV placement."""
     bm = llm.engine.block_manager
@@ -252,6 +262,9 @@ def main() -> None:
                         help="before the runs, generate 4 tokens for 32 prompts of 1024 ids "
                              "(two full prefill steps), then reset the prefix cache (a probe "
                              "of first-run costs)")
+    parser.add_argument("--warm-gpu", type=float, default=0.0, metavar="SECONDS",
+                        help="keep the GPU busy with matmuls for this long right before the "
+                             "runs (a probe of clock and power ramp-up)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also print (to stderr) the device's kernel time over the run, "
                              "by kernel; the profiler slows the host, so seconds grows")
@@ -299,6 +312,8 @@ def main() -> None:
             assert llm.reset_prefix_cache()
         if args.warm_gemms:
             warm_gemms(llm, max(budgets[0] or 0, llm.engine.scheduler.max_num_batched_tokens))
+        if args.warm_gpu:
+            busy_gpu(args.warm_gpu)
         records = []
         for run_budget in budgets:
             if args.budgets:  # the engine was built for the largest; the scheduler takes this
@@ -322,6 +337,7 @@ def main() -> None:
                  "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
                  "block_order": args.block_order, "warm_pinned": args.warm_pinned,
                  "warm_gemms": args.warm_gemms, "warm_run": args.warm_run,
+                 "warm_gpu_seconds": args.warm_gpu,
                  **run_report})
         llm.close()
         del llm
