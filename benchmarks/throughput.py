@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from common import (SHAPES, copy_bandwidth_gbs, emit, environment, kernel_us, make_model_dir,
                     weight_bytes)
+from first_run_probes import add_probe_options, before_each_run, before_runs, probe_fields
 
 from nanoserve import LLM, SamplingParams
 
@@ -164,49 +165,6 @@ def host_profile(enabled: bool):
         stats.print_callees(r"llm_engine.py:\d+\(step\)")
 
 
-@torch.inference_mode()
-def warm_gemms(llm: LLM, budget: int) -> None:
-    """F.linear at every row count up to max_num_seqs for the LM head, and at every 64th (and
-    one more) up to the step budget for the layers' projections."""
-    import torch.nn.functional as F
-
-    model = llm.engine.executor.model
-    layer = model.model.layers[0]
-    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    x = torch.randn(budget + 1, max(w.shape[1] for w in weights + [model.lm_head.weight]),
-                    device="cuda", dtype=torch.bfloat16)
-    for m in range(1, llm.engine.config.max_num_seqs + 1):
-        F.linear(x[:m, :model.lm_head.weight.shape[1]].contiguous(), model.lm_head.weight)
-    for m in sorted({r for m in range(64, budget + 1, 64) for r in (m, m + 1)}):
-        for w in weights:
-            F.linear(x[:m, :w.shape[1]].contiguous(), w)
-    torch.cuda.synchronize()
-
-
-def busy_gpu(seconds: float) -> None:
-    """bf16 matmuls back to back for ``seconds`` of wall time."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-
-
-def order_free_blocks(llm: LLM, order: str) -> None:
-    """Reorder the free list (every block free) for a probe of physical KV placement."""
-    bm = llm.engine.block_manager
-    if order == "as-left":
-        return
-    assert bm.num_free_blocks == bm.num_blocks, "every request of the last run has finished"
-    ids = list(range(bm.num_blocks))
-    if order == "shuffled":
-        random.Random(1).shuffle(ids)
-    bm.free.clear()
-    bm.free.update((i, None) for i in ids)
-
-
 def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
               args: argparse.Namespace) -> tuple[float, dict]:
     """One timed pass of the workload: its seconds and the report of the options' probes."""
@@ -247,24 +205,7 @@ def main() -> None:
                         help="time the workload once per step budget, in this order, in one "
                              "process: one engine built for the largest, the prefix cache "
                              "reset before each run (an A/B of budgets on one machine)")
-    parser.add_argument("--block-order", choices=("as-left", "sorted", "shuffled"),
-                        default="as-left",
-                        help="order of the free KV blocks before each run: as the engine left "
-                             "them, ascending ids (a fresh engine's), or a random permutation")
-    parser.add_argument("--warm-pinned", action="store_true",
-                        help="before the runs, have the host allocator cache pinned blocks of "
-                             "every power-of-two size up to 16 MB (a probe of first-run costs)")
-    parser.add_argument("--warm-gemms", action="store_true",
-                        help="before the runs, call each projection's and the LM head's GEMM "
-                             "at the row counts eager steps may have (a probe of first-run "
-                             "costs: cuBLAS loads kernels on their first use)")
-    parser.add_argument("--warm-run", action="store_true",
-                        help="before the runs, generate 4 tokens for 32 prompts of 1024 ids "
-                             "(two full prefill steps), then reset the prefix cache (a probe "
-                             "of first-run costs)")
-    parser.add_argument("--warm-gpu", type=float, default=0.0, metavar="SECONDS",
-                        help="keep the GPU busy with matmuls for this long right before the "
-                             "runs (a probe of clock and power ramp-up)")
+    add_probe_options(parser)
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also print (to stderr) the device's kernel time over the run, "
                              "by kernel; the profiler slows the host, so seconds grows")
@@ -299,27 +240,13 @@ def main() -> None:
         own_floor = floor_seconds(shape, prompts, max_tokens, bandwidth,
                                   args.tensor_parallel_size,
                                   1 if args.kv_cache_dtype.startswith("fp8") else 2)
-        if args.warm_pinned:
-            # Four of each size live at once; freed, they stay in the allocator's cache.
-            pinned = [torch.empty(1 << p, dtype=torch.uint8, pin_memory=True)
-                      for p in range(9, 25) for _ in range(4)]
-            pinned.clear()
-        if args.warm_run:
-            rng = random.Random(1)
-            llm.generate([[rng.randint(0, 10000) for _ in range(1024)] for _ in range(32)],
-                         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4),
-                         use_tqdm=False)
-            assert llm.reset_prefix_cache()
-        if args.warm_gemms:
-            warm_gemms(llm, max(budgets[0] or 0, llm.engine.scheduler.max_num_batched_tokens))
-        if args.warm_gpu:
-            busy_gpu(args.warm_gpu)
+        before_runs(llm, args)
         records = []
         for run_budget in budgets:
             if args.budgets:  # the engine was built for the largest; the scheduler takes this
                 llm.engine.scheduler.max_num_batched_tokens = run_budget
                 assert llm.reset_prefix_cache(), "every request of the last run has finished"
-            order_free_blocks(llm, args.block_order)
+            before_each_run(llm, args)
             elapsed, run_report = timed_run(llm, prompts, params, args)
             records.append(
                 {"bench": "throughput", "shape": args.shape, "num_seqs": args.num_seqs,
@@ -335,10 +262,7 @@ def main() -> None:
                  "load_seconds": round(load_s, 1), "cuda_graphs": not args.enforce_eager,
                  "tensor_parallel_size": args.tensor_parallel_size,
                  "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
-                 "block_order": args.block_order, "warm_pinned": args.warm_pinned,
-                 "warm_gemms": args.warm_gemms, "warm_run": args.warm_run,
-                 "warm_gpu_seconds": args.warm_gpu,
-                 **run_report})
+                 **probe_fields(args), **run_report})
         llm.close()
         del llm
         torch.cuda.empty_cache()
