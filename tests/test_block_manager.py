@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 
@@ -285,9 +286,10 @@ class FakeEngine:
         for c in out.chunks:
             self.sched.advance(c)
             req = c.request
-            for block_id in req.block_table[:req.num_registered_blocks]:  # hashed: known tokens
-                block = self.bm.blocks[block_id]
-                assert block.hash is None or len(block.token_ids) == BS
+            for i, block_id in enumerate(req.block_table[:req.num_registered_blocks]):
+                block = self.bm.blocks[block_id]  # hashed: the request's known tokens there
+                assert block.hash is None or block.tokens == array(
+                    "I", req.token_ids[i * BS:(i + 1) * BS]).tobytes()
         previous, self.in_flight = self.in_flight, [c for c in out.chunks if c.samples]
         self._land(previous)
         if not self.overlap:

@@ -8,27 +8,33 @@ from dataclasses import dataclass
 import xxhash
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chain hash of a full block: depends on every token before it through ``parent_hash``."""
-    h = xxhash.xxh64()
-    if parent_hash is not None:
-        h.update(parent_hash.to_bytes(8, "little"))
-    h.update(array("I", token_ids).tobytes())
-    return h.intdigest()
+def hash_block(parent_hash: int | None, tokens: bytes) -> int:
+    """Chain hash of a full block's packed token ids: seeded with ``parent_hash``, the hash of
+    the block before it, so it depends on every token before it."""
+    return xxhash.xxh64_intdigest(tokens, seed=parent_hash or 0)
+
+
+def packed_blocks(token_ids: list[int], first: int, end: int, block_size: int) -> list[bytes]:
+    """Blocks ``first`` to ``end`` (exclusive) of ``token_ids``, each as its packed uint32 ids:
+    one conversion for them all, then slices."""
+    data = array("I", token_ids[first * block_size:end * block_size]).tobytes()
+    step = block_size * array("I").itemsize
+    return [data[i:i + step] for i in range(0, len(data), step)]
 
 
 @dataclass
 class Block:
     """One cache block: its reference count and, once full and computed, its prefix hash.
 
-    ``token_ids`` and ``parent_hash`` (the hash of the block before it) let a lookup confirm
-    a hash hit: the block holds these tokens, computed after the same prefix.
+    ``tokens`` (its token ids, packed as uint32) and ``parent_hash`` (the hash of the block
+    before it) let a lookup confirm a hash hit: the block holds these tokens, computed after
+    the same prefix.
     """
 
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    tokens: bytes = b""
     parent_hash: int | None = None
 
 
@@ -72,14 +78,13 @@ class BlockManager:
         matched: list[int] = []
         parent: int | None = None
         usable = (len(token_ids) - 1) // self.block_size
-        for i in range(usable):
-            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = hash_block(parent, chunk)
+        for tokens in packed_blocks(token_ids, 0, usable, self.block_size):
+            h = hash_block(parent, tokens)
             block_id = self.cached.get(h)
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.token_ids != chunk or block.parent_hash != parent:
+            if block.tokens != tokens or block.parent_hash != parent:
                 break  # a hash collision, not the same prefix
             matched.append(block_id)
             parent = h
@@ -93,7 +98,7 @@ class BlockManager:
             return False
         self.cached.clear()
         for block in self.blocks:
-            block.hash, block.token_ids, block.parent_hash = None, (), None
+            block.hash, block.tokens, block.parent_hash = None, b"", None
         return True
 
     def count_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
@@ -125,7 +130,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash, block.token_ids, block.parent_hash = None, (), None
+            block.hash, block.tokens, block.parent_hash = None, b"", None
             block.ref_count = 1
             out.append(block_id)
         return out
@@ -147,12 +152,12 @@ class BlockManager:
             return num_registered
         num_full = num_computed // self.block_size
         parent = self.blocks[block_table[num_registered - 1]].hash if num_registered else None
-        for i in range(num_registered, num_full):
-            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = hash_block(parent, chunk)
+        for i, tokens in enumerate(packed_blocks(token_ids, num_registered, num_full,
+                                                 self.block_size), num_registered):
+            h = hash_block(parent, tokens)
             block = self.blocks[block_table[i]]
             if block.hash is None:
-                block.hash, block.token_ids, block.parent_hash = h, chunk, parent
+                block.hash, block.tokens, block.parent_hash = h, tokens, parent
                 self.cached.setdefault(h, block.block_id)
             parent = h
         return max(num_full, num_registered)
