@@ -223,7 +223,7 @@ def main() -> None:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
         bandwidth = copy_bandwidth_gbs()
         t0 = time.perf_counter()
-        budget = max(budgets) if args.budgets else args.max_num_batched_tokens
+        budget = max(budgets)  # without --budgets, the one budget (None: the engine's)
         llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
                   max_num_seqs=max(args.num_seqs, 1),
                   tensor_parallel_size=args.tensor_parallel_size,

@@ -48,11 +48,10 @@ class DecodeGraphs:
                  device: torch.device, sample: bool = False, max_samples: int = 0):
         self.model = model
         self.sample = sample
-        self.sizes = capture_sizes(max_batch)
+        self.sizes, arena_samples = self._arena_shape(max_batch, max_samples)
         self.max_batch = self.sizes[-1]
         self.max_blocks = max_blocks
-        # Samples of a step the graphs did not run (prefill) may number more than max_batch.
-        self.arena = GraphArena(self.sizes, max_blocks, max(max_samples, self.max_batch), device)
+        self.arena = GraphArena(self.sizes, max_blocks, arena_samples, device)
         self.samples = self.arena.samples
         self.query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         if sample:  # one buffer for every size's logits (a pool keeps live outputs)
@@ -65,10 +64,17 @@ class DecodeGraphs:
         self._capture()
 
     @staticmethod
-    def arena_bytes(max_batch: int, max_blocks: int, max_samples: int) -> int:
-        """Bytes of the input arena that graphs for batches up to ``max_batch`` keep."""
+    def _arena_shape(max_batch: int, max_samples: int) -> tuple[list[int], int]:
+        """The graph sizes, and how many samples the arena holds: samples of a step the
+        graphs did not run (prefill) may number more than the largest graph's batch."""
         sizes = capture_sizes(max_batch)
-        return GraphArena.layout(sizes, max_blocks, max(max_samples, sizes[-1]))[1]
+        return sizes, max(max_samples, sizes[-1])
+
+    @classmethod
+    def arena_bytes(cls, max_batch: int, max_blocks: int, max_samples: int) -> int:
+        """Bytes of the input arena that graphs for batches up to ``max_batch`` keep."""
+        sizes, samples = cls._arena_shape(max_batch, max_samples)
+        return GraphArena.layout(sizes, max_blocks, samples)[1]
 
     def _forward(self, bs: int) -> DecodeOutput:
         region = self.arena.regions[bs]
