@@ -78,9 +78,9 @@ def decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim
 
 def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
                        device: str, num_kv_heads: int = 8, block_size: int = 16,
-                       cache_dtype: torch.dtype | None = None) -> None:
+                       cache_dtype: torch.dtype | None = None, prefetch_kv: bool = True) -> None:
     """``cache_dtype``: the KV cache's, when not the model's (fp8). With the engine's tuning
-    for split decode."""
+    for split decode, the first K/V tile loaded before the wait or not."""
     q, k, v, positions, k_cache, v_cache, meta = decode_case(
         seq_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, device,
         seed=len(seq_lens) + group)
@@ -104,7 +104,7 @@ def check_split_decode(seq_lens: list[int], group: int, head_dim: int, dtype: to
                            new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
                                                 rotary.cos_sin, norms[0].weight,
                                                 norms[1].weight, 1e-6),
-                           tuning=SPLIT_DECODE_TUNING)
+                           tuning=SPLIT_DECODE_TUNING._replace(prefetch_kv=prefetch_kv))
     torch.testing.assert_close(out.float(), expected.float(), **BF16)
     # An fp8 cache: the same bf16 keys rounded to fp8, up to one fp8 step where the fused
     # kernel's rotation differs from the reference's in its last bf16 bit.
@@ -135,8 +135,9 @@ def check_norm_in_gemv(n: int, k: int, dtype: torch.dtype, device: str) -> None:
 
 @pytest.mark.parametrize("seq_lens", [[300], [4000, 17, 1, 900]], ids=["batch1", "batch4"])
 @pytest.mark.parametrize("group", [2, 4], ids=["qwen3-0.6b", "qwen3-8b"])
-def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group):
-    check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("prefetch_kv", [True, False], ids=["prefetched", "in-loop"])
+def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group, prefetch_kv):
+    check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda", prefetch_kv=prefetch_kv)
 
 
 @pytest.mark.parametrize("seq_lens", [[300], [4000, 17, 1, 900]], ids=["batch1", "batch4"])

@@ -223,8 +223,9 @@ def new_token_inputs(q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
 @pytest.mark.parametrize("group,head_dim,num_splits,narrow_offsets", [
     (2, 64, 1, False), (4, 32, 3, True), (1, 64, 6, False)])
+@pytest.mark.parametrize("prefetch_kv", [False, True], ids=["in-loop", "prefetched"])
 def test_decode_finishes_and_stores_the_new_tokens(dtype, qk_norm, group, head_dim, num_splits,
-                                                   narrow_offsets):
+                                                   narrow_offsets, prefetch_kv):
     """With NewTokens the split kernel does rope_and_store's work: q/k norms, RoPE, the K/V
     store, and attention that includes the new key, for every split that may own it."""
     seq_lens = [37, 1, 70, 16, 0]  # the new key alone, several splits, a padding row (slot -1)
@@ -241,7 +242,8 @@ def test_decode_finishes_and_stores_the_new_tokens(dtype, qk_norm, group, head_d
     out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, meta.max_seq_len, head_dim ** -0.5,
                            num_splits=num_splits,
-                           tuning=DecodeTuning(narrow_offsets=narrow_offsets),
+                           tuning=DecodeTuning(narrow_offsets=narrow_offsets,
+                                               prefetch_kv=prefetch_kv),
                            seq_order=torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32),
                            new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
                                                 rotary.cos_sin, *weights))

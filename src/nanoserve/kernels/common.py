@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton kernels' host-side wrappers."""
+"""Helpers shared by the Triton kernels: host-side checks and launch rules, and device code
+that several kernels call."""
 from __future__ import annotations
 
 import functools
@@ -6,6 +7,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 LOG2E = 1.4426950408889634  # kernels work in base 2 so the softmax can use exp2
 # Under TRITON_INTERPRET the "device" is the CPU: a nominal few SMs for grids sized by the SMs.
@@ -64,3 +66,17 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         "block_size must be a power of two"
     for t in (q, k_cache, v_cache):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold a tile of scores ``s`` (base-2 logits, -inf where masked) and its values ``v`` into
+    an online softmax's running max, sum of exponentials and accumulator; returns them. A row
+    whose max is still -inf after the tile (no valid key yet) comes out NaN: callers give every
+    row a valid key in its first tile, or never store such rows."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

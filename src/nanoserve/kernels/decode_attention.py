@@ -37,6 +37,11 @@ class DecodeTuning(NamedTuple):
     # cache has under 2^31 elements): 96 registers instead of 128 at 64/4, so five programs
     # fit an SM instead of four (docs/kernels.md).
     narrow_offsets: bool = True
+    # With new tokens to finish (split decode): the slice's first K/V tile is loaded before
+    # waiting for the qkv projection. Cached keys never depend on the forward that reads them,
+    # except the new token's, which this kernel stores itself; a kernel reading keys that
+    # qk_norm_rope_store wrote must not (so without new tokens this is ignored).
+    prefetch_kv: bool = False
 
 
 # K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
@@ -176,6 +181,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NARROW_OFFSETS=(tuning.narrow_offsets and k_cache.stride() == v_cache.stride()
                         and k_cache.numel() < 2 ** 31),
         FP16_PRODUCTS=fp16_products(q, k_cache),
+        PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nanoserve.kernels.common import online_softmax_step
 from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 
 
@@ -33,7 +34,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
     NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
-    FP16_PRODUCTS: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -94,6 +95,16 @@ def _decode_split_kernel(
         last = seq_len - 1
         owns_new = (start <= last) & (last < end)
         end = tl.minimum(end, last)
+    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if PREFETCH_KV:
+        # The cached keys and values were all written before this forward's first kernel (the
+        # new token's are not read here), so with programmatic launch the first tile's DRAM
+        # round trip overlaps the qkv projection instead of following it. At batch 1 a split
+        # is one tile, so that is all of its keys.
+        k, v, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, start, end, kv_head, d,
+                                    d_mask, stride_btc, stride_kb, stride_ks, stride_kh,
+                                    stride_vb, stride_vs, stride_vh,
+                                    BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS)
     if PDL:
         gdc_wait()
     if NEW_TOKENS:
@@ -121,36 +132,18 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(block_row + (pos // BLOCK_SIZE) * stride_btc, mask=valid, other=0)
-        offset = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        if NARROW_OFFSETS:  # V's strides are K's: one [BLOCK_N, D] tile of int32 offsets
-            offsets = (block * stride_kb + offset * stride_ks)[:, None] + d[None, :]
-            k = tl.load(k_cache_ptr + kv_head * stride_kh + offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_head * stride_vh + offsets, mask=kv_mask, other=0.0)
-        else:
-            block = block.to(tl.int64)
-            k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks
-                                       + kv_head * stride_kh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs
-                                       + kv_head * stride_vh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)
-        # An fp8 cache is widened to q's dtype for the products (a no-op when they match).
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Every tile holds at least one valid key, so m_new is finite and exp2 never sees inf-inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    loop_start = start
+    if PREFETCH_KV:
+        if start < end:  # an all-masked tile would give exp2(-inf - -inf)
+            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2,
+                                         DOT_PRECISION)
+        loop_start = start + BLOCK_N
+    for tile_start in range(loop_start, end, BLOCK_N):
+        k, v, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end,
+                                    kv_head, d, d_mask, stride_btc, stride_kb, stride_ks,
+                                    stride_kh, stride_vb, stride_vs, stride_vh,
+                                    BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS)
+        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
     if NEW_TOKENS:
         # The new key as one more step of the online softmax (zero weight outside its owner).
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
@@ -176,6 +169,42 @@ def _decode_split_kernel(
         tl.store(part_max_ptr + part, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, kv_head, d, d_mask,
+                  stride_btc, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NARROW_OFFSETS: tl.constexpr):
+    """The keys and values at positions ``[tile_start, tile_start + BLOCK_N)`` below ``end``,
+    read through the sequence's block-table row; returns them with the valid-position mask."""
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(block_row + (pos // BLOCK_SIZE) * stride_btc, mask=valid, other=0)
+    offset = pos % BLOCK_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    if NARROW_OFFSETS:  # V's strides are K's: one [BLOCK_N, D] tile of int32 offsets
+        offsets = (block * stride_kb + offset * stride_ks)[:, None] + d[None, :]
+        k = tl.load(k_cache_ptr + kv_head * stride_kh + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_head * stride_vh + offsets, mask=kv_mask, other=0.0)
+    else:
+        block = block.to(tl.int64)
+        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks
+                                   + kv_head * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs
+                                   + kv_head * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+    return k, v, valid
+
+
+@triton.jit
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax: the q group against a tile of keys and values."""
+    # An fp8 cache is widened to q's dtype for the products (a no-op when they match).
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))  # every tile holds at least one valid key
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision,
-                                      fp16_products, interpreted)
+                                      fp16_products, interpreted, online_softmax_step)
 
 # Tuning (see docs/kernels.md): query rows (tokens x group heads) and keys per tile.
 BLOCK_M = 64
@@ -53,12 +53,7 @@ def _attend_tile(
     if CAUSAL_MASK:
         # Keys past kv_end sit past every valid row's position, so this also hides them.
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 # The block table's width follows the longest context of the step: specialising on it (divisible
