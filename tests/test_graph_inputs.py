@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from nanoserve.runner.cuda_graph import (SHORT_CONTEXT_CAPS, SHORT_CONTEXT_MAX_BATCH,
+                                         capture_sizes, context_caps, graph_key)
 from nanoserve.runner.graph_inputs import GraphArena, decode_rows
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
 from nanoserve.runner.sampling_tensors import SamplingTensors, temperatures_only
@@ -126,3 +128,20 @@ def test_temperatures_only_agrees_with_the_sampling_tensors():
         assert (temperature is not None) == tensors.only_temperature, picks
         if temperature is not None:
             assert torch.equal(torch.from_numpy(temperature), tensors.temperature)
+
+
+def test_small_batches_pick_the_graph_of_the_shortest_cap_that_fits():
+    sizes, max_len = capture_sizes(64), 40960
+    assert context_caps(1, max_len) == [*SHORT_CONTEXT_CAPS, max_len]
+    assert context_caps(SHORT_CONTEXT_MAX_BATCH + 1, max_len) == [max_len]
+    assert context_caps(1, 1000) == [c for c in SHORT_CONTEXT_CAPS if c < 1000] + [1000]
+    short, medium = SHORT_CONTEXT_CAPS
+    assert graph_key(sizes, max_len, 1, 1) == (1, short)
+    assert graph_key(sizes, max_len, 1, short) == (1, short)  # the new token included
+    assert graph_key(sizes, max_len, 1, short + 1) == (1, medium)
+    assert graph_key(sizes, max_len, 3, medium + 1) == (4, max_len)
+    assert graph_key(sizes, max_len, 9, 10) == (16, max_len)  # a large batch: one graph
+    # Every key names a graph that is captured.
+    captured = {(bs, cap) for bs in sizes for cap in context_caps(bs, max_len)}
+    assert all(graph_key(sizes, max_len, n, length) in captured
+               for n in range(1, 65) for length in (1, 511, 512, 513, 2049, max_len))

@@ -45,8 +45,8 @@ def engine_greedy_with_top5(model_dir: Path, prompts: list[list[int]], **engine_
     """nanoserve's greedy tokens and, per token, its top-5 ids (bf16, engine freed after)."""
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.5,
-              **engine_args)
+    llm = LLM(str(model_dir), **{"dtype": "bfloat16", "max_num_seqs": 16,
+                                 "gpu_memory_utilization": 0.5, **engine_args})
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
                             logprobs=5)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -71,14 +71,16 @@ def random_model_dir(shape: str, tmp_path_factory) -> Path:
 
 
 def assert_greedy_close_to_transformers(model_dir: Path, label: str, hf_cache=None,
+                                        prompt_lens: list[int] | None = None,
                                         **engine_args) -> None:
-    """8 random prompts, greedy, against transformers by the logprobs-close rule;
-    ``hf_cache(config)``: a fresh cache for each of transformers' generations."""
+    """8 random prompts (of ``prompt_lens`` ids, default 5-300), greedy, against transformers
+    by the logprobs-close rule; ``hf_cache(config)``: a fresh cache for each of transformers'
+    generations."""
     from transformers import AutoModelForCausalLM
 
     random.seed(1)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(5, 300))]
-               for _ in range(8)]
+    prompt_lens = prompt_lens or [random.randint(5, 300) for _ in range(8)]
+    prompts = [[random.randint(0, 10000) for _ in range(n)] for n in prompt_lens]
     all_ours, all_our_top5 = engine_greedy_with_top5(model_dir, prompts, **engine_args)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     exact = 0
@@ -96,6 +98,17 @@ def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factor
     assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
                                         f"{shape} eager={enforce_eager}",
                                         enforce_eager=enforce_eager)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b"])
+def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
+    """``max_num_seqs=1``: every decode step is batch 1, latency.py's path (split decode that
+    reads its first K/V tile before the programmatic wait for the qkv projection). Some
+    generations cross the decode graphs' context caps (512, 2048) and change graphs."""
+    assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
+                                        f"{shape} one sequence at a time",
+                                        prompt_lens=[5, 120, 300, 490, 500, 1000, 2030, 2040],
+                                        max_num_seqs=1)
 
 
 def test_fp8_kv_cache_close_to_transformers_rounding_its_cache(tmp_path_factory):

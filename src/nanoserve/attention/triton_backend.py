@@ -17,7 +17,15 @@ if TYPE_CHECKING:
     from nanoserve.layers.rotary import RotaryEmbedding
 
 
-SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False)
+SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False, prefetch_kv=True)
+# Splits of one tile (a batch-1 graph captured for a short context) have nothing to pipeline:
+# without the stages' shared memory the programs start sooner, beside the projection they
+# wait for (benchmarks/split_decode_chain.py; docs/kernels.md).
+ONE_TILE_SPLIT_TUNING = SPLIT_DECODE_TUNING._replace(num_stages=1)
+# The prefetched tile is live through the wait: 145 registers against 114 (sm_90, Triton 3.9),
+# three programs per SM instead of four. Launches that fit the device at three per SM (batch
+# 1: 8 KV heads x 32 splits) take it; larger ones keep their occupancy.
+PREFETCH_PROGRAMS_PER_SM = 3
 # Over an fp8 cache, two warps per program read the throughput workload's K/V 15% faster than
 # four (benchmarks/decode_workload.py --kv-cache-dtype fp8, run 105).
 FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
@@ -51,8 +59,9 @@ class TritonAttentionBackend:
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         if meta.decode_only:
+            num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
-                                       device_sm_count(q.device))
+                                       num_sms)
             # Split decode means a small batch, bound by the chain of dependent launches: the
             # split kernel finishes the new tokens itself, one launch fewer. Unsplit, the batch
             # fills the GPU and its K/V loop runs better without that work's registers
@@ -61,10 +70,15 @@ class TritonAttentionBackend:
             if splits > 1:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
+                programs = meta.num_seqs * k_cache.shape[2] * splits
+                tiles = -(-meta.max_seq_len // SPLIT_DECODE_TUNING.block_n)
+                tuning = ONE_TILE_SPLIT_TUNING if tiles <= splits else SPLIT_DECODE_TUNING
+                tuning = tuning._replace(prefetch_kv=tuning.prefetch_kv
+                                         and programs <= PREFETCH_PROGRAMS_PER_SM * num_sms)
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_seq_len, scale,
                                         num_splits=splits, seq_order=meta.seq_order,
-                                        new_tokens=new, tuning=SPLIT_DECODE_TUNING)
+                                        new_tokens=new, tuning=tuning)
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale)

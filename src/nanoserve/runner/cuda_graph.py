@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: captured once per batch size, replayed with padded inputs."""
+"""CUDA graphs for decode steps: captured once per batch size (and, for small batches, per
+context cap), replayed with padded inputs."""
 from __future__ import annotations
 
 import bisect
@@ -13,10 +14,34 @@ from nanoserve.runner.graph_inputs import DecodeRows, GraphArena
 from nanoserve.runner.inputs import SequenceChunk
 
 
+# Attention's launch (its split count, its tiling) is chosen from the max_seq_len a graph is
+# captured with and stays fixed in the graph. Small batches, which split their contexts to
+# fill the GPU, get a graph per cap below as well, so a step whose contexts all fit one runs
+# launches chosen for it: fewer splits of one tile each at batch 1 (docs/kernels.md, "Batch-1
+# decode per context length").
+SHORT_CONTEXT_CAPS = (512, 2048)
+SHORT_CONTEXT_MAX_BATCH = 8
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """The batch-size ladder: 1, 2, 4, 8, then steps of 16 up to ``max_batch``."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes + [max_batch]))
+
+
+def context_caps(bs: int, max_seq_len: int) -> list[int]:
+    """The longest contexts that graphs of batch size ``bs`` are captured for, ascending."""
+    caps = [c for c in SHORT_CONTEXT_CAPS if c < max_seq_len]
+    return (caps if bs <= SHORT_CONTEXT_MAX_BATCH else []) + [max_seq_len]
+
+
+def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context: int
+              ) -> tuple[int, int]:
+    """(batch size, context cap) of the graph that runs a batch of ``num_seqs`` whose longest
+    context, new token included, is ``longest_context``: the smallest that fit it."""
+    bs = sizes[bisect.bisect_left(sizes, num_seqs)]
+    caps = context_caps(bs, max_seq_len)
+    return bs, caps[min(bisect.bisect_left(caps, longest_context), len(caps) - 1)]
 
 
 class DecodeOutput(NamedTuple):
@@ -30,11 +55,12 @@ class DecodeOutput(NamedTuple):
 
 
 class DecodeGraphs:
-    """Decode forwards (one token per sequence) captured as CUDA graphs, one per batch size.
+    """Decode forwards (one token per sequence) captured as CUDA graphs, one per batch size,
+    and for batches up to ``SHORT_CONTEXT_MAX_BATCH`` one per context cap too.
 
     Inputs live in a static arena that every graph reads (``graph_inputs.GraphArena``): a step
-    copies its inputs there in one go, replays the smallest graph that fits, and returns the
-    first rows of its static output. Rows past the batch hold padding. Token ids come through
+    copies its inputs there in one go, replays the smallest graph that fits its batch and its
+    longest context, and returns the first rows of its static output. Rows past the batch hold padding. Token ids come through
     an index, so tokens the previous step sampled into the arena are fed back without a copy.
 
     With ``sample`` the graphs also run the LM head and the fused greedy / temperature sampler
@@ -59,8 +85,9 @@ class DecodeGraphs:
             self.logits = torch.empty(self.max_batch, model.lm_head.vocab_size,
                                       dtype=head.dtype, device=device)
         self.max_seq_len = max_seq_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, DecodeOutput] = {}
+        # Keyed by (batch size, context cap); graphs of one batch size share its arena region.
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], DecodeOutput] = {}
         self._capture()
 
     @staticmethod
@@ -76,10 +103,14 @@ class DecodeGraphs:
         sizes, samples = cls._arena_shape(max_batch, max_samples)
         return GraphArena.layout(sizes, max_blocks, samples)[1]
 
-    def _forward(self, bs: int) -> DecodeOutput:
+    def key_for(self, num_seqs: int, longest_context: int) -> tuple[int, int]:
+        """The key of the graph that runs such a batch (``graph_key``)."""
+        return graph_key(self.sizes, self.max_seq_len, num_seqs, longest_context)
+
+    def _forward(self, bs: int, cap: int) -> DecodeOutput:
         region = self.arena.regions[bs]
         meta = AttentionMetadata(self.query_start[:bs + 1], region.seq_lens, region.slots,
-                                 region.tables, max_query_len=1, max_seq_len=self.max_seq_len,
+                                 region.tables, max_query_len=1, max_seq_len=cap,
                                  seq_order=region.order)
         with attention_metadata(meta):
             hidden = self.model(self.arena.int64[region.sources], region.positions)
@@ -94,13 +125,16 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self._forward(bs)  # compiles kernels and settles allocations outside the capture
+        # Largest first (batch, then cap: more splits need more scratch), so that the graphs
+        # after reuse its memory.
+        for key in sorted(((bs, cap) for bs in self.sizes
+                           for cap in context_caps(bs, self.max_seq_len)), reverse=True):
+            self._forward(*key)  # compiles kernels and settles allocations outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[bs] = self._forward(bs)
+                self.outputs[key] = self._forward(*key)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def accepts(self, chunks: list[SequenceChunk]) -> bool:
@@ -120,12 +154,12 @@ class DecodeGraphs:
         only); without them no row is sampled there. Rows fed the previous step's samples
         (``rows.sample_rows``) read them from ``samples``, which must hold them."""
         n = len(rows.positions)
-        bs = self.size_for(n)
+        key = self.key_for(n, int(rows.seq_lens.max()))
         sampled = self.sample and temperature is not None
-        self.arena.stage(bs, rows, temperature if sampled else None,
+        self.arena.stage(key[0], rows, temperature if sampled else None,
                          noise_seed if sampled else -1)
-        self.graphs[bs].replay()
-        hidden, logits, token_ids = self.outputs[bs]
+        self.graphs[key].replay()
+        hidden, logits, token_ids = self.outputs[key]
         return DecodeOutput(hidden[:n], None if logits is None else logits[:n],
                             token_ids[:n] if sampled else None)
 
