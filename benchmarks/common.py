@@ -61,6 +61,23 @@ SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **dict(
 QWEN3_TOKENIZER_DIR = Path(".cache/qwen3-tokenizer")
 
 
+class GCTimer:
+    """Python's garbage collections while active: per generation, how many and how long."""
+
+    def __init__(self) -> None:
+        self.counts, self.ms, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.ms[info["generation"]] += (time.perf_counter() - self._start) * 1e3
+
+    def report(self) -> dict:
+        return {"collections": self.counts, "ms": [round(t, 2) for t in self.ms]}
+
+
 def make_model_dir(shape: str, out: Path, tokenizer_dir: Path = QWEN3_TOKENIZER_DIR) -> Path:
     """A model folder with config.json and a tokenizer, for `load_format="dummy"`."""
     out.mkdir(parents=True, exist_ok=True)

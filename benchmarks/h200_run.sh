@@ -3,6 +3,7 @@
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
 #   [latency8b] [throughputfp8] [latencyfp8] [latency8bfp8] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
+#   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [firstrun]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -57,6 +58,54 @@ for step in "$@"; do
       PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/serve.py --base-url http://127.0.0.1:8011 \
         --num-prompts 256 --max-concurrency 64 --random-input-len 256 --random-output-len 128 2>&1 | tee -a "$OUT/serve.log"
       kill -INT $server; wait $server ;;
+    registers)  # the split kernel as batch-1 decode compiles it, first K/V tile before the wait or not
+      for pf in "" --prefetch-kv; do
+        python3 benchmarks/kernel_registers.py --new-tokens --wide-offsets --splits 32 --block-n 64 \
+          --warps 4 $pf 2>&1 | tee -a "$OUT/registers.log"
+      done ;;
+    splittests) python3 -m pytest tests/gpu/test_fused_kernels.py tests/gpu/test_gpu_parity.py -q -s \
+                  -p no:cacheprovider -k "split_decode or one_sequence" 2>&1 | tee "$OUT/split_tests.log" ;;
+    splitab)  # one tree, split decode's K/V prefetch on (the default) and off, interleaved
+      for args in "" "--variant prefetch_kv=0" "" "--variant prefetch_kv=0"; do
+        python3 benchmarks/latency.py --shape qwen3-0.6b $args 2>&1 | tee -a "$OUT/split_ab.log"
+      done ;;
+    splitab8b)
+      for args in "" "--variant prefetch_kv=0"; do
+        python3 benchmarks/latency.py --shape qwen3-8b $args 2>&1 | tee -a "$OUT/split_ab.log"
+      done ;;
+    splitsweep)  # batch-1 split counts, and the chain with attention left out (a profile)
+      for args in "--variant splits=4" "--variant splits=8" "--variant splits=16" "--variant none"; do
+        python3 benchmarks/latency.py --shape qwen3-0.6b $args 2>&1 | tee -a "$OUT/split_sweep.log"
+      done
+      python3 benchmarks/latency.py --shape qwen3-8b --variant none 2>&1 | tee -a "$OUT/split_sweep.log" ;;
+    splitchain)  # batch-1 forward per split-decode variant and context (split_decode_chain.py)
+      for shape in qwen3-0.6b qwen3-8b; do
+        python3 benchmarks/split_decode_chain.py --shape $shape --contexts 136 384 1024 4096 \
+          --variants default none splits=4 splits=8 splits=16 num_stages=1 splits=8,num_stages=1 \
+          prefetch_kv=0 splits=8,prefetch_kv=0 num_warps=2 splits=8,num_warps=2 unsplit=1 \
+          unsplit=1,block_n=128 unsplit=1,num_stages=4 unsplit=1,block_n=32 \
+          splits=16,block_n=32 default 2>&1 | tee -a "$OUT/split_chain.log"
+      done ;;
+    capsab)  # one tree: context caps + one-tile tuning (default) against the build before them
+      for shape in qwen3-0.6b qwen3-8b; do
+        for args in "" "--variant caps=0,num_stages=3,prefetch_kv=0" "" \
+                    "--variant caps=0,num_stages=3,prefetch_kv=0"; do
+          python3 benchmarks/latency.py --shape $shape $args 2>&1 | tee -a "$OUT/caps_ab.log"
+        done
+      done
+      for shape in qwen3-0.6b qwen3-8b; do
+        python3 benchmarks/split_decode_chain.py --shape $shape \
+          --contexts 136 384 511 600 1024 2040 2100 4096 \
+          --variants default caps=0,num_stages=3,prefetch_kv=0 caps=0,num_stages=3 \
+          splits=16,num_stages=1 splits=8,num_stages=1 caps=0,num_stages=1 none default \
+          2>&1 | tee -a "$OUT/caps_chain.log"
+      done ;;
+    prefetchchain)  # the first K/V tile before the wait, on and off, in the context-capped graphs
+      for shape in qwen3-0.6b qwen3-8b; do
+        python3 benchmarks/split_decode_chain.py --shape $shape --contexts 136 384 1024 2100 4096 \
+          --variants default prefetch_kv=0 default prefetch_kv=0 2>&1 | tee -a "$OUT/prefetch_chain.log"
+      done ;;
+    firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;
     abthroughput) ab ab_throughput.log benchmarks/throughput.py ;;

@@ -71,12 +71,13 @@ def resource_usage(cubin: bytes) -> dict:
 
 def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bool,
                    narrow_offsets: bool, group: int, head_dim: int, splits: int,
-                   max_registers: int | None = None) -> dict:
+                   max_registers: int | None = None, prefetch_kv: bool = False) -> dict:
     constants = dict(GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n,
                      NUM_SPLITS=splits, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
                      PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens,
-                     NARROW_OFFSETS=narrow_offsets, FP16_PRODUCTS=False)
+                     NARROW_OFFSETS=narrow_offsets, FP16_PRODUCTS=False,
+                     PREFETCH_KV=prefetch_kv and new_tokens)
     names = _decode_split_kernel.arg_names
     signature = {name: "constexpr" if name in constants else arg_type(name) for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -89,7 +90,8 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
     return {"kernel": "decode_split", "block_n": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "new_tokens": new_tokens,
             "narrow_offsets": narrow_offsets, "splits": splits, "group": group,
-            "head_dim": head_dim, "max_registers": max_registers, **usage,
+            "head_dim": head_dim, "max_registers": max_registers,
+            "prefetch_kv": prefetch_kv and new_tokens, **usage,
             "shared_bytes": kernel.metadata.shared,
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (usage["registers"] * threads),
             "programs_per_sm_by_shared": SHARED_PER_SM // (kernel.metadata.shared + 1024),
@@ -191,6 +193,9 @@ def main() -> None:
                         help="64-bit K/V offsets (DecodeTuning.narrow_offsets=False, as split "
                              "decode runs); default: the engine's 32-bit ones")
     parser.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (batch 1: 32)")
+    parser.add_argument("--prefetch-kv", action="store_true",
+                        help="with --new-tokens: the first K/V tile loaded before the wait "
+                             "(DecodeTuning.prefetch_kv, as split decode runs)")
     parser.add_argument("--max-registers", type=int,
                         help="cap per thread (DecodeTuning.max_registers, ptx .maxnreg)")
     parser.add_argument("--skinny", action="store_true",
@@ -208,7 +213,8 @@ def main() -> None:
         for warps in args.warps:
             print(json.dumps(decode_variant(block_n, warps, args.stages, args.new_tokens,
                                             not args.wide_offsets, args.group, args.head_dim,
-                                            args.splits, args.max_registers)))
+                                            args.splits, args.max_registers,
+                                            args.prefetch_kv)))
 
 
 if __name__ == "__main__":

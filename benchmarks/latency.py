@@ -1,7 +1,9 @@
 """Batch-1 decode latency (ms per output token) against the weight-read floor. One JSON line.
 
 ``--skinny N:K:BLOCK_N:BLOCK_K[:defer]`` (repeatable) replaces the batch-1 projection tiles for
-an (N, K) shape, to check a sweep's winners inside the model's chain of kernels.
+an (N, K) shape, to check a sweep's winners inside the model's chain of kernels;
+``--variant SPEC`` runs a split-decode variant of ``split_decode_chain.py`` (``none``: attention
+left out, a profile rather than a result), for A/B runs of one tree.
 """
 from __future__ import annotations
 
@@ -13,29 +15,13 @@ import time
 from pathlib import Path
 
 import torch
-from common import (SHAPES, copy_bandwidth_gbs, emit, environment, make_model_dir, replay_ms,
-                    weight_bytes)
+from common import (SHAPES, GCTimer, copy_bandwidth_gbs, emit, environment, make_model_dir,
+                    replay_ms, weight_bytes)
+from split_decode_chain import apply_variant
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.skinny_gemm import TUNED_ONE_ROW, SkinnyConfig
 from nanoserve.runner.cuda_graph import DecodeGraphs
-
-
-class GCTimer:
-    """Python's garbage collections while active: per generation, how many and how long."""
-
-    def __init__(self) -> None:
-        self.counts, self.ms, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.counts[info["generation"]] += 1
-            self.ms[info["generation"]] += (time.perf_counter() - self._start) * 1e3
-
-    def report(self) -> dict:
-        return {"collections": self.counts, "ms": [round(t, 2) for t in self.ms]}
 
 
 def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int,
@@ -69,25 +55,26 @@ def timed_generate(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
             **report["host_ms_by_running"].get("0-31", {})}
 
 
-def graph_ms(llm: LLM, replays: int = 200) -> dict[str, float | None]:
+def graph_ms(llm: LLM, context: int, replays: int = 200) -> dict[str, float | None]:
     """Device time of a batch-1 decode step's CUDA graph replayed back to back, with no host
     work in between (``step_graph_ms``: the forward, the LM head and the sampler), and of the
-    forward alone in a graph captured without them (``forward_graph_ms``). Set against
-    ``ms_per_token``, the difference is what the host and the step's other launches add."""
+    forward alone in a graph captured without them (``forward_graph_ms``), both the graphs for
+    the last step's ``context``. Set against ``ms_per_token``, the difference is what the host
+    and the step's other launches add."""
     runner = llm.engine.executor
     graphs = getattr(runner, "graphs", None)
     if graphs is None:
         return {"step_graph_ms": None, "forward_graph_ms": None}
     # Its static inputs still hold the last step's, a valid decode; the forward-only graph
     # takes a copy of them.
-    step = replay_ms(graphs.graphs[1], replays)
+    step = replay_ms(graphs.graphs[graphs.key_for(1, context)], replays)
     forward = DecodeGraphs(runner.model, 1, graphs.max_blocks, graphs.max_seq_len,
                            runner.device)
     source, target = graphs.arena.regions[1], forward.arena.regions[1]
     for name in ("positions", "slots", "seq_lens", "tables", "order"):
         getattr(target, name).copy_(getattr(source, name))
     target.token_ids.copy_(graphs.arena.int64[source.sources])  # target's rows read their own
-    forward_ms = replay_ms(forward.graphs[1], replays)
+    forward_ms = replay_ms(forward.graphs[forward.key_for(1, context)], replays)
     forward.release()
     return {"step_graph_ms": step, "forward_graph_ms": forward_ms}
 
@@ -128,11 +115,15 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     parser.add_argument("--skinny", action="append", default=[], metavar="N:K:BN:BK[:defer]")
+    parser.add_argument("--variant", default="default",
+                        help="a split-decode variant (split_decode_chain.py's syntax), e.g. "
+                             "caps=0,num_stages=3 or none")
     parser.add_argument("--host-timing", action="store_true",
                         help="then as many generations again, each with its steps' host time, "
                              "wait for the device and device time (throughput.py's)")
     args = parser.parse_args()
     override_skinny_tiles(args.skinny)
+    apply_variant(args.variant)
     shape = SHAPES[args.shape]
     random.seed(0)
     prompt = [random.randint(0, 10000) for _ in range(args.prompt_len)]
@@ -150,7 +141,7 @@ def main() -> None:
         firsts = time_generate(llm, prompt, 1, args.repeats)
         timed = [timed_generate(llm, prompt, args.new_tokens) for _ in range(args.repeats)] \
             if args.host_timing else None
-        graphs = graph_ms(llm)
+        graphs = graph_ms(llm, args.prompt_len + args.new_tokens - 1)
         head_ms = lm_head_ms(llm)
         llm.close()
     bandwidth = copy_bandwidth_gbs()
@@ -167,7 +158,7 @@ def main() -> None:
           "lm_head_ms": head_ms and round(head_ms, 4),
           "each_run_gc": collections,
           **({"host_timed_runs": timed} if timed else {}),
-          "skinny_overrides": args.skinny,
+          "skinny_overrides": args.skinny, "variant": args.variant,
           "fraction_of_floor": round(floor_ms / per_token_ms, 3),
           "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
           "tensor_parallel_size": args.tensor_parallel_size,

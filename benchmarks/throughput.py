@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import random
 import sys
 import tempfile
@@ -15,8 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import (SHAPES, copy_bandwidth_gbs, emit, environment, kernel_us, make_model_dir,
-                    weight_bytes)
+from common import (SHAPES, GCTimer, copy_bandwidth_gbs, emit, environment, kernel_us,
+                    make_model_dir, weight_bytes)
 from first_run_probes import add_probe_options, before_each_run, before_runs, probe_fields
 
 from nanoserve import LLM, SamplingParams
@@ -172,10 +173,13 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
             host_timing(args.host_timing, llm) as host_report, \
             host_profile(args.host_profile):
         allocs_before, host_before = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+        collections = GCTimer()  # Python's garbage collections inside the run
+        gc.callbacks.append(collections)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        gc.callbacks.remove(collections)
         allocs_after, host_after = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
         # cudaMalloc/cudaFree inside the run: either can stall the host until the device idles;
         # so can new pinned host blocks (cudaHostAlloc), which the host allocator then caches.
@@ -185,7 +189,7 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
                        for key in ("num_host_alloc", "host_alloc_time.total")})
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(p.max_tokens for p in params), "every request must run to max_tokens"
-    return elapsed, {**allocs, **report, **host_report}
+    return elapsed, {**allocs, "gc": collections.report(), **report, **host_report}
 
 
 def main() -> None:

@@ -1,0 +1,125 @@
+"""Batch-1 decode forward inside the chain of kernels, per split-decode variant and context.
+
+One engine per shape (random bf16 weights); for each variant a batch-1 decode graph of the
+forward alone is captured (as ``latency.py``'s ``forward_graph_ms``) and replayed back to back
+at each context length. A variant is ``default``, ``none`` (attention returns q as it came, so
+o_proj follows the qkv projection at once: a profile of attention's share, whose tokens mean
+nothing) or ``FIELD=VALUE,...`` where ``splits`` fixes the split count,
+``unsplit=1`` runs the kernel that finishes the new tokens unsplit (one launch, no reduce),
+``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), and the other fields
+replace split decode's ``DecodeTuning``s (booleans as 0/1). The build before context caps is
+``caps=0,num_stages=3``. One JSON line per variant and context:
+
+    python benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 384 2048 \\
+        --variants default splits=8 splits=8,num_stages=1 none
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from common import SHAPES, emit, environment, make_model_dir, replay_ms
+
+from nanoserve import LLM
+from nanoserve.attention import triton_backend
+from nanoserve.kernels.decode_attention import DecodeTuning, NewTokens, decode_attention
+from nanoserve.runner import cuda_graph
+from nanoserve.runner.cuda_graph import DecodeGraphs
+from nanoserve.runner.graph_inputs import DecodeRows
+
+
+def finish_in_one_launch(self, positions, q, k, v, k_cache, v_cache, meta, rotary, scale,
+                         q_norm=None, k_norm=None):
+    """Batch-1 decode as one launch of the kernel that finishes the new tokens, unsplit: no
+    separate store before it and no reduce after it (an experiment)."""
+    new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
+                    *triton_backend._norm_args(q_norm, k_norm))
+    return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, meta.max_seq_len, scale, num_splits=1,
+                            seq_order=meta.seq_order, new_tokens=new,
+                            tuning=triton_backend.SPLIT_DECODE_TUNING)
+
+
+TUNINGS = ("SPLIT_DECODE_TUNING", "ONE_TILE_SPLIT_TUNING")
+
+
+def apply_variant(spec: str) -> dict:
+    """Patch the backend (and the graphs' context caps) for ``spec``; returns what to
+    restore. Tuning fields replace those of both split-decode tunings."""
+    saved = {(triton_backend, name): getattr(triton_backend, name)
+             for name in (*TUNINGS, "num_decode_splits")}
+    saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
+    saved[triton_backend.TritonAttentionBackend, "attention"] = \
+        triton_backend.TritonAttentionBackend.attention
+    if spec == "none":
+        triton_backend.TritonAttentionBackend.attention = lambda self, positions, q, *args: q
+        return saved
+    fields: dict = {}
+    for item in filter(None, spec.replace("default", "").split(",")):
+        name, value = item.split("=")
+        if name == "unsplit":
+            triton_backend.TritonAttentionBackend.attention = finish_in_one_launch
+        elif name == "splits":
+            triton_backend.num_decode_splits = lambda *args, n=int(value), **kwargs: n
+        elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
+            cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
+        else:
+            kind = type(getattr(DecodeTuning(), name))
+            fields[name] = bool(int(value)) if kind is bool else kind(value)
+    for name in TUNINGS:
+        setattr(triton_backend, name, getattr(triton_backend, name)._replace(**fields))
+    return saved
+
+
+def restore(saved: dict) -> None:
+    for (owner, name), value in saved.items():
+        setattr(owner, name, value)
+
+
+def one_sequence(context: int, block_size: int) -> DecodeRows:
+    """A decode row whose context is ``context`` keys in blocks 0, 1, 2, ..."""
+    table = np.arange(-(-context // block_size), dtype=np.int32)
+    last = context - 1
+    return DecodeRows(token_ids=np.array([42]), sample_rows=np.array([-1]),
+                      positions=np.array([last]),
+                      slots=np.array([table[last // block_size] * block_size + last % block_size],
+                                     dtype=np.int64),
+                      seq_lens=np.array([context], dtype=np.int32),
+                      order=np.array([0], dtype=np.int32), tables=table[None, :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--contexts", type=int, nargs="+", default=[384])
+    parser.add_argument("--variants", nargs="+", default=["default", "none"])
+    parser.add_argument("--replays", type=int, default=300)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
+        llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=1,
+                  enable_prefix_caching=False)
+        runner = llm.engine.executor
+        block_size = llm.engine.block_manager.block_size
+        engine_graphs = runner.graphs
+        for spec in args.variants:
+            saved = apply_variant(spec)
+            graphs = DecodeGraphs(runner.model, 1, engine_graphs.max_blocks,
+                                  engine_graphs.max_seq_len, runner.device)
+            for context in args.contexts:
+                graphs.arena.stage(1, one_sequence(context, block_size), None, -1)
+                emit({"bench": "split_decode_chain", "shape": args.shape, "variant": spec,
+                      "context": context,
+                      "graph": graphs.key_for(1, context),
+                      "forward_graph_ms": round(
+                          replay_ms(graphs.graphs[graphs.key_for(1, context)], args.replays), 4),
+                      **environment()})
+            graphs.release()
+            restore(saved)
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
