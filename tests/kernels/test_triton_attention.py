@@ -16,7 +16,12 @@ from nanoserve.attention.torch_backend import (  # noqa: E402
     TorchAttentionBackend,
     paged_attention_reference,
 )
-from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from nanoserve.attention.triton_backend import (  # noqa: E402
+    ONE_TILE_SPLIT_TUNING,
+    SPLIT_DECODE_TUNING,
+    TritonAttentionBackend,
+    split_decode_tuning,
+)
 from nanoserve.kernels.decode_attention import (  # noqa: E402
     DecodeTuning,
     MAX_SPLITS,
@@ -275,6 +280,19 @@ def test_backends_agree_from_projection_to_output(seq_lens, q_lens, qk_norm):
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float16])
     torch.testing.assert_close(k_cache, expected_caches[0], **TOLERANCE[torch.float16])
     assert torch.equal(v_cache, expected_caches[1])
+
+
+def test_split_decode_takes_one_stage_only_for_one_tile_splits_read_before_the_wait():
+    block_n, sms = SPLIT_DECODE_TUNING.block_n, 132
+    # Batch 1 of a graph captured for 512 keys: 8 splits of one tile, 64 programs.
+    assert split_decode_tuning(64, 8 * block_n, 8, sms) == ONE_TILE_SPLIT_TUNING
+    assert ONE_TILE_SPLIT_TUNING.num_stages == 1 and ONE_TILE_SPLIT_TUNING.prefetch_kv
+    # Two tiles per split keep the pipelined loop, the first tile still read early.
+    assert split_decode_tuning(256, 64 * block_n, 32, sms) == SPLIT_DECODE_TUNING
+    assert SPLIT_DECODE_TUNING.num_stages > 1 and SPLIT_DECODE_TUNING.prefetch_kv
+    # Too many programs to hold a tile through the wait: neither one stage nor the prefetch.
+    crowded = split_decode_tuning(4 * sms, 8 * block_n, 8, sms)
+    assert crowded == SPLIT_DECODE_TUNING._replace(prefetch_kv=False)
 
 
 def test_num_decode_splits_fills_the_device_without_tiny_splits():

@@ -22,9 +22,10 @@ SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False, prefetch_kv=True)
 # without the stages' shared memory the programs start sooner, beside the projection they
 # wait for (benchmarks/split_decode_chain.py; docs/kernels.md).
 ONE_TILE_SPLIT_TUNING = SPLIT_DECODE_TUNING._replace(num_stages=1)
-# The prefetched tile is live through the wait: 145 registers against 114 (sm_90, Triton 3.9),
-# three programs per SM instead of four. Launches that fit the device at three per SM (batch
-# 1: 8 KV heads x 32 splits) take it; larger ones keep their occupancy.
+# The prefetched tile is live through the wait: compiled for sm_90, 168 registers against 165
+# with Triton 3.6 (three programs per SM either way), 145 against 114 with Triton 3.9 (three
+# instead of four). Launches that fit the device at three per SM (batch 1: 8 KV heads x 32
+# splits) take it; larger ones keep their occupancy.
 PREFETCH_PROGRAMS_PER_SM = 3
 # Over an fp8 cache, two warps per program read the throughput workload's K/V 15% faster than
 # four (benchmarks/decode_workload.py --kv-cache-dtype fp8, run 105).
@@ -70,11 +71,8 @@ class TritonAttentionBackend:
             if splits > 1:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
-                programs = meta.num_seqs * k_cache.shape[2] * splits
-                tiles = -(-meta.max_seq_len // SPLIT_DECODE_TUNING.block_n)
-                tuning = ONE_TILE_SPLIT_TUNING if tiles <= splits else SPLIT_DECODE_TUNING
-                tuning = tuning._replace(prefetch_kv=tuning.prefetch_kv
-                                         and programs <= PREFETCH_PROGRAMS_PER_SM * num_sms)
+                tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,
+                                             meta.max_seq_len, splits, num_sms)
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_seq_len, scale,
                                         num_splits=splits, seq_order=meta.seq_order,
@@ -93,6 +91,18 @@ class TritonAttentionBackend:
                                     tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning())
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, scale)
+
+
+def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int
+                        ) -> DecodeTuning:
+    """The split kernel's tuning for a launch of ``programs`` programs whose ``max_seq_len``
+    keys go into ``splits`` splits: one stage when a split is at most one tile, but only with
+    the tile read before the wait (one stage without it measured slower than three, run 130),
+    and that only while the launch fits the device at three programs per SM."""
+    if programs > PREFETCH_PROGRAMS_PER_SM * num_sms:
+        return SPLIT_DECODE_TUNING._replace(prefetch_kv=False)
+    tiles = -(-max_seq_len // SPLIT_DECODE_TUNING.block_n)
+    return ONE_TILE_SPLIT_TUNING if tiles <= splits else SPLIT_DECODE_TUNING
 
 
 def _norm_args(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> tuple:

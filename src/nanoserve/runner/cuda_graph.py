@@ -60,8 +60,9 @@ class DecodeGraphs:
 
     Inputs live in a static arena that every graph reads (``graph_inputs.GraphArena``): a step
     copies its inputs there in one go, replays the smallest graph that fits its batch and its
-    longest context, and returns the first rows of its static output. Rows past the batch hold padding. Token ids come through
-    an index, so tokens the previous step sampled into the arena are fed back without a copy.
+    longest context, and returns the first rows of its static output. Rows past the batch hold
+    padding. Token ids come through an index, so tokens the previous step sampled into the
+    arena are fed back without a copy.
 
     With ``sample`` the graphs also run the LM head and the fused greedy / temperature sampler
     (nanoserve.kernels.sampling), reading each step's temperatures and noise seed from the
@@ -125,8 +126,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        # Largest first (batch, then cap: more splits need more scratch), so that the graphs
-        # after reuse its memory.
+        # Largest first (batch, then cap: more splits need more scratch), so that each later
+        # graph reuses the memory of those before it.
         for key in sorted(((bs, cap) for bs in self.sizes
                            for cap in context_caps(bs, self.max_seq_len)), reverse=True):
             self._forward(*key)  # compiles kernels and settles allocations outside the capture
