@@ -3,7 +3,7 @@
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
 #   [latency8b] [throughputfp8] [latencyfp8] [latency8bfp8] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
-#   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [firstrun]
+#   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -104,6 +104,14 @@ for step in "$@"; do
       for shape in qwen3-0.6b qwen3-8b; do
         python3 benchmarks/split_decode_chain.py --shape $shape --contexts 136 384 1024 2100 4096 \
           --variants default prefetch_kv=0 default prefetch_kv=0 2>&1 | tee -a "$OUT/prefetch_chain.log"
+      done ;;
+    smallbatch)  # batches of 2-8 in the context-capped graphs against the build before them
+      for shape in qwen3-0.6b qwen3-8b; do
+        for batch in 2 4 8; do
+          python3 benchmarks/split_decode_chain.py --shape $shape --batch $batch \
+            --contexts 136 384 1024 2100 --variants default caps=0,num_stages=3,prefetch_kv=0 \
+            default caps=0,num_stages=3,prefetch_kv=0 2>&1 | tee -a "$OUT/small_batch.log"
+        done
       done ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;

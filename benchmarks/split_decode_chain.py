@@ -1,8 +1,8 @@
-"""Batch-1 decode forward inside the chain of kernels, per split-decode variant and context.
+"""Small-batch decode forward inside the chain of kernels, per split-decode variant and context.
 
-One engine per shape (random bf16 weights); for each variant a batch-1 decode graph of the
-forward alone is captured (as ``latency.py``'s ``forward_graph_ms``) and replayed back to back
-at each context length. A variant is ``default``, ``none`` (attention returns q as it came, so
+One engine per shape (random bf16 weights); for each variant a decode graph of the forward
+alone is captured for ``--batch`` sequences (1: ``latency.py``'s ``forward_graph_ms``) and
+replayed back to back with every sequence at each context length. A variant is ``default``, ``none`` (attention returns q as it came, so
 o_proj follows the qkv projection at once: a profile of attention's share, whose tokens mean
 nothing) or ``FIELD=VALUE,...`` where ``splits`` fixes the split count,
 ``unsplit=1`` runs the kernel that finishes the new tokens unsplit (one launch, no reduce),
@@ -78,43 +78,46 @@ def restore(saved: dict) -> None:
         setattr(owner, name, value)
 
 
-def one_sequence(context: int, block_size: int) -> DecodeRows:
-    """A decode row whose context is ``context`` keys in blocks 0, 1, 2, ..."""
-    table = np.arange(-(-context // block_size), dtype=np.int32)
+def decode_batch(num_seqs: int, context: int, block_size: int) -> DecodeRows:
+    """Decode rows of ``num_seqs`` sequences of ``context`` keys each, in blocks of their own
+    (the first sequence's 0, 1, 2, ..., the next one's after them)."""
+    width = -(-context // block_size)
+    tables = np.arange(num_seqs * width, dtype=np.int32).reshape(num_seqs, width)
     last = context - 1
-    return DecodeRows(token_ids=np.array([42]), sample_rows=np.array([-1]),
-                      positions=np.array([last]),
-                      slots=np.array([table[last // block_size] * block_size + last % block_size],
-                                     dtype=np.int64),
-                      seq_lens=np.array([context], dtype=np.int32),
-                      order=np.array([0], dtype=np.int32), tables=table[None, :])
+    return DecodeRows(
+        token_ids=np.full(num_seqs, 42), sample_rows=np.full(num_seqs, -1),
+        positions=np.full(num_seqs, last),
+        slots=(tables[:, last // block_size] * block_size + last % block_size).astype(np.int64),
+        seq_lens=np.full(num_seqs, context, dtype=np.int32),
+        order=np.arange(num_seqs, dtype=np.int32), tables=tables)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--contexts", type=int, nargs="+", default=[384])
     parser.add_argument("--variants", nargs="+", default=["default", "none"])
     parser.add_argument("--replays", type=int, default=300)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
-        llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=1,
+        llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=args.batch,
                   enable_prefix_caching=False)
         runner = llm.engine.executor
         block_size = llm.engine.block_manager.block_size
         engine_graphs = runner.graphs
         for spec in args.variants:
             saved = apply_variant(spec)
-            graphs = DecodeGraphs(runner.model, 1, engine_graphs.max_blocks,
+            graphs = DecodeGraphs(runner.model, args.batch, engine_graphs.max_blocks,
                                   engine_graphs.max_seq_len, runner.device)
             for context in args.contexts:
-                graphs.arena.stage(1, one_sequence(context, block_size), None, -1)
-                emit({"bench": "split_decode_chain", "shape": args.shape, "variant": spec,
-                      "context": context,
-                      "graph": graphs.key_for(1, context),
-                      "forward_graph_ms": round(
-                          replay_ms(graphs.graphs[graphs.key_for(1, context)], args.replays), 4),
+                key = graphs.key_for(args.batch, context)
+                graphs.arena.stage(key[0], decode_batch(args.batch, context, block_size), None,
+                                   -1)
+                emit({"bench": "split_decode_chain", "shape": args.shape, "batch": args.batch,
+                      "variant": spec, "context": context, "graph": key,
+                      "forward_graph_ms": round(replay_ms(graphs.graphs[key], args.replays), 4),
                       **environment()})
             graphs.release()
             restore(saved)
