@@ -44,13 +44,13 @@ def _generate_recording(model_dir: Path, params) -> tuple[list, list[tuple], lis
     runner = llm.engine.executor
     graphs, replays, sampler_inputs = runner.graphs, [], []
     run, sample = graphs.run, runner.sampler.forward
-    regions, size_for = graphs.arena.regions, graphs.size_for  # the graphs' static inputs
+    regions, key_for = graphs.arena.regions, graphs.key_for  # the graphs' static inputs
 
     def recording_run(*args):
         out = run(*args)
         if out.token_ids is not None:
             n = out.token_ids.shape[0]
-            region = regions[size_for(n)]
+            region = regions[key_for(n, 1)[0]]  # one region per batch size, any context
             replays.append((out.logits.clone(), out.token_ids.clone(),
                             region.temperature[:n].clone(), region.noise_seed.clone()))
         return out

@@ -144,10 +144,6 @@ class DecodeGraphs:
         return 0 < len(chunks) <= self.max_batch and all(
             len(c.token_ids) == 1 and c.sample for c in chunks)
 
-    def size_for(self, num_seqs: int) -> int:
-        """The graph size that runs a batch of ``num_seqs``."""
-        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
-
     def run(self, rows: DecodeRows, temperature: np.ndarray | None = None,
             noise_seed: int = -1) -> DecodeOutput:
         """Replay the step. ``temperature`` (float32 per row, 0: greedy) and ``noise_seed``
