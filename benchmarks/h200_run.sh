@@ -4,6 +4,7 @@
 #   [latency8b] [throughputfp8] [latencyfp8] [latency8bfp8] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
+#   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -111,6 +112,47 @@ for step in "$@"; do
           python3 benchmarks/split_decode_chain.py --shape $shape --batch $batch \
             --contexts 136 384 1024 2100 --variants default caps=0,num_stages=3,prefetch_kv=0 \
             default caps=0,num_stages=3,prefetch_kv=0 2>&1 | tee -a "$OUT/small_batch.log"
+        done
+      done ;;
+    mergetests) python3 -m pytest tests/gpu/test_fused_kernels.py tests/gpu/test_gpu_parity.py -q -s \
+                  -p no:cacheprovider -k "not fp8 and not logprobs" 2>&1 | tee "$OUT/merge_tests.log" ;;
+    mergechain)  # batch-1 o_proj merging the splits (default) against the reduce kernel (merge=0)
+      python3 benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 136 384 511 1024 \
+        --variants default merge=0 default merge=0 2>&1 | tee -a "$OUT/merge_chain.log"
+      python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 136 384 \
+        --variants default merge=0 merge_tiles=16/8/4 merge_tiles=8/16/8 default merge=0 \
+        2>&1 | tee -a "$OUT/merge_chain.log" ;;
+    mergeab)  # against the build before (BASE): batch-1 and batch-4 chains, then ms/token
+      ab merge_ab_chain.log benchmarks/split_decode_chain.py --shape qwen3-0.6b \
+        --contexts 136 384 1024 2100
+      ab merge_ab_chain.log benchmarks/split_decode_chain.py --shape qwen3-0.6b --batch 4 \
+        --contexts 136 1024 2100
+      python3 benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 136 384 1024 \
+        --variants merge=0 default 2>&1 | grep '^{' | tee -a "$OUT/merge_chain.log"
+      ab merge_ab_chain.log benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 136 384
+      python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 136 384 \
+        --variants merge=0 merge_tiles=16/8/4 merge_tiles=16/16/8 merge_tiles=32/8/8 default \
+        2>&1 | grep '^{' | tee -a "$OUT/merge_chain.log"
+      ab merge_ab_latency.log benchmarks/latency.py --shape qwen3-0.6b
+      ab merge_ab_latency.log benchmarks/latency.py --shape qwen3-8b ;;
+    mergetiles)  # the merging o_proj's tiles at both shapes, then 8B ms/token with the best
+      python3 -m pytest tests/gpu/test_fused_kernels.py -q -p no:cacheprovider -k "fp8 or merging" \
+        2>&1 | tee "$OUT/merge_tiles_tests.log"
+      python3 benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 136 384 \
+        --variants merge=0 merge_tiles=16/16/8 merge_tiles=8/16/8 merge_tiles=8/16/4 merge=0 \
+        merge_tiles=16/16/8 2>&1 | grep '^{' | tee -a "$OUT/merge_tiles.log"
+      python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 136 384 \
+        --variants merge=0 merge_tiles=16/16/8 merge_tiles=16/16/4 merge=0 merge_tiles=16/16/8 \
+        2>&1 | grep '^{' | tee -a "$OUT/merge_tiles.log"
+      for variant in merge_tiles=16/16/8 merge=0; do
+        python3 benchmarks/latency.py --shape qwen3-8b --variant $variant 2>&1 | grep '^{' \
+          | tee -a "$OUT/merge_tiles_latency.log"
+      done ;;
+    mergelatency)  # the same, ms/token, processes interleaved
+      for shape in qwen3-0.6b qwen3-8b; do
+        for variant in default merge=0 default merge=0; do
+          python3 benchmarks/latency.py --shape $shape --variant $variant 2>&1 | grep '^{' \
+            | tee -a "$OUT/merge_latency.log"
         done
       done ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;

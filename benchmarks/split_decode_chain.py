@@ -6,9 +6,11 @@ replayed back to back with every sequence at each context length. A variant is `
 o_proj follows the qkv projection at once: a profile of attention's share, whose tokens mean
 nothing) or ``FIELD=VALUE,...`` where ``splits`` fixes the split count,
 ``unsplit=1`` runs the kernel that finishes the new tokens unsplit (one launch, no reduce),
-``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), and the other fields
-replace split decode's ``DecodeTuning``s (booleans as 0/1). The build before context caps is
-``caps=0,num_stages=3``. One JSON line per variant and context:
+``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), ``merge=S`` merges
+batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel does),
+``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
+per chunk and warps, and the other fields replace split decode's ``DecodeTuning``s (booleans as 0/1). The
+build before context caps is ``caps=0,num_stages=3``. One JSON line per variant and context:
 
     python benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 384 2048 \\
         --variants default splits=8 splits=8,num_stages=1 none
@@ -24,6 +26,7 @@ from common import SHAPES, emit, environment, make_model_dir, replay_ms
 
 from nanoserve import LLM
 from nanoserve.attention import triton_backend
+from nanoserve.kernels import merged_o_proj
 from nanoserve.kernels.decode_attention import DecodeTuning, NewTokens, decode_attention
 from nanoserve.runner import cuda_graph
 from nanoserve.runner.cuda_graph import DecodeGraphs
@@ -31,7 +34,7 @@ from nanoserve.runner.graph_inputs import DecodeRows
 
 
 def finish_in_one_launch(self, positions, q, k, v, k_cache, v_cache, meta, rotary, scale,
-                         q_norm=None, k_norm=None):
+                         q_norm=None, k_norm=None, partials_ok=False):
     """Batch-1 decode as one launch of the kernel that finishes the new tokens, unsplit: no
     separate store before it and no reduce after it (an experiment)."""
     new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
@@ -42,6 +45,20 @@ def finish_in_one_launch(self, positions, q, k, v, k_cache, v_cache, meta, rotar
                             tuning=triton_backend.SPLIT_DECODE_TUNING)
 
 
+class EveryShape(dict):
+    """A tiles table (``merged_o_proj.TUNED``) that holds every shape, all with one config."""
+
+    def __init__(self, config: merged_o_proj.MergedConfig):
+        super().__init__()
+        self.config = config
+
+    def __contains__(self, shape: object) -> bool:
+        return True
+
+    def get(self, shape: object, default: object = None) -> merged_o_proj.MergedConfig:
+        return self.config
+
+
 TUNINGS = ("SPLIT_DECODE_TUNING", "ONE_TILE_SPLIT_TUNING")
 
 
@@ -49,12 +66,14 @@ def apply_variant(spec: str) -> dict:
     """Patch the backend (and the graphs' context caps) for ``spec``; returns what to
     restore. Tuning fields replace those of both split-decode tunings."""
     saved = {(triton_backend, name): getattr(triton_backend, name)
-             for name in (*TUNINGS, "num_decode_splits")}
+             for name in (*TUNINGS, "num_decode_splits", "MERGE_IN_O_PROJ_MAX_SPLITS")}
+    saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
     saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
     saved[triton_backend.TritonAttentionBackend, "attention"] = \
         triton_backend.TritonAttentionBackend.attention
     if spec == "none":
-        triton_backend.TritonAttentionBackend.attention = lambda self, positions, q, *args: q
+        triton_backend.TritonAttentionBackend.attention = \
+            lambda self, positions, q, *args, **kwargs: q
         return saved
     fields: dict = {}
     for item in filter(None, spec.replace("default", "").split(",")):
@@ -63,6 +82,11 @@ def apply_variant(spec: str) -> dict:
             triton_backend.TritonAttentionBackend.attention = finish_in_one_launch
         elif name == "splits":
             triton_backend.num_decode_splits = lambda *args, n=int(value), **kwargs: n
+        elif name == "merge":
+            triton_backend.MERGE_IN_O_PROJ_MAX_SPLITS = int(value)
+        elif name == "merge_tiles":
+            merged_o_proj.TUNED = EveryShape(
+                merged_o_proj.MergedConfig(*(int(v) for v in value.split("/"))))
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:

@@ -1,23 +1,31 @@
 """On a CUDA device, at the real shapes in bf16: the kernels that took over other ops' work
-(split decode finishing the new tokens, the pre-norm and the residual add inside the batch-1
-GEMVs, the norm adding up split-K partial sums, the fused MoE experts) against the PyTorch path they replace.
+(split decode finishing the new tokens, o_proj merging batch-1 splits, the pre-norm and the
+residual add inside the batch-1 GEMVs, the norm adding up split-K partial sums, the fused MoE
+experts) against the PyTorch path they replace.
 tests/kernels checks the same under the interpreter at small sizes. Skipped without CUDA.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     # Before the kernels are imported: in one pytest process tests/kernels later sets
     # TRITON_INTERPRET=1, and kernels defined without it would not run under the interpreter.
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from nanoserve.attention.backend import SplitPartials  # noqa: E402
 from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
 from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from nanoserve.attention.triton_backend import SPLIT_DECODE_TUNING  # noqa: E402
+from nanoserve.attention.triton_backend import (  # noqa: E402
+    MERGE_IN_O_PROJ_MAX_SPLITS,
+    SPLIT_DECODE_TUNING,
+    TritonAttentionBackend,
+)
 from nanoserve.kernels.common import device_sm_count  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
     NewTokens,
@@ -25,6 +33,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     num_decode_splits,
 )
 from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
+from nanoserve.kernels.merged_o_proj import merged_o_proj  # noqa: E402
 from nanoserve.kernels.skinny_gemm import (  # noqa: E402
     skinny_linear,
     skinny_rms_linear,
@@ -140,6 +149,36 @@ def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group, p
     check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda", prefetch_kv=prefetch_kv)
 
 
+@pytest.mark.parametrize("context", [1, 300, 511])
+@pytest.mark.parametrize("group,hidden", [(2, 1024), (4, 4096)], ids=["qwen3-0.6b", "qwen3-8b"])
+def test_o_proj_merging_batch1_splits_matches_torch_path(context, group, hidden):
+    """Batch-1 split decode in the short-context graph (8 splits) leaves its partials, and o_proj
+    merges them, adds into the residual and sums its squares: against attention, F.linear and
+    the add."""
+    q, k, v, positions, k_cache, v_cache, meta = decode_case(
+        [context], group * 8, 8, 128, 16, torch.bfloat16, "cuda", seed=context + group)
+    rotary = RotaryEmbedding(128, MAX_POSITIONS, 1e6, None).to("cuda")
+    norms = [RMSNorm(128, 1e-6).to("cuda", torch.bfloat16) for _ in range(2)]
+    gen = torch.Generator().manual_seed(hidden)
+    weight = torch.randn(hidden, group * 8 * 128, generator=gen).div(32).to("cuda", torch.bfloat16)
+    residual = (2 * torch.randn(1, hidden, generator=gen)).to("cuda", torch.bfloat16)
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    attention = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
+                                                  *expected_caches, meta, rotary, 128 ** -0.5,
+                                                  *norms)
+    expected = F.linear(attention.reshape(1, -1), weight) + residual
+    graph_meta = dataclasses.replace(meta, max_seq_len=512)  # the graph's cap sets the splits
+    parts = TritonAttentionBackend().attention(positions, q, k, v, k_cache, v_cache, graph_meta,
+                                               rotary, 128 ** -0.5, *norms, partials_ok=True)
+    assert isinstance(parts, SplitPartials)
+    assert parts.lse.shape == (1, group * 8, MERGE_IN_O_PROJ_MAX_SPLITS)
+    sum_squares = torch.zeros(1, device="cuda")
+    merged_o_proj(parts.lse, parts.out, weight, residual, sum_squares)
+    torch.testing.assert_close(residual.float(), expected.float(), **BF16)
+    torch.testing.assert_close(sum_squares, residual.float().pow(2).sum(-1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(k_cache.float(), expected_caches[0].float(), **BF16)
+
+
 @pytest.mark.parametrize("seq_lens", [[300], [4000, 17, 1, 900]], ids=["batch1", "batch4"])
 def test_split_decode_with_an_fp8_cache(seq_lens):
     check_split_decode(seq_lens, 2, 128, torch.bfloat16, "cuda",
@@ -149,8 +188,6 @@ def test_split_decode_with_an_fp8_cache(seq_lens):
 def test_prefill_stores_and_reads_an_fp8_cache():
     """A mixed batch through the Triton backend (the fused q/k-norm + RoPE store into fp8,
     then the prefill kernel) against the PyTorch backend on the same fp8 cache."""
-    from nanoserve.attention.triton_backend import TritonAttentionBackend
-
     gen = torch.Generator().manual_seed(21)
     q_lens, seq_lens, block_size, kv_heads, head_dim = [1, 200, 37], [90, 260, 37], 16, 8, 128
     blocks = [math.ceil(n / block_size) for n in seq_lens]

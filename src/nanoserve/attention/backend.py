@@ -1,7 +1,7 @@
 """The seam between model code and the device: how K/V are stored and attention is computed."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -10,6 +10,16 @@ from nanoserve.attention.metadata import AttentionMetadata
 if TYPE_CHECKING:
     from nanoserve.layers.norm import RMSNorm
     from nanoserve.layers.rotary import RotaryEmbedding
+
+
+class SplitPartials(NamedTuple):
+    """One sequence's decode attention left split along its context, for the output projection
+    to merge as it reads it (``layers.linear.RowParallelLinear.forward_for_norm``): per head and
+    split, the log2 of the split's softmax denominator ``lse`` (``[1, H, S]`` float32) and its
+    normalised output ``out`` (``[1, H, S, D]``)."""
+
+    lse: torch.Tensor
+    out: torch.Tensor
 
 
 class AttentionBackend(Protocol):
@@ -23,10 +33,13 @@ class AttentionBackend(Protocol):
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                  partials_ok: bool = False) -> torch.Tensor | SplitPartials:
         """Per-head q/k norms (when given) and RoPE on the projection's q and k; the rotated k
         and v into the caches at ``meta.slot_mapping``; then causal attention of q over the
         cache. ``q``, ``k`` and ``v`` may be modified in place: do not use them afterwards.
+        With ``partials_ok`` (the caller's projection merges them) the result may instead be
+        ``SplitPartials``.
         """
 
 

@@ -42,7 +42,9 @@ class TorchAttentionBackend:
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                  partials_ok: bool = False) -> torch.Tensor:
+        """The unfused sequence; the output is always merged (``partials_ok`` is ignored)."""
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale)

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanoserve.attention.backend import SplitPartials
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (DecodeTuning, NewTokens, decode_attention,
@@ -27,6 +28,11 @@ ONE_TILE_SPLIT_TUNING = SPLIT_DECODE_TUNING._replace(num_stages=1)
 # instead of four). Launches that fit the device at three per SM (batch 1: 8 KV heads x 32
 # splits) take it; larger ones keep their occupancy.
 PREFETCH_PROGRAMS_PER_SM = 3
+# A batch-1 split decode over at most this many splits (the decode graphs' short-context cap)
+# leaves its partials to an o_proj that merges them, when the caller's o_proj does: every o_proj
+# program reads them all, so more splits would cost more than the reduce launch they save
+# (kernels/merged_o_proj.py; docs/kernels.md).
+MERGE_IN_O_PROJ_MAX_SPLITS = 8
 # Over an fp8 cache, two warps per program read the throughput workload's K/V 15% faster than
 # four (benchmarks/decode_workload.py --kv-cache-dtype fp8, run 105).
 FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
@@ -37,7 +43,8 @@ class TritonAttentionBackend:
 
     In split decode (small batches) the split kernel also applies the q/k norms and RoPE and
     stores the new K/V (one launch); otherwise ``qk_norm_rope_store`` does, then the decode or
-    prefill kernel attends.
+    prefill kernel attends. A batch-1 split decode over few splits returns its partials
+    unmerged when the caller allows it (``partials_ok``): its o_proj merges them.
 
     Nothing here reads device values on the host, so the decode path can be captured in a CUDA
     graph (run it once outside capture first, so Triton compiles its kernels). The decode split
@@ -58,7 +65,8 @@ class TritonAttentionBackend:
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                  partials_ok: bool = False) -> torch.Tensor | SplitPartials:
         if meta.decode_only:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
@@ -73,10 +81,12 @@ class TritonAttentionBackend:
                                 *_norm_args(q_norm, k_norm))
                 tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,
                                              meta.max_seq_len, splits, num_sms)
-                return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, meta.max_seq_len, scale,
-                                        num_splits=splits, seq_order=meta.seq_order,
-                                        new_tokens=new, tuning=tuning)
+                keep = partials_ok and meta.num_seqs == 1 and splits <= MERGE_IN_O_PROJ_MAX_SPLITS
+                out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, meta.max_seq_len, scale,
+                                       num_splits=splits, seq_order=meta.seq_order,
+                                       new_tokens=new, tuning=tuning, keep_partials=keep)
+                return SplitPartials(*out) if keep else out
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale)

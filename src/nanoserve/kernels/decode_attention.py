@@ -3,9 +3,10 @@
 Flash-decoding: the grid is (KV head, sequence, split), or sequences first (a `DecodeTuning`
 option). Each program attends the whole query group of one KV head (all query heads that share
 it, so each K/V tile is read once per group) to one contiguous slice of the sequence's context
-and writes an fp32 partial result: running max, running sum of exponentials and unnormalised
-accumulator. A second small kernel merges the splits. With one split the first kernel writes
-the normalised output directly.
+and writes a partial result: the slice's normalised output and the log2 of its softmax
+denominator. A second small kernel merges the splits (``merge_splits``), or, at batch 1, the
+o_proj GEMV does as it reads its input (``keep_partials``, ``kernels/merged_o_proj.py``). With
+one split the first kernel writes the normalised output directly.
 
 Given the step's new tokens (``NewTokens``), the split kernel also does what
 ``qk_norm_rope_store`` does in prefill: every program normalises (Qwen3) and rotates its q group
@@ -116,7 +117,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int | None = None,
                      tuning: DecodeTuning = DecodeTuning(),
                      seq_order: torch.Tensor | None = None,
-                     new_tokens: NewTokens | None = None) -> torch.Tensor:
+                     new_tokens: NewTokens | None = None,
+                     keep_partials: bool = False
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
@@ -130,6 +133,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     With ``new_tokens``, ``q`` is the projection's raw q (un-normalised, unrotated, left
     unmodified) and the kernel finishes and stores each sequence's new k/v itself, at position
     ``seq_lens[i] - 1`` (see the module docstring); the cache holds only the earlier keys.
+    With ``keep_partials`` (and more than one split) no reduce runs: the result is each
+    split's partial, ``(lse [B, H, S] float32, out [B, H, S, D] in q's dtype)``, for a
+    consumer that merges them (``merge_splits``), indexed by sequence, not by q's rows.
     Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -146,12 +152,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_seqs == 0:
         return out
     if num_splits > 1:
-        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
-        part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=device)
+        # 16-bit for a consumer that merges as it reads (half the bytes it reads per program);
+        # float32 for the reduce, which rounds once, at the end.
+        part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim),
+                             dtype=q.dtype if keep_partials else torch.float32, device=device)
     else:  # the partial buffers are never touched: pass the output as a typed placeholder
-        part_max = part_sum = part_acc = out
+        part_lse = part_o = out
 
     if new_tokens is None:  # typed placeholders, never read
         new_pointers, new_strides = (q, q, seq_lens, seq_lens, q, q, q), (0, 0, 0, 0, 0)
@@ -164,7 +172,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,  # an int32 placeholder when unordered
-        out, part_max, part_sum, part_acc, *new_pointers,
+        out, part_lse, part_o, *new_pointers,
         scale * LOG2E, 0.0 if new_tokens is None else new_tokens.eps, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -184,12 +192,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
+    if num_splits > 1 and keep_partials:
+        return part_lse, part_o
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_max, part_sum, part_acc, query_start_loc, out,
+            part_lse, part_o, query_start_loc, out,
             num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            NUM_SPLITS=num_splits,
             PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out

@@ -18,7 +18,7 @@ from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    seq_order_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr,
     k_new_ptr, v_new_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
     scale_log2, eps,
     num_heads,
@@ -159,16 +159,20 @@ def _decode_split_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
+    # Empty sequences and splits (no keys) have l_i == 0: zeros, not NaN.
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        # Empty sequences (seq_len 0) have l_i == 0: write zeros, not NaN.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
+        # Each split's own normalised output and the log2 of its softmax denominator: what
+        # `merge_splits` needs, and the output alone may be stored in 16 bits.
         part = (seq * num_heads + head) * NUM_SPLITS + split
-        tl.store(part_max_ptr + part, m_i, mask=g_mask)
-        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                 out.to(part_o_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -208,31 +212,47 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.co
 
 
 @triton.jit
+def merge_splits(part_lse_ptr, part_o_ptr, rows, d, d_mask,
+                 NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The attention output of each (sequence, head) row in ``rows`` (``seq * num_heads +
+    head``), fp32 ``[len(rows), BLOCK_D]``, from its splits' partial results: their outputs
+    weighted by their share of the softmax denominator, ``exp2(lse_s) / sum exp2(lse)``."""
+    # Split by split, every load's address known up front: nothing waits on a reduction
+    # across threads, so all the loads are in flight at once.
+    lse_rows = part_lse_ptr + rows * NUM_SPLITS
+    out_rows = part_o_ptr + (rows * NUM_SPLITS)[:, None] * HEAD_DIM + d[None, :]
+    top = tl.load(lse_rows)
+    for i in tl.static_range(1, NUM_SPLITS):
+        top = tl.maximum(top, tl.load(lse_rows + i))
+    # Empty splits weigh 0; if all are empty, keep exp2 away from -inf - -inf (the output is 0).
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(tl.load(lse_rows) - top)
+    total = weight
+    out = weight[:, None] * tl.load(out_rows, mask=d_mask[None, :], other=0.0).to(tl.float32)
+    for i in tl.static_range(1, NUM_SPLITS):
+        weight = tl.exp2(tl.load(lse_rows + i) - top)
+        total += weight
+        o = tl.load(out_rows + i * HEAD_DIM, mask=d_mask[None, :], other=0.0)
+        out += weight[:, None] * o.to(tl.float32)
+    return out / tl.where(total > 0, total, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_reduce_kernel(
-    part_max_ptr, part_sum_ptr, part_acc_ptr, query_start_loc_ptr, out_ptr,
+    part_lse_ptr, part_o_ptr, query_start_loc_ptr, out_ptr,
     num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
         gdc_wait()  # launched early too: the partial results come from the split kernel
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    part = (seq * num_heads + head) * NUM_SPLITS + s
-    m = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                  mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    m_max = tl.max(m, 0)
-    # Empty splits carry max -inf (weight 0); if all are empty, keep exp2 away from -inf - -inf.
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    total = tl.sum(l * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    d_mask = d < HEAD_DIM
+    row = seq * num_heads + head + tl.arange(0, 1)
+    out = merge_splits(part_lse_ptr, part_o_ptr, row, d, d_mask, NUM_SPLITS, HEAD_DIM)
     token = tl.load(query_start_loc_ptr + seq)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=d_mask[None, :])

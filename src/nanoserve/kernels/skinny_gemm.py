@@ -120,13 +120,25 @@ def _skinny_gemm_kernel(
         acc = acc * tl.rsqrt(row_sum_sq / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if ADD_RESIDUAL:  # y_ptr is the residual itself; rounded as `F.linear(...) + residual`
-        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
-    out = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], out, mask=out_mask)
-    if SUM_SQUARES_OUT:  # this program's share of each output row's sum of squares, as stored
-        stored = tl.where(out_mask, out.to(tl.float32), 0.0)
-        tl.atomic_add(ss_ptr + m, tl.sum(stored * stored, axis=1), mask=m_mask, sem="relaxed")
+    y_rows = y_ptr + m[:, None] * stride_ym + n[None, :]
+    if ADD_RESIDUAL:  # y_ptr is the residual itself
+        residual_epilogue(acc, r, y_rows, out_mask, ss_ptr + m, m_mask, SUM_SQUARES_OUT)
+    else:
+        tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def residual_epilogue(acc, r, r_ptrs, mask, ss_ptrs, row_mask, SUM_SQUARES_OUT: tl.constexpr):
+    """Store the fp32 products ``acc`` ([rows, features]) plus the residual ``r`` read from
+    ``r_ptrs``, back in place, rounded as ``F.linear(...) + residual``; with
+    ``SUM_SQUARES_OUT``, add this program's share of each row's sum of squares, as stored,
+    into ``ss_ptrs`` (one float32 atomic per row)."""
+    acc = acc.to(r_ptrs.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    out = acc.to(r_ptrs.dtype.element_ty)
+    tl.store(r_ptrs, out, mask=mask)
+    if SUM_SQUARES_OUT:
+        stored = tl.where(mask, out.to(tl.float32), 0.0)
+        tl.atomic_add(ss_ptrs, tl.sum(stored * stored, axis=1), mask=row_mask, sem="relaxed")
 
 
 # Best tiles for one row on an H200 (benchmarks/skinny_gemm.py --sweep, run 25 in

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.attention.backend import SplitPartials
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
@@ -201,13 +202,30 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight, self.bias, self.gated))
 
-    def forward_for_norm(self, x: torch.Tensor, residual: torch.Tensor
+    @property
+    def merges_split_partials(self) -> bool:
+        """Whether :meth:`forward_for_norm` takes a batch-1 attention output still split
+        (``SplitPartials``): on one rank, on CUDA, in 16 bits, without bias, for a shape where
+        that measured faster than merging first (``merged_o_proj.TUNED``)."""
+        if not (self.tp.size == 1 and self.bias is None and not self.gated and self.weight.is_cuda
+                and self.weight.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        from nanoserve.kernels.merged_o_proj import TUNED
+        return tuple(self.weight.shape) in TUNED
+
+    def forward_for_norm(self, x: torch.Tensor | SplitPartials, residual: torch.Tensor
                          ) -> tuple[NormInput, torch.Tensor]:
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
         (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
         into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
-        updated rows' sums of squares where ``sum_squares`` is set)."""
+        updated rows' sums of squares where ``sum_squares`` is set). ``x`` may be attention's
+        split partials where :attr:`merges_split_partials` allows them; they are merged as
+        they are read (``kernels/merged_o_proj.py``)."""
+        if isinstance(x, SplitPartials):
+            from nanoserve.kernels.merged_o_proj import merged_o_proj
+            merged_o_proj(x.lse, x.out, self.weight, residual, self.sum_squares)
+            return AddedToResidual(self.sum_squares), residual
         if self.tp.size > 1:
             return self.forward(x), residual
         if (self.bias is None and _one_row_on_cuda(x) and residual.dtype == x.dtype

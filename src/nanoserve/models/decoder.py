@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from nanoserve.attention.backend import AttentionBackend
+from nanoserve.attention.backend import AttentionBackend, SplitPartials
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -61,8 +61,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
-                                     self.q_norm, self.k_norm)
-        return self.o_proj.forward_for_norm(out.reshape(-1, q_size), residual)
+                                     self.q_norm, self.k_norm,
+                                     partials_ok=self.o_proj.merges_split_partials)
+        if not isinstance(out, SplitPartials):
+            out = out.reshape(-1, q_size)
+        return self.o_proj.forward_for_norm(out, residual)
 
 
 class MLP(nn.Module):
