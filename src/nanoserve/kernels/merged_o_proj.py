@@ -71,7 +71,7 @@ def _merged_o_proj_kernel(
 
 
 # The shapes, (N, K), where merging in o_proj beat the reduce kernel on an H200, with their
-# tiles (runs 131-134, docs/kernels.md): Qwen3-8B's o_proj. Qwen3-0.6B's (1024, 2048) lost at
+# tiles (runs 133-134, docs/kernels.md): Qwen3-8B's o_proj. Qwen3-0.6B's (1024, 2048) lost at
 # every tiling tried, so the engine keeps the reduce kernel there.
 TUNED = {
     (4096, 4096): MergedConfig(block_n=16, heads_per_chunk=16, num_warps=8),
