@@ -10,6 +10,7 @@ PYTHONPATH); others allocate differently. One JSON line per variant:
         [--wide-offsets] [--splits 32] [--max-registers 96]
     python benchmarks/kernel_registers.py --skinny
     python benchmarks/kernel_registers.py --persistent   (persistent_layers.py's kernel)
+    python benchmarks/kernel_registers.py --merged   (the o_proj merging batch-1 splits)
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from triton.compiler import ASTSource
 from common import SHAPES
 
 from nanoserve.kernels.decode_kernels import _decode_split_kernel
+from nanoserve.kernels.merged_o_proj import MergedConfig, _merged_o_proj_kernel
 from nanoserve.kernels.skinny_gemm import _skinny_gemm_kernel, default_config
 
 REGISTERS_PER_SM = 65536
@@ -124,6 +126,36 @@ def skinny_variant(n: int, k: int, **flags: bool) -> dict:
             "triton": triton.__version__}
 
 
+def merged_variant(shape: str, cfg: MergedConfig, splits: int = 8) -> dict:
+    """The o_proj merging batch-1 splits (bf16, the residual epilogue with sums of squares)."""
+    c = SHAPES[shape]
+    constants = dict(HEADS=c["num_attention_heads"], HEAD_DIM=c["head_dim"], SPLITS=splits,
+                     BLOCK_N=cfg.block_n, HEADS_PER_CHUNK=cfg.heads_per_chunk, PDL=True,
+                     SUM_SQUARES_OUT=True)
+    names = _merged_o_proj_kernel.arg_names
+    signature = {name: "constexpr" if name in constants
+                 else "*fp32" if name in ("part_lse_ptr", "ss_ptr")
+                 else "*bf16" if name.endswith("_ptr") else "i32" for name in names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+                 if name not in constants}
+    kernel = triton.compile(ASTSource(_merged_o_proj_kernel, signature, constants, divisible),
+                            target=H200, options=dict(num_warps=cfg.num_warps, num_stages=1))
+    usage = resource_usage(kernel.asm["cubin"])
+    return {"kernel": "merged_o_proj", "shape": shape, **cfg._asdict(), "splits": splits,
+            **usage, "programs_per_sm_by_registers":
+                REGISTERS_PER_SM // (usage["registers"] * 32 * cfg.num_warps),
+            "triton": triton.__version__}
+
+
+def merged_report() -> None:
+    """The tilings runs 133-134 measured on the H200, at both shapes."""
+    tilings = [MergedConfig(4, 16, 4), MergedConfig(16, 16, 8), MergedConfig(8, 16, 8),
+               MergedConfig(8, 16, 4), MergedConfig(16, 16, 4), MergedConfig(32, 8, 8)]
+    for shape in ("qwen3-0.6b", "qwen3-8b"):
+        for cfg in tilings:
+            print(json.dumps(merged_variant(shape, cfg)))
+
+
 def persistent_variant(shape: str, tiles: dict, num_warps: int) -> dict:
     """persistent_layers.py's kernel for a Qwen3 shape with the given row tiles, bf16."""
     from persistent_layers import _decode_layers_kernel
@@ -202,7 +234,12 @@ def main() -> None:
                         help="the batch-1 GEMV of each Qwen3 projection instead")
     parser.add_argument("--persistent", action="store_true",
                         help="the persistent decode-layers experiment instead")
+    parser.add_argument("--merged", action="store_true",
+                        help="the o_proj that merges batch-1 splits instead")
     args = parser.parse_args()
+    if args.merged:
+        merged_report()
+        return
     if args.skinny:
         skinny_report()
         return
