@@ -1,0 +1,96 @@
+"""How fast the device can only read: the ceiling that the batch-1 GEMVs stream W against. Needs CUDA.
+
+The floors in docs/benchmarks.md divide bytes by the copy bandwidth (bytes read + written by a
+large copy). A GEMV only reads, so its ceiling may differ. This times a Triton kernel that reads
+a bf16 buffer and sums it (one float per program, so nothing is written that matters):
+
+- ``large``: one read of 2 GB, per tiling (elements per load x loads per program x warps), and
+  ``torch.sum`` over the same buffer;
+- ``per_call``: reads of the Qwen3-8B projections' sizes (33.5, 50, 100, 201 MB), each a
+  separate kernel captured back to back in one CUDA graph over rotating copies, the way a
+  decode step launches its GEMVs: what a projection of that size costs if it did nothing but
+  read.
+
+One JSON line per measurement.
+
+    python benchmarks/read_bandwidth.py
+"""
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+import triton
+import triton.language as tl
+from common import copy_bandwidth_gbs, graph_us
+
+LARGE_BYTES = 2 << 30
+ROTATE_BYTES = 512 << 20
+# Qwen3-8B's o_proj, qkv, down_proj and gate/up weights, bytes in bf16.
+PROJECTION_BYTES = {"o": 4096 * 4096 * 2, "qkv": 6144 * 4096 * 2, "down": 4096 * 12288 * 2,
+                    "gate_up": 24576 * 4096 * 2}
+TILINGS = list(itertools.product((2048, 4096, 8192), (1, 2, 4), (4, 8)))
+
+
+@triton.jit
+def _read_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, LOADS: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK * LOADS
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in tl.static_range(LOADS):
+        idx = start + i * BLOCK + offs
+        acc += tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def read_sum(x: torch.Tensor, out: torch.Tensor, block: int, loads: int, warps: int) -> None:
+    grid = triton.cdiv(x.numel(), block * loads)
+    _read_sum_kernel[(grid,)](x, out, x.numel(), BLOCK=block, LOADS=loads, num_warps=warps)
+
+
+def event_ms(fn, iters: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    print(json.dumps({"bench": "read_bandwidth", "copy_gbs": round(copy_bandwidth_gbs(), 1)}),
+          flush=True)
+    x = torch.randn(LARGE_BYTES // 2, device="cuda").to(torch.bfloat16)
+    out = torch.empty(triton.cdiv(x.numel(), 2048), device="cuda")
+    expected = x.float().sum().item()
+    for block, loads, warps in TILINGS:
+        read_sum(x, out, block, loads, warps)
+        got = out[:triton.cdiv(x.numel(), block * loads)].sum().item()
+        ms = event_ms(lambda: read_sum(x, out, block, loads, warps))
+        print(json.dumps({"bench": "read_bandwidth", "what": "large", "block": block,
+                          "loads": loads, "warps": warps, "read_gbs": round(LARGE_BYTES / ms / 1e6, 1),
+                          "ok": abs(got - expected) <= 1e-3 * x.numel() ** 0.5}), flush=True)
+    ms = event_ms(lambda: x.sum(dtype=torch.float32))
+    print(json.dumps({"bench": "read_bandwidth", "what": "large", "torch_sum_gbs":
+                      round(LARGE_BYTES / ms / 1e6, 1)}), flush=True)
+    del x
+    for name, nbytes in PROJECTION_BYTES.items():
+        copies = [torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16).normal_()
+                  for _ in range(max(2, -(-ROTATE_BYTES // nbytes)))]
+        small_out = torch.empty(triton.cdiv(nbytes // 2, 2048), device="cuda")
+        best = min((graph_us([lambda c=c: read_sum(c, small_out, b, n, w) for c in copies]), b, n, w)
+                   for b, n, w in TILINGS)
+        print(json.dumps({"bench": "read_bandwidth", "what": "per_call", "proj": name,
+                          "mb": round(nbytes / 1e6, 1), "best_us": round(best[0], 2),
+                          "read_gbs": round(nbytes / best[0] / 1e3, 1), "tiling": best[1:]}),
+              flush=True)
+        del copies
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
