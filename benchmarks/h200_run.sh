@@ -4,7 +4,7 @@
 #   [latency8b] [throughputfp8] [latencyfp8] [latency8bfp8] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
-#   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice] [fusedmlp]
+#   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -39,19 +39,6 @@ for step in "$@"; do
     skinny) python3 benchmarks/skinny_gemm.py 2>&1 | tee "$OUT/skinny.log" ;;
     skinnysweep) python3 benchmarks/skinny_gemm.py --sweep --rows 1 2>&1 | tee "$OUT/skinny_sweep.log" ;;
     readbw) python3 benchmarks/read_bandwidth.py 2>&1 | tee "$OUT/read_bandwidth.log" ;;
-    fusedmlp)  # the one-launch batch-1 MLP: GPU tests, tile sweep, then latency with the best
-      python3 -m pytest tests/gpu/test_fused_kernels.py tests/gpu/test_gpu_parity.py -q -s \
-        -p no:cacheprovider -k "fused_mlp or skinny or one_launch_mlp" 2>&1 \
-        | grep -E "identical|passed|failed|Error|assert" | tee "$OUT/fused_mlp_tests.log"
-      python3 benchmarks/fused_mlp.py --sweep 2>&1 | tee "$OUT/fused_mlp_sweep.log"
-      for shape in qwen3-8b qwen3-0.6b; do
-        spec=$(grep '^{' "$OUT/fused_mlp_sweep.log" | python3 -c "import sys, json
-print(next(r['best_spec'] for r in map(json.loads, sys.stdin) if r['shape'] == '$shape'))")
-        for variant in fused_mlp=0 "fused_mlp=$spec" fused_mlp=0 "fused_mlp=$spec"; do
-          python3 benchmarks/latency.py --shape $shape --variant "$variant" 2>&1 | grep '^{' \
-            | tee -a "$OUT/fused_mlp_latency.log"
-        done
-      done ;;
     throughputtwice) python3 benchmarks/throughput.py --budgets 16384 16384 2>&1 | tee "$OUT/throughput.log" ;;
     sampling) python3 benchmarks/sampling.py 2>&1 | tee "$OUT/sampling.log" ;;
     decodeworkload) python3 benchmarks/decode_workload.py 2>&1 | tee "$OUT/decode_workload.log" ;;

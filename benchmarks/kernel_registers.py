@@ -11,7 +11,6 @@ PYTHONPATH); others allocate differently. One JSON line per variant:
     python benchmarks/kernel_registers.py --skinny
     python benchmarks/kernel_registers.py --persistent   (persistent_layers.py's kernel)
     python benchmarks/kernel_registers.py --merged   (the o_proj merging batch-1 splits)
-    python benchmarks/kernel_registers.py --fused-mlp   (the batch-1 MLP in one launch)
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ from triton.compiler import ASTSource
 from common import SHAPES
 
 from nanoserve.kernels.decode_kernels import _decode_split_kernel
-from nanoserve.kernels.fused_mlp import FusedMLPConfig, _fused_mlp_kernel
 from nanoserve.kernels.merged_o_proj import MergedConfig, _merged_o_proj_kernel
 from nanoserve.kernels.skinny_gemm import _skinny_gemm_kernel, default_config
 
@@ -158,34 +156,6 @@ def merged_report() -> None:
             print(json.dumps(merged_variant(shape, cfg)))
 
 
-def fused_mlp_variant(shape: str, cfg: FusedMLPConfig) -> dict:
-    """The batch-1 MLP in one launch (bf16) with the given tiles."""
-    constants = dict(BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, BLOCK_J=cfg.block_j,
-                     DEFER_SUM=cfg.defer_sum, PDL=True)
-    names = _fused_mlp_kernel.arg_names
-    signature = {name: "constexpr" if name in constants
-                 else "*fp32" if name in ("ss_in_ptr", "acc_ptr", "ss_out_ptr")
-                 else "*i32" if name == "count_ptr" else "*bf16" if name.endswith("_ptr")
-                 else "fp32" if name == "eps" else "i32" for name in names}
-    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-                 if name not in constants and name != "eps"}
-    kernel = triton.compile(ASTSource(_fused_mlp_kernel, signature, constants, divisible),
-                            target=H200, options=dict(num_warps=cfg.num_warps, num_stages=1))
-    usage = resource_usage(kernel.asm["cubin"])
-    return {"kernel": "fused_mlp", "shape": shape, **cfg._asdict(), **usage,
-            "shared_bytes": kernel.metadata.shared,
-            "programs_per_sm_by_registers":
-                REGISTERS_PER_SM // (usage["registers"] * 32 * cfg.num_warps),
-            "triton": triton.__version__}
-
-
-def fused_mlp_report() -> None:
-    """The tilings ``benchmarks/fused_mlp.py --sweep`` times."""
-    from fused_mlp import sweep_configs
-    for cfg in sweep_configs():
-        print(json.dumps(fused_mlp_variant("any", cfg)))
-
-
 def persistent_variant(shape: str, tiles: dict, num_warps: int) -> dict:
     """persistent_layers.py's kernel for a Qwen3 shape with the given row tiles, bf16."""
     from persistent_layers import _decode_layers_kernel
@@ -266,12 +236,7 @@ def main() -> None:
                         help="the persistent decode-layers experiment instead")
     parser.add_argument("--merged", action="store_true",
                         help="the o_proj that merges batch-1 splits instead")
-    parser.add_argument("--fused-mlp", action="store_true",
-                        help="the batch-1 MLP in one launch instead")
     args = parser.parse_args()
-    if args.fused_mlp:
-        fused_mlp_report()
-        return
     if args.merged:
         merged_report()
         return

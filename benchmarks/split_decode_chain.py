@@ -9,8 +9,7 @@ nothing) or ``FIELD=VALUE,...`` where ``splits`` fixes the split count,
 ``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), ``merge=S`` merges
 batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel does),
 ``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
-per chunk and warps, ``fused_mlp=I/H/J/W/D`` runs batch-1 MLPs in one launch at every shape
-with these tiles (``kernels/fused_mlp.py``; ``fused_mlp=0``: never), and the other fields replace split decode's ``DecodeTuning``s (booleans as 0/1). The
+per chunk and warps, and the other fields replace split decode's ``DecodeTuning``s (booleans as 0/1). The
 build before context caps is ``caps=0,num_stages=3``. One JSON line per variant and context:
 
     python benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 384 2048 \\
@@ -27,7 +26,7 @@ from common import SHAPES, emit, environment, make_model_dir, replay_ms
 
 from nanoserve import LLM
 from nanoserve.attention import triton_backend
-from nanoserve.kernels import fused_mlp, merged_o_proj
+from nanoserve.kernels import merged_o_proj
 from nanoserve.kernels.decode_attention import DecodeTuning, NewTokens, decode_attention
 from nanoserve.runner import cuda_graph
 from nanoserve.runner.cuda_graph import DecodeGraphs
@@ -47,17 +46,16 @@ def finish_in_one_launch(self, positions, q, k, v, k_cache, v_cache, meta, rotar
 
 
 class EveryShape(dict):
-    """A tiles table (``merged_o_proj.TUNED``, ``fused_mlp.TUNED``) that holds every shape, all
-    with one config."""
+    """A tiles table (``merged_o_proj.TUNED``) that holds every shape, all with one config."""
 
-    def __init__(self, config: tuple):
+    def __init__(self, config: merged_o_proj.MergedConfig):
         super().__init__()
         self.config = config
 
     def __contains__(self, shape: object) -> bool:
         return True
 
-    def get(self, shape: object, default: object = None) -> tuple:
+    def get(self, shape: object, default: object = None) -> merged_o_proj.MergedConfig:
         return self.config
 
 
@@ -70,7 +68,6 @@ def apply_variant(spec: str) -> dict:
     saved = {(triton_backend, name): getattr(triton_backend, name)
              for name in (*TUNINGS, "num_decode_splits", "MERGE_IN_O_PROJ_MAX_SPLITS")}
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
-    saved[fused_mlp, "TUNED"] = fused_mlp.TUNED
     saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
     saved[triton_backend.TritonAttentionBackend, "attention"] = \
         triton_backend.TritonAttentionBackend.attention
@@ -90,10 +87,6 @@ def apply_variant(spec: str) -> dict:
         elif name == "merge_tiles":
             merged_o_proj.TUNED = EveryShape(
                 merged_o_proj.MergedConfig(*(int(v) for v in value.split("/"))))
-        elif name == "fused_mlp":  # "0": two GEMVs at every shape
-            fused_mlp.TUNED = {} if value == "0" else EveryShape(
-                fused_mlp.FusedMLPConfig(*(int(v) for v in value.split("/")[:4]),
-                                         *(bool(int(v)) for v in value.split("/")[4:])))
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:

@@ -1,6 +1,6 @@
 """On a CUDA device, at the real shapes in bf16: the kernels that took over other ops' work
 (split decode finishing the new tokens, o_proj merging batch-1 splits, the pre-norm and the
-residual add inside the batch-1 GEMVs, the batch-1 MLP in one launch, the norm adding up split-K partial sums, the fused MoE
+residual add inside the batch-1 GEMVs, the norm adding up split-K partial sums, the fused MoE
 experts) against the PyTorch path they replace.
 tests/kernels checks the same under the interpreter at small sizes. Skipped without CUDA.
 """
@@ -32,7 +32,6 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.fused_mlp import FusedMLPScratch, fused_mlp  # noqa: E402
 from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
 from nanoserve.kernels.merged_o_proj import merged_o_proj  # noqa: E402
 from nanoserve.kernels.skinny_gemm import (  # noqa: E402
@@ -288,30 +287,3 @@ def test_route_top_k_matches_softmax_topk():
     weights, experts = route_top_k(logits, 8, renormalise=True)
     assert torch.equal(experts.long(), expected_experts)
     torch.testing.assert_close(weights, expected_weights.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
-
-
-@pytest.mark.parametrize("hidden,inter", [(1024, 3072), (4096, 12288)],
-                         ids=["qwen3-0.6b", "qwen3-8b"])
-def test_fused_mlp_matches_the_two_gemvs(hidden, inter):
-    """The batch-1 MLP in one launch, every program running at once (the done counter and the
-    last program's pass are real here, not sequential as under the interpreter): against
-    gate/up with the norm then down with the residual add, three calls on one scratch."""
-    gen = torch.Generator().manual_seed(inter)
-    w_gate_up = torch.randn(2 * inter, hidden, generator=gen).div(hidden ** 0.5)
-    w_gate_up = w_gate_up.to("cuda", torch.bfloat16)
-    w_down = torch.randn(hidden, inter, generator=gen).div(inter ** 0.5).to("cuda", torch.bfloat16)
-    w_down_t = w_down.t().contiguous().t()
-    h = torch.randn(1, hidden, generator=gen).to("cuda", torch.bfloat16)
-    scratch = FusedMLPScratch(hidden, h.device)
-    for _ in range(3):
-        sum_squares = h.float().pow(2).sum(-1)
-        expected = h.clone()
-        expected_ss = torch.zeros(1, device="cuda")
-        skinny_linear(skinny_rms_linear(expected, sum_squares, 1e-6, w_gate_up), w_down,
-                      gated=True, residual=expected, sum_squares=expected_ss)
-        got_ss = torch.zeros(1, device="cuda")
-        fused_mlp(h, sum_squares, 1e-6, w_gate_up, w_down_t, got_ss, scratch)
-        torch.testing.assert_close(h.float(), expected.float(), **BF16)
-        torch.testing.assert_close(got_ss, h.float().pow(2).sum(-1), rtol=1e-5, atol=0)
-        assert not scratch.acc.any() and scratch.count.item() == 0
-        h = expected  # the next call starts from the reference's row

@@ -153,23 +153,3 @@ def test_bf16_prompt_logprobs_close_to_transformers(tmp_path_factory):
         for p, entry in enumerate(entries[1:], start=1):
             best = max(entry, key=entry.get)
             assert theirs[p - 1, best] > theirs[p - 1].max() - 0.1
-
-
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b"])
-def test_bf16_greedy_with_the_one_launch_mlp(shape, tmp_path_factory, monkeypatch):
-    """Batch-1 steps with every dense MLP as one launch (``kernels/fused_mlp.py``), whichever
-    shapes its ``TUNED`` holds; batches of several sequences take cuBLAS on down's weight
-    stored transposed for it."""
-    import json
-
-    from nanoserve.kernels import fused_mlp
-
-    model_dir = random_model_dir(shape, tmp_path_factory)
-    config = json.loads((model_dir / "config.json").read_text())
-    monkeypatch.setitem(fused_mlp.TUNED, (config["hidden_size"], config["intermediate_size"]),
-                        fused_mlp.TUNED.get((config["hidden_size"], config["intermediate_size"]),
-                                            fused_mlp.FusedMLPConfig()))
-    for max_num_seqs in (1, 16):
-        assert_greedy_close_to_transformers(model_dir, f"{shape} one-launch MLP, "
-                                            f"{max_num_seqs} sequences at a time",
-                                            max_num_seqs=max_num_seqs)

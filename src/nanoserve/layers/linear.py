@@ -38,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     as cuBLAS or faster on every projection shape measured there, up to 3x on some
     (docs/kernels.md), and it applies the gate while loading x, one launch less.
     """
-    if _one_row_on_cuda(x) and weight.stride(-1) == 1:  # not a weight stored transposed
+    if _one_row_on_cuda(x):
         from nanoserve.kernels.skinny_gemm import skinny_linear
         return skinny_linear(x, weight, bias, gated=gated)
     return F.linear(silu_and_mul(x) if gated else x, weight, bias)
@@ -229,7 +229,7 @@ class RowParallelLinear(nn.Module):
         if self.tp.size > 1:
             return self.forward(x), residual
         if (self.bias is None and _one_row_on_cuda(x) and residual.dtype == x.dtype
-                and residual.is_contiguous() and self.weight.stride(1) == 1):
+                and residual.is_contiguous()):
             from nanoserve.kernels.skinny_gemm import skinny_linear
             skinny_linear(x, self.weight, gated=self.gated, residual=residual,
                           sum_squares=self.sum_squares)

@@ -21,12 +21,10 @@ from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear, ShardId)
 from nanoserve.layers.moe import ExpertShard, SparseMoeBlock
-from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm
-from nanoserve.layers.parallel_state import get_tp_group
+from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from nanoserve.kernels.fused_mlp import FusedMLPScratch
     from nanoserve.models.loader import CheckpointTensor
 
 
@@ -80,24 +78,10 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
-        self.fused_scratch: FusedMLPScratch | None = None  # see use_fused_kernel
-
-    def use_fused_kernel(self, scratch: FusedMLPScratch) -> None:
-        """Run batch-1 steps as one launch (``kernels/fused_mlp.py``): down's weight is stored
-        transposed from now on (the same [out, in] tensor to every other caller)."""
-        weight = self.down_proj.weight
-        weight.data = weight.data.t().contiguous().t()
-        self.fused_scratch = scratch
 
     def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
                 ) -> tuple[NormInput, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
-        if (self.fused_scratch is not None and norm.folded and isinstance(x, AddedToResidual)
-                and x.sum_squares is not None):
-            from nanoserve.kernels.fused_mlp import fused_mlp
-            fused_mlp(residual, x.sum_squares, norm.eps, self.gate_up_proj.weight,
-                      self.down_proj.weight, self.down_proj.sum_squares, self.fused_scratch)
-            return AddedToResidual(self.down_proj.sum_squares), residual
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_for_norm(gate_up, residual)
 
@@ -201,23 +185,12 @@ class DecoderForCausalLM(nn.Module):
         the projections before them sum the squares of the residual they update (the GPU
         path: at batch 1 the qkv and gate/up GEMVs then apply those norms themselves, with no
         launch of their own). The final norm stays, since the LM head may share the
-        embedding's weights. Where the shape has measured faster so, batch-1 MLPs become one
-        launch each (``kernels/fused_mlp.py``)."""
+        embedding's weights."""
         for layer in self.model.layers:
             layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
             if isinstance(layer.mlp, MLP):  # a router reads the normalised row too: no fold
                 layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
         self.model.track_sum_squares()
-        weight = self.model.norm.weight
-        if not (weight.is_cuda and get_tp_group().size == 1):
-            return
-        from nanoserve.kernels import fused_mlp
-        cfg = self.config
-        if fused_mlp.serves(cfg.hidden_size, cfg.intermediate_size, weight.dtype):
-            scratch = fused_mlp.FusedMLPScratch(cfg.hidden_size, weight.device)
-            for layer in self.model.layers:
-                if isinstance(layer.mlp, MLP):
-                    layer.mlp.use_fused_kernel(scratch)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor | None:
