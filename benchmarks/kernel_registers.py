@@ -30,7 +30,7 @@ from common import SHAPES
 
 from nanoserve.kernels.decode_kernels import _decode_split_kernel
 from nanoserve.kernels.merged_o_proj import MergedConfig, _merged_o_proj_kernel
-from nanoserve.kernels.skinny_gemm import _skinny_gemm_kernel, default_config
+from nanoserve.kernels.skinny_gemm import W_LOAD, _skinny_gemm_kernel, default_config
 
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024  # Hopper; the driver reserves 1 KB of it per resident program
@@ -107,7 +107,8 @@ def skinny_variant(n: int, k: int, **flags: bool) -> dict:
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     constants = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=block_k, HAS_BIAS=False,
                      EVEN_K=k % block_k == 0, GATED=False, PDL=True, DEFER_SUM=cfg.defer_sum,
-                     RMS=False, ADD_RESIDUAL=False, SUM_SQUARES_OUT=False)
+                     RMS=False, ADD_RESIDUAL=False, SUM_SQUARES_OUT=False, W_CACHE=W_LOAD[0],
+                     W_EVICT=W_LOAD[1])
     constants.update(flags)
     names = _skinny_gemm_kernel.arg_names
     signature = {name: "constexpr" if name in constants
@@ -131,7 +132,7 @@ def merged_variant(shape: str, cfg: MergedConfig, splits: int = 8) -> dict:
     c = SHAPES[shape]
     constants = dict(HEADS=c["num_attention_heads"], HEAD_DIM=c["head_dim"], SPLITS=splits,
                      BLOCK_N=cfg.block_n, HEADS_PER_CHUNK=cfg.heads_per_chunk, PDL=True,
-                     SUM_SQUARES_OUT=True)
+                     SUM_SQUARES_OUT=True, W_CACHE=W_LOAD[0], W_EVICT=W_LOAD[1])
     names = _merged_o_proj_kernel.arg_names
     signature = {name: "constexpr" if name in constants
                  else "*fp32" if name in ("part_lse_ptr", "ss_ptr")

@@ -9,7 +9,11 @@ a bf16 buffer and sums it (one float per program, so nothing is written that mat
 - ``per_call``: reads of the Qwen3-8B projections' sizes (33.5, 50, 100, 201 MB), each a
   separate kernel captured back to back in one CUDA graph over rotating copies, the way a
   decode step launches its GEMVs: what a projection of that size costs if it did nothing but
-  read.
+  read;
+- ``chain``: the four reads of each of 36 layers (qkv, o, gate/up, down; 13.9 GB, each layer
+  its own buffers) in one graph, with each size's best tiling, plainly or programmatically
+  launched (each kernel issues its loads, then waits for the one before it, as the batch-1
+  GEMVs do): the least a Qwen3-8B forward's projections can take as four launches a layer.
 
 One JSON line per measurement.
 
@@ -24,29 +28,41 @@ import torch
 import triton
 import triton.language as tl
 from common import copy_bandwidth_gbs, graph_us
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LARGE_BYTES = 2 << 30
 ROTATE_BYTES = 512 << 20
 # Qwen3-8B's o_proj, qkv, down_proj and gate/up weights, bytes in bf16.
 PROJECTION_BYTES = {"o": 4096 * 4096 * 2, "qkv": 6144 * 4096 * 2, "down": 4096 * 12288 * 2,
                     "gate_up": 24576 * 4096 * 2}
+LAYER_ORDER = ("qkv", "o", "gate_up", "down")
+LAYERS = 36
 TILINGS = list(itertools.product((2048, 4096, 8192), (1, 2, 4), (4, 8)))
 
 
 @triton.jit
-def _read_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, LOADS: tl.constexpr):
+def _read_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, LOADS: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     start = tl.program_id(0).to(tl.int64) * BLOCK * LOADS
     offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for i in tl.static_range(LOADS):
+    idx = start + offs
+    first = tl.load(x_ptr + idx, mask=idx < n, other=0.0)
+    if PDL:  # as a GEMV: its first weights requested, then wait for the kernel before
+        gdc_wait()
+    acc = first.to(tl.float32)
+    for i in tl.static_range(1, LOADS):
         idx = start + i * BLOCK + offs
         acc += tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 
-def read_sum(x: torch.Tensor, out: torch.Tensor, block: int, loads: int, warps: int) -> None:
+def read_sum(x: torch.Tensor, out: torch.Tensor, block: int, loads: int, warps: int,
+             pdl: bool = False) -> None:
     grid = triton.cdiv(x.numel(), block * loads)
-    _read_sum_kernel[(grid,)](x, out, x.numel(), BLOCK=block, LOADS=loads, num_warps=warps)
+    _read_sum_kernel[(grid,)](x, out, x.numel(), BLOCK=block, LOADS=loads, PDL=pdl,
+                              num_warps=warps, launch_pdl=pdl)
 
 
 def event_ms(fn, iters: int = 10) -> float:
@@ -78,6 +94,7 @@ def main() -> None:
     print(json.dumps({"bench": "read_bandwidth", "what": "large", "torch_sum_gbs":
                       round(LARGE_BYTES / ms / 1e6, 1)}), flush=True)
     del x
+    best_tiling = {}
     for name, nbytes in PROJECTION_BYTES.items():
         copies = [torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16).normal_()
                   for _ in range(max(2, -(-ROTATE_BYTES // nbytes)))]
@@ -88,8 +105,23 @@ def main() -> None:
                           "mb": round(nbytes / 1e6, 1), "best_us": round(best[0], 2),
                           "read_gbs": round(nbytes / best[0] / 1e3, 1), "tiling": best[1:]}),
               flush=True)
+        best_tiling[name] = best[1:]
         del copies
         torch.cuda.empty_cache()
+    layers = [{name: torch.empty(PROJECTION_BYTES[name] // 2, device="cuda",
+                                 dtype=torch.bfloat16).normal_() for name in LAYER_ORDER}
+              for _ in range(LAYERS)]
+    chain_out = torch.empty(triton.cdiv(PROJECTION_BYTES["gate_up"] // 2, 2048), device="cuda")
+    layer_bytes = sum(PROJECTION_BYTES.values())
+    for pdl in (False, True):
+        calls = [lambda t=layer[name], name=name: read_sum(t, chain_out, *best_tiling[name],
+                                                           pdl=pdl)
+                 for layer in layers for name in LAYER_ORDER]
+        per_layer = graph_us(calls) * len(LAYER_ORDER)
+        print(json.dumps({"bench": "read_bandwidth", "what": "chain", "pdl": pdl,
+                          "layers": LAYERS, "us_per_layer": round(per_layer, 2),
+                          "forward_ms": round(per_layer * LAYERS / 1e3, 3),
+                          "read_gbs": round(layer_bytes / per_layer / 1e3, 1)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ nothing) or ``FIELD=VALUE,...`` where ``splits`` fixes the split count,
 ``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), ``merge=S`` merges
 batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel does),
 ``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
-per chunk and warps, and the other fields replace split decode's ``DecodeTuning``s (booleans as 0/1). The
+per chunk and warps, ``w_load=CACHE/EVICT`` sets how the batch-1 GEMVs load W
+(``skinny_gemm.W_LOAD``; ``w_load=/`` the default policy), and the other fields replace split decode's ``DecodeTuning``s (booleans as 0/1). The
 build before context caps is ``caps=0,num_stages=3``. One JSON line per variant and context:
 
     python benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 384 2048 \\
@@ -26,7 +27,7 @@ from common import SHAPES, emit, environment, make_model_dir, replay_ms
 
 from nanoserve import LLM
 from nanoserve.attention import triton_backend
-from nanoserve.kernels import merged_o_proj
+from nanoserve.kernels import merged_o_proj, skinny_gemm
 from nanoserve.kernels.decode_attention import DecodeTuning, NewTokens, decode_attention
 from nanoserve.runner import cuda_graph
 from nanoserve.runner.cuda_graph import DecodeGraphs
@@ -68,6 +69,7 @@ def apply_variant(spec: str) -> dict:
     saved = {(triton_backend, name): getattr(triton_backend, name)
              for name in (*TUNINGS, "num_decode_splits", "MERGE_IN_O_PROJ_MAX_SPLITS")}
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
+    saved[skinny_gemm, "W_LOAD"] = skinny_gemm.W_LOAD
     saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
     saved[triton_backend.TritonAttentionBackend, "attention"] = \
         triton_backend.TritonAttentionBackend.attention
@@ -87,6 +89,8 @@ def apply_variant(spec: str) -> dict:
         elif name == "merge_tiles":
             merged_o_proj.TUNED = EveryShape(
                 merged_o_proj.MergedConfig(*(int(v) for v in value.split("/"))))
+        elif name == "w_load":  # the batch-1 GEMVs' W loads: CACHE/EVICT, e.g. .cg/evict_first
+            skinny_gemm.W_LOAD = tuple(value.split("/"))
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:

@@ -26,6 +26,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import interpreted, programmatic_launch
 from nanoserve.kernels.decode_kernels import merge_splits
+from nanoserve.kernels import skinny_gemm
 from nanoserve.kernels.skinny_gemm import residual_epilogue
 
 
@@ -43,7 +44,7 @@ def _merged_o_proj_kernel(
     part_lse_ptr, part_o_ptr, w_ptr, r_ptr, ss_ptr, N, stride_wn,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, HEADS_PER_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    SUM_SQUARES_OUT: tl.constexpr,
+    SUM_SQUARES_OUT: tl.constexpr, W_CACHE: tl.constexpr, W_EVICT: tl.constexpr,
 ):
     if PDL:  # the next projection may start fetching its weights
         gdc_launch_dependents()
@@ -55,14 +56,16 @@ def _merged_o_proj_kernel(
     w_rows = (w_ptr + n.to(tl.int64)[:, None, None] * stride_wn
               + (h[:, None] * HEAD_DIM + d[None, :])[None, :, :])
     w_mask = n_mask[:, None, None]
-    w = tl.load(w_rows, mask=w_mask, other=0.0)  # depends on nothing: fetched before the wait
+    # W depends on nothing: fetched before the wait.
+    w = tl.load(w_rows, mask=w_mask, other=0.0, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
     if PDL:
         gdc_wait()
     r = tl.load(r_ptr + n, mask=n_mask, other=0.0)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for chunk in tl.static_range(0, HEADS, HEADS_PER_CHUNK):
         if chunk > 0:
-            w = tl.load(w_rows + chunk * HEAD_DIM, mask=w_mask, other=0.0)
+            w = tl.load(w_rows + chunk * HEAD_DIM, mask=w_mask, other=0.0,
+                        cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         x = merge_splits(part_lse_ptr, part_o_ptr, chunk + h, d, d < HEAD_DIM, SPLITS, HEAD_DIM)
         x = x.to(r_ptr.dtype.element_ty).to(tl.float32)  # rounded as attention's output is
         acc += tl.sum(tl.sum(x[None, :, :] * w.to(tl.float32), axis=2), axis=1)
@@ -120,6 +123,7 @@ def merged_o_proj(part_lse: torch.Tensor, part_o: torch.Tensor, weight: torch.Te
         sum_squares if sum_squares is not None else part_lse, n, weight.stride(0),
         HEADS=num_heads, HEAD_DIM=head_dim, SPLITS=splits, BLOCK_N=cfg.block_n,
         HEADS_PER_CHUNK=cfg.heads_per_chunk, PDL=pdl, SUM_SQUARES_OUT=sum_squares is not None,
+        W_CACHE=skinny_gemm.W_LOAD[0], W_EVICT=skinny_gemm.W_LOAD[1],
         num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     return residual
