@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nanoserve.kernels import skinny_gemm
 from nanoserve.kernels.common import interpreted, programmatic_launch
 from nanoserve.kernels.decode_kernels import merge_splits
-from nanoserve.kernels import skinny_gemm
 from nanoserve.kernels.skinny_gemm import residual_epilogue
 
 

@@ -40,6 +40,7 @@ from nanoserve.kernels.common import interpreted, programmatic_launch
 # and x, the residual and the partials stay: Qwen3-8B's forward 3.852 ms against 3.901 with
 # the default policy, 0.6B's 0.597 against 0.606 (run 139, docs/kernels.md).
 W_LOAD = ("", "evict_first")
+
 # Largest batch the kernel serves: its x tile is a broadcast [rows, BLOCK_N, BLOCK_K] product in
 # registers. Already at 4 rows cuBLAS is faster on most shapes, so layers only use it for 1.
 MAX_ROWS = 4
