@@ -150,7 +150,9 @@ def residual_epilogue(acc, r, r_ptrs, mask, ss_ptrs, row_mask, SUM_SQUARES_OUT: 
 
 
 # Best tiles for one row on an H200 (benchmarks/skinny_gemm.py --sweep, run 25 in
-# docs/benchmarks.md), keyed by (N, K): Qwen3-0.6B's and Qwen3-8B's projections.
+# docs/benchmarks.md), keyed by (N, K): Qwen3-0.6B's and Qwen3-8B's projections. Qwen3-8B's
+# gate/up takes 4 rows per program since W is loaded evict-first (run 141, in the model: forward
+# 3.798 ms against 3.857-3.859 with 2 rows; one process, to be confirmed by an A/B).
 TUNED_ONE_ROW = {
     (4096, 1024): SkinnyConfig(8, 1024, 4, 4),
     (1024, 2048): SkinnyConfig(4, 2048, 4, 4, defer_sum=True),
@@ -158,7 +160,7 @@ TUNED_ONE_ROW = {
     (1024, 3072): SkinnyConfig(2, 2048, 4, 4, defer_sum=True),
     (6144, 4096): SkinnyConfig(4, 1024, 4, 4, defer_sum=True),
     (4096, 4096): SkinnyConfig(4, 4096, 4, 4),
-    (24576, 4096): SkinnyConfig(2, 4096, 4, 4),
+    (24576, 4096): SkinnyConfig(4, 4096, 4, 4),
     (4096, 12288): SkinnyConfig(4, 4096, 4, 4),
 }
 
