@@ -167,6 +167,22 @@ def graph_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
     return replay_ms(graph, replays) * 1e3 / len(calls)
 
 
+def timed_ms(fn: Callable[[], object], iters: int = 10, repeats: int = 3) -> float:
+    """Best over ``repeats`` of the mean milliseconds of ``iters`` back-to-back eager calls
+    (after one untimed call)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / iters)
+    return best
+
+
 def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     """Milliseconds per replay of ``graph``, replayed back to back (after one untimed replay)."""
     graph.replay()

@@ -27,16 +27,15 @@ import json
 import torch
 import triton
 import triton.language as tl
-from common import copy_bandwidth_gbs, graph_us
+from common import SHAPES, copy_bandwidth_gbs, graph_us, timed_ms
+from skinny_gemm import PROJECTIONS
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LARGE_BYTES = 2 << 30
 ROTATE_BYTES = 512 << 20
-# Qwen3-8B's o_proj, qkv, down_proj and gate/up weights, bytes in bf16.
-PROJECTION_BYTES = {"o": 4096 * 4096 * 2, "qkv": 6144 * 4096 * 2, "down": 4096 * 12288 * 2,
-                    "gate_up": 24576 * 4096 * 2}
-LAYER_ORDER = ("qkv", "o", "gate_up", "down")
-LAYERS = 36
+# Qwen3-8B's projections in a layer's order (qkv, o, gate/up, down): bytes of W in bf16.
+PROJECTION_BYTES = {name: n * k * 2 for name, n, k in PROJECTIONS["qwen3-8b"]}
+LAYERS = SHAPES["qwen3-8b"]["num_hidden_layers"]
 TILINGS = list(itertools.product((2048, 4096, 8192), (1, 2, 4), (4, 8)))
 
 
@@ -65,18 +64,6 @@ def read_sum(x: torch.Tensor, out: torch.Tensor, block: int, loads: int, warps: 
                               num_warps=warps, launch_pdl=pdl)
 
 
-def event_ms(fn, iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def main() -> None:
     print(json.dumps({"bench": "read_bandwidth", "copy_gbs": round(copy_bandwidth_gbs(), 1)}),
           flush=True)
@@ -86,11 +73,11 @@ def main() -> None:
     for block, loads, warps in TILINGS:
         read_sum(x, out, block, loads, warps)
         got = out[:triton.cdiv(x.numel(), block * loads)].sum().item()
-        ms = event_ms(lambda: read_sum(x, out, block, loads, warps))
+        ms = timed_ms(lambda: read_sum(x, out, block, loads, warps), repeats=1)
         print(json.dumps({"bench": "read_bandwidth", "what": "large", "block": block,
                           "loads": loads, "warps": warps, "read_gbs": round(LARGE_BYTES / ms / 1e6, 1),
                           "ok": abs(got - expected) <= 1e-3 * x.numel() ** 0.5}), flush=True)
-    ms = event_ms(lambda: x.sum(dtype=torch.float32))
+    ms = timed_ms(lambda: x.sum(dtype=torch.float32), repeats=1)
     print(json.dumps({"bench": "read_bandwidth", "what": "large", "torch_sum_gbs":
                       round(LARGE_BYTES / ms / 1e6, 1)}), flush=True)
     del x
@@ -109,15 +96,15 @@ def main() -> None:
         del copies
         torch.cuda.empty_cache()
     layers = [{name: torch.empty(PROJECTION_BYTES[name] // 2, device="cuda",
-                                 dtype=torch.bfloat16).normal_() for name in LAYER_ORDER}
+                                 dtype=torch.bfloat16).normal_() for name in PROJECTION_BYTES}
               for _ in range(LAYERS)]
     chain_out = torch.empty(triton.cdiv(PROJECTION_BYTES["gate_up"] // 2, 2048), device="cuda")
     layer_bytes = sum(PROJECTION_BYTES.values())
     for pdl in (False, True):
         calls = [lambda t=layer[name], name=name: read_sum(t, chain_out, *best_tiling[name],
                                                            pdl=pdl)
-                 for layer in layers for name in LAYER_ORDER]
-        per_layer = graph_us(calls) * len(LAYER_ORDER)
+                 for layer in layers for name in PROJECTION_BYTES]
+        per_layer = graph_us(calls) * len(PROJECTION_BYTES)
         print(json.dumps({"bench": "read_bandwidth", "what": "chain", "pdl": pdl,
                           "layers": LAYERS, "us_per_layer": round(per_layer, 2),
                           "forward_ms": round(per_layer * LAYERS / 1e3, 3),

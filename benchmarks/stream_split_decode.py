@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import SHAPES, emit, environment, make_model_dir
+from common import SHAPES, emit, environment, make_model_dir, timed_ms
 from decode_workload import decode_steps
 
 from nanoserve import LLM
@@ -55,21 +55,6 @@ def split(seq_lens: list[int], parts: int) -> list[list[int]]:
         lap, j = divmod(i, parts)
         out[j if lap % 2 == 0 else parts - 1 - j].append(n)
     return out
-
-
-def timed_ms(fn, iters: int = 10, repeats: int = 3) -> float:
-    """Best over ``repeats`` of the mean milliseconds of ``iters`` back-to-back calls."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / iters)
-    return best
 
 
 def main() -> None:
