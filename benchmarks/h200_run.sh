@@ -5,6 +5,7 @@
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
+#   [tilesweep] [tileconfirm]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -156,6 +157,49 @@ for step in "$@"; do
           python3 benchmarks/latency.py --shape $shape --variant $variant 2>&1 | grep '^{' \
             | tee -a "$OUT/merge_latency.log"
         done
+      done ;;
+    tilesweep)  # batch-1 GEMV and merging o_proj tiles in the model's forward, W evict-first
+      python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 384 --variants \
+        default tile=24576:4096:2:4096 default tile=24576:4096:2:4096 \
+        tile=24576:4096:8:4096 tile=24576:4096:4:4096:w8 tile=24576:4096:8:4096:w8 \
+        tile=24576:4096:4:2048 tile=24576:4096:8:2048 tile=24576:4096:16:1024 \
+        tile=4096:12288:4:4096:w8 tile=4096:12288:8:4096 tile=4096:12288:8:4096:w8 \
+        tile=4096:12288:8:2048 tile=4096:12288:4:2048:defer \
+        tile=6144:4096:4:4096 tile=6144:4096:2:4096 tile=6144:4096:4:2048 \
+        tile=6144:4096:8:2048 tile=6144:4096:8:1024:defer \
+        merge_tiles=16/16/4 merge_tiles=8/16/8 merge_tiles=32/16/8 merge_tiles=8/8/4 default \
+        2>&1 | grep '^{' | tee -a "$OUT/tile_sweep.log"
+      python3 benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 384 --variants \
+        default tile=4096:1024:4:1024 tile=4096:1024:16:1024 tile=4096:1024:8:1024:w8 \
+        tile=6144:1024:8:1024 tile=6144:1024:32:1024 tile=6144:1024:16:1024:w8 \
+        tile=6144:1024:32:1024:w8 tile=1024:3072:4:1024:defer tile=1024:3072:2:4096 \
+        tile=1024:3072:4:2048:defer tile=1024:3072:1:4096 merge_tiles=8/16/4 \
+        merge_tiles=4/16/4 merge_tiles=16/16/8 merge_tiles=8/8/4 default \
+        2>&1 | grep '^{' | tee -a "$OUT/tile_sweep.log" ;;
+    tileconfirm)  # run 142's winners and their neighbours, then ms/token against the old tiles
+      s06="tile=6144:1024:8:1024,tile=1024:3072:4:2048:defer"
+      python3 benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 136 384 --variants \
+        default $s06 default $s06 tile=6144:1024:4:1024 tile=6144:1024:8:1024:w2 \
+        tile=1024:3072:8:2048:defer tile=1024:3072:4:2048 tile=1024:3072:2:2048 \
+        tile=1024:3072:8:1024:defer tile=1024:3072:4:4096 $s06,tile=4096:1024:16:1024 \
+        $s06,merge_tiles=16/16/4 $s06,merge_tiles=4/16/8 $s06 default \
+        2>&1 | grep '^{' | tee -a "$OUT/tile_confirm.log"
+      s8="tile=6144:4096:4:2048,tile=4096:12288:8:2048"
+      python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 384 --variants \
+        default tile=6144:4096:4:2048 default tile=6144:4096:4:2048 tile=6144:4096:4:2048:defer \
+        tile=6144:4096:2:2048 tile=6144:4096:8:2048:defer tile=4096:12288:8:2048 \
+        tile=4096:12288:16:2048 tile=4096:12288:16:1024 tile=4096:12288:8:1024:defer \
+        tile=4096:12288:4:2048 $s8 default $s8 \
+        2>&1 | grep '^{' | tee -a "$OUT/tile_confirm.log"
+      for args in "" "--skinny 6144:1024:8:1024 --skinny 1024:3072:4:2048:defer" "" \
+                  "--skinny 6144:1024:8:1024 --skinny 1024:3072:4:2048:defer"; do
+        python3 benchmarks/latency.py --shape qwen3-0.6b $args 2>&1 | grep '^{' \
+          | tee -a "$OUT/tile_confirm_latency.log"
+      done
+      for args in "" "--skinny 6144:4096:4:2048 --skinny 4096:12288:8:2048" \
+                  "--skinny 6144:4096:4:2048"; do
+        python3 benchmarks/latency.py --shape qwen3-8b $args 2>&1 | grep '^{' \
+          | tee -a "$OUT/tile_confirm_latency.log"
       done ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;

@@ -1,6 +1,6 @@
 """Batch-1 decode latency (ms per output token) against the weight-read floor. One JSON line.
 
-``--skinny N:K:BLOCK_N:BLOCK_K[:defer]`` (repeatable) replaces the batch-1 projection tiles for
+``--skinny N:K:BLOCK_N:BLOCK_K[:defer][:wWARPS]`` (repeatable) replaces the batch-1 projection tiles for
 an (N, K) shape, to check a sweep's winners inside the model's chain of kernels;
 ``--variant SPEC`` runs a split-decode variant of ``split_decode_chain.py`` (``none``: attention
 left out, a profile rather than a result), for A/B runs of one tree.
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from common import (SHAPES, GCTimer, copy_bandwidth_gbs, emit, environment, make_model_dir,
                     replay_ms, weight_bytes)
-from split_decode_chain import apply_variant
+from split_decode_chain import apply_variant, parse_tile
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels.skinny_gemm import TUNED_ONE_ROW, SkinnyConfig
+from nanoserve.kernels.skinny_gemm import TUNED_ONE_ROW
 from nanoserve.runner.cuda_graph import DecodeGraphs
 
 
@@ -100,9 +100,8 @@ def lm_head_ms(llm: LLM, calls: int = 200) -> float | None:
 
 def override_skinny_tiles(specs: list[str]) -> None:
     for spec in specs:
-        n, k, block_n, block_k, *defer = spec.split(":")
-        TUNED_ONE_ROW[int(n), int(k)] = SkinnyConfig(int(block_n), int(block_k), 4, 4,
-                                                     defer_sum=defer == ["defer"])
+        shape, config = parse_tile(spec)
+        TUNED_ONE_ROW[shape] = config
 
 
 def main() -> None:
@@ -114,7 +113,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
-    parser.add_argument("--skinny", action="append", default=[], metavar="N:K:BN:BK[:defer]")
+    parser.add_argument("--skinny", action="append", default=[], metavar="N:K:BN:BK[:defer][:wW]")
     parser.add_argument("--variant", default="default",
                         help="a split-decode variant (split_decode_chain.py's syntax), e.g. "
                              "caps=0,num_stages=3 or none")

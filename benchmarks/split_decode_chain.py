@@ -10,7 +10,9 @@ profile of attention's share, whose tokens mean nothing) or ``FIELD=VALUE,...`` 
 batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel does),
 ``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
 per chunk and warps, ``w_load=CACHE/EVICT`` sets how the batch-1 GEMVs load W
-(``skinny_gemm.W_LOAD``; ``w_load=/``: Triton's default caching), and the other fields replace split
+(``skinny_gemm.W_LOAD``; ``w_load=/``: Triton's default caching), ``tile=N:K:BN:BK[:defer][:wW]``
+replaces the batch-1 GEMV tiles of one (N, K) shape (``skinny_gemm.TUNED_ONE_ROW``; ``wW``: W
+warps, 4 unless given; repeatable), and the other fields replace split
 decode's ``DecodeTuning``s (booleans as 0/1). The build before context caps is
 ``caps=0,num_stages=3``. One JSON line per variant and context:
 
@@ -64,6 +66,14 @@ class EveryShape(dict):
 TUNINGS = ("SPLIT_DECODE_TUNING", "ONE_TILE_SPLIT_TUNING")
 
 
+def parse_tile(spec: str) -> tuple[tuple[int, int], skinny_gemm.SkinnyConfig]:
+    """``N:K:BN:BK[:defer][:wW]`` as ((N, K), its batch-1 GEMV config)."""
+    n, k, block_n, block_k, *options = spec.split(":")
+    warps = next((int(o[1:]) for o in options if o.startswith("w")), 4)
+    return (int(n), int(k)), skinny_gemm.SkinnyConfig(int(block_n), int(block_k), warps, 4,
+                                                      defer_sum="defer" in options)
+
+
 def apply_variant(spec: str) -> dict:
     """Patch the backend (and the graphs' context caps) for ``spec``; returns what to
     restore. Tuning fields replace those of both split-decode tunings."""
@@ -71,6 +81,7 @@ def apply_variant(spec: str) -> dict:
              for name in (*TUNINGS, "num_decode_splits", "MERGE_IN_O_PROJ_MAX_SPLITS")}
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
     saved[skinny_gemm, "W_LOAD"] = skinny_gemm.W_LOAD
+    saved[skinny_gemm, "TUNED_ONE_ROW"] = skinny_gemm.TUNED_ONE_ROW
     saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
     saved[triton_backend.TritonAttentionBackend, "attention"] = \
         triton_backend.TritonAttentionBackend.attention
@@ -92,6 +103,9 @@ def apply_variant(spec: str) -> dict:
                 merged_o_proj.MergedConfig(*(int(v) for v in value.split("/"))))
         elif name == "w_load":  # the batch-1 GEMVs' W loads: CACHE/EVICT, e.g. .cg/evict_first
             skinny_gemm.W_LOAD = tuple(value.split("/"))
+        elif name == "tile":  # a new table, so that restore() puts the engine's back
+            shape, config = parse_tile(value)
+            skinny_gemm.TUNED_ONE_ROW = {**skinny_gemm.TUNED_ONE_ROW, shape: config}
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:

@@ -149,16 +149,18 @@ def residual_epilogue(acc, r, r_ptrs, mask, ss_ptrs, row_mask, SUM_SQUARES_OUT: 
         tl.atomic_add(ss_ptrs, tl.sum(stored * stored, axis=1), mask=row_mask, sem="relaxed")
 
 
-# Best tiles for one row on an H200 (benchmarks/skinny_gemm.py --sweep, run 25 in
-# docs/benchmarks.md), keyed by (N, K): Qwen3-0.6B's and Qwen3-8B's projections. Qwen3-8B's
-# gate/up takes 4 rows per program since W is loaded evict-first (run 141, in the model: forward
-# 3.798 ms against 3.857-3.859 with 2 rows; one process, to be confirmed by an A/B).
+# Best tiles for one row on an H200, keyed by (N, K): Qwen3-0.6B's and Qwen3-8B's projections.
+# From run 25's sweep (benchmarks/skinny_gemm.py --sweep), then, once W was loaded evict-first,
+# re-swept inside the model's forward (split_decode_chain.py's tile= variants, runs 141-143,
+# docs/benchmarks.md): the best take more rows per program than before, 0.6B's gate/up and down
+# twice as many (forward 0.554-0.566 ms against 0.590-0.597), 8B's gate/up 4 rows (3.890-3.906
+# against 3.980-3.985) and its qkv K in two chunks (3.870 against 3.902).
 TUNED_ONE_ROW = {
-    (4096, 1024): SkinnyConfig(8, 1024, 4, 4),
+    (4096, 1024): SkinnyConfig(16, 1024, 4, 4),
     (1024, 2048): SkinnyConfig(4, 2048, 4, 4, defer_sum=True),
-    (6144, 1024): SkinnyConfig(16, 1024, 4, 4),
-    (1024, 3072): SkinnyConfig(2, 2048, 4, 4, defer_sum=True),
-    (6144, 4096): SkinnyConfig(4, 1024, 4, 4, defer_sum=True),
+    (6144, 1024): SkinnyConfig(8, 1024, 4, 4),
+    (1024, 3072): SkinnyConfig(4, 2048, 4, 4, defer_sum=True),
+    (6144, 4096): SkinnyConfig(4, 2048, 4, 4),
     (4096, 4096): SkinnyConfig(4, 4096, 4, 4),
     (24576, 4096): SkinnyConfig(4, 4096, 4, 4),
     (4096, 12288): SkinnyConfig(4, 4096, 4, 4),
