@@ -38,6 +38,7 @@ from nanoserve.kernels.skinny_gemm import (  # noqa: E402
     skinny_linear,
     skinny_rms_linear,
 )
+from nanoserve.layers.activation import silu_and_mul_torch  # noqa: E402
 from nanoserve.layers.linear import linear  # noqa: E402
 from nanoserve.layers.moe import experts_loop  # noqa: E402
 from nanoserve.layers.norm import (  # noqa: E402
@@ -228,6 +229,23 @@ def test_prefill_stores_and_reads_an_fp8_cache():
                          ids=["qkv", "gate_up", "qkv-8b", "gate_up-8b"])
 def test_norm_in_gemv_matches_torch_path(n, k):
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("n,k", [(6144, 1024), (24576, 4096)], ids=["qwen3-0.6b", "qwen3-8b"])
+def test_gate_up_writing_the_activation_matches_torch_path(n, k):
+    """Batch-1 gate/up with the pre-norm, writing silu(gate) * up at the tuned tiles: against
+    the same GEMV writing [gate | up] then silu_and_mul, and against float64."""
+    gen = torch.Generator().manual_seed(n)
+    h = (2 * torch.randn(1, k, generator=gen)).to("cuda", torch.bfloat16)
+    weight = torch.randn(n, k, generator=gen).div(k ** 0.5).to("cuda", torch.bfloat16)
+    sum_squares = h.float().pow(2).sum(-1)
+    act = skinny_rms_linear(h, sum_squares, 1e-6, weight, activate=True)
+    two_step = silu_and_mul_torch(skinny_rms_linear(h, sum_squares, 1e-6, weight))
+    torch.testing.assert_close(act.float(), two_step.float(), **BF16)
+    expected = silu_and_mul_torch(rms_norm_torch(h.double(), torch.ones(k, dtype=torch.float64,
+                                                                        device="cuda"), 1e-6)
+                                  @ weight.double().T)
+    torch.testing.assert_close(act.double(), expected, **BF16)
 
 
 @pytest.mark.parametrize("rows", [2, 64, 200])

@@ -72,6 +72,34 @@ def test_gated_input_applies_silu_and_mul_first(dtype, m, n, k):
         skinny_linear(x[:, :k + 1], w, gated=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,features,k,config", [
+    (1, 24, 64, SkinnyConfig(8, 64, 1, 1)), (3, 21, 100, SkinnyConfig(4, 32, 2, 1)),
+    (2, 9, 40, SkinnyConfig(2, 16, 1, 1, defer_sum=True)), (1, 5, 48, SkinnyConfig(1, 64, 1, 1)),
+])
+@pytest.mark.parametrize("normed", [False, True])
+def test_activate_writes_silu_and_mul_of_gate_up(dtype, m, features, k, config, normed):
+    """The MLP's gate/up at batch 1: W = [gate; up], each program taking the same features of
+    both halves (the last one masked where they do not divide), the output silu(gate) * up of
+    the rounded product, as the two-step path takes it (up to silu's own rounding)."""
+    gen = torch.Generator().manual_seed(features * 10 + m)
+    x = torch.randn(m, k, generator=gen).mul(2).to(dtype)
+    w = torch.randn(2 * features, k, generator=gen).div(k ** 0.5).to(dtype)
+    b = torch.randn(2 * features, generator=gen).to(dtype)
+    if normed:
+        sum_squares = x.double().pow(2).sum(-1).float()
+        act = skinny_rms_linear(x, sum_squares, 1e-6, w, b, config=config, activate=True)
+        two_step = skinny_rms_linear(x, sum_squares, 1e-6, w, b, config=config)
+    else:
+        act = skinny_linear(x, w, b, config=config, activate=True)
+        two_step = skinny_linear(x, w, b, config=config)
+        torch.testing.assert_close(two_step, reference(x, w, b), **TOLERANCE[dtype])
+    assert act.shape == (m, features)
+    torch.testing.assert_close(act, silu_and_mul_torch(two_step), **TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="even number of rows"):
+        skinny_linear(x, w[1:], activate=True)
+
+
 RMS_CASES = [(1, 24, 64, SkinnyConfig(8, 64, 1, 1)), (2, 40, 100, SkinnyConfig(16, 32, 2, 1)),
              (1, 17, 96, SkinnyConfig(2, 128, 1, 1, defer_sum=True)),
              (3, 9, 200, SkinnyConfig(4, 64, 1, 1, defer_sum=True))]

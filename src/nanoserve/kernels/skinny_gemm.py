@@ -61,12 +61,7 @@ def _x_tile(x_rows, k_start, K, x_mask, GATED: tl.constexpr):
     """One chunk of x's rows in fp32; with ``GATED``, of ``silu(gate) * up`` (x = [gate | up])."""
     x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
     if GATED:
-        dtype = x.dtype
-        up = tl.load(x_rows + K + k_start, mask=x_mask, other=0.0).to(tl.float32)
-        gate = x.to(tl.float32)
-        # Rounded where `F.silu(gate) * up` rounds: silu's result, then the product.
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        x = (act * up).to(dtype)
+        x = silu_times(x, tl.load(x_rows + K + k_start, mask=x_mask, other=0.0))
     return x.to(tl.float32)
 
 
@@ -79,15 +74,23 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
     DEFER_SUM: tl.constexpr, RMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     SUM_SQUARES_OUT: tl.constexpr, W_CACHE: tl.constexpr, W_EVICT: tl.constexpr,
+    ACTIVATE: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     m_mask = m < M
-    n_mask = n < N
+    if ACTIVATE:  # W = [gate; up]: rows alternate between a gate feature and its up row
+        half = N // 2
+        j = tl.arange(0, BLOCK_N)
+        feature = pid * (BLOCK_N // 2) + j // 2
+        n = feature + (j % 2) * half
+        n_mask = feature < half
+    else:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < N
     x_rows = x_ptr + m[:, None] * stride_xm + k[None, :]
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
     # The first chunk of W depends on nothing: with programmatic launch it is fetched while the
@@ -128,11 +131,28 @@ def _skinny_gemm_kernel(
         acc = acc * tl.rsqrt(row_sum_sq / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_rows = y_ptr + m[:, None] * stride_ym + n[None, :]
-    if ADD_RESIDUAL:  # y_ptr is the residual itself
+    if ACTIVATE:
+        gate, up = tl.split(tl.reshape(acc.to(y_ptr.dtype.element_ty),
+                                       [BLOCK_M, BLOCK_N // 2, 2]))
+        act = silu_times(gate, up)
+        features = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + m[:, None] * stride_ym + features[None, :], act,
+                 mask=m_mask[:, None] & (features < half)[None, :])
+    elif ADD_RESIDUAL:  # y_ptr is the residual itself
+        y_rows = y_ptr + m[:, None] * stride_ym + n[None, :]
         residual_epilogue(acc, r, y_rows, out_mask, ss_ptr + m, m_mask, SUM_SQUARES_OUT)
     else:
+        y_rows = y_ptr + m[:, None] * stride_ym + n[None, :]
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def silu_times(gate, up):
+    """``F.silu(gate) * up`` of 16-bit tensors, rounded where it rounds: silu's result, then
+    the product."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
@@ -185,7 +205,8 @@ def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyCon
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None, gated: bool = False,
                   residual: torch.Tensor | None = None,
-                  sum_squares: torch.Tensor | None = None) -> torch.Tensor:
+                  sum_squares: torch.Tensor | None = None,
+                  activate: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows.
 
     ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
@@ -195,33 +216,37 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     IN PLACE, rounded as ``F.linear(...) + residual``, and ``residual`` is returned; with
     ``sum_squares`` too (float32 ``[M]``, zero on entry) each row's sum of squares of the
     updated residual, as stored, is added into it, for the norm that follows
-    (:func:`skinny_rms_linear`). Launch shapes depend on shapes alone, so the call is CUDA-graph
-    capturable.
+    (:func:`skinny_rms_linear`). With ``activate``, ``weight`` is ``[gate; up]`` (``[2I, K]``)
+    and the result is ``silu_and_mul(F.linear(x, weight, bias))`` (``[M, I]``), rounded as
+    that rounds: each program takes the same features of both halves. Launch shapes depend on
+    shapes alone, so the call is CUDA-graph capturable.
     """
     if sum_squares is not None and residual is None:
         raise ValueError("sum_squares is the updated residual's: it needs residual")
     return _launch(x, weight, bias, config, gated=gated, residual=residual,
-                   sum_squares=sum_squares)
+                   sum_squares=sum_squares, activate=activate)
 
 
 def skinny_rms_linear(h: torch.Tensor, sum_squares: torch.Tensor, eps: float,
                       weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: SkinnyConfig | None = None) -> torch.Tensor:
+                      config: SkinnyConfig | None = None, activate: bool = False
+                      ) -> torch.Tensor:
     """``F.linear(h / sqrt(mean(h^2) + eps), weight, bias)``: RMSNorm without its weight, which
     the caller has folded into ``weight``'s columns, for an ``h`` whose rows' sums of squares
     ``sum_squares`` (float32 ``[M]``) the GEMV that wrote it has taken (``skinny_linear``'s).
 
     The norm is applied to the product, in float32, not to ``h`` (the reference rounds the
     normalised row to 16 bits before the product; this does not). Otherwise as
-    :func:`skinny_linear`.
+    :func:`skinny_linear` (``activate`` too: qkv or the MLP's gate/up after the norm).
     """
-    return _launch(h, weight, bias, config, rms_eps=eps, sum_squares=sum_squares)
+    return _launch(h, weight, bias, config, rms_eps=eps, sum_squares=sum_squares,
+                   activate=activate)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: SkinnyConfig | None, gated: bool = False,
             residual: torch.Tensor | None = None, rms_eps: float | None = None,
-            sum_squares: torch.Tensor | None = None) -> torch.Tensor:
+            sum_squares: torch.Tensor | None = None, activate: bool = False) -> torch.Tensor:
     """Checks, then one kernel launch."""
     m, width = x.shape
     k = width // 2 if gated else width
@@ -241,22 +266,29 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                     or sum_squares.dtype != torch.float32):
         raise ValueError(f"sum_squares must be a contiguous float32 [{m}], got "
                          f"{tuple(sum_squares.shape)} in {sum_squares.dtype}")
-    y = residual if residual is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if activate and (n % 2 or residual is not None or gated):
+        raise ValueError(f"activate needs weight = [gate; up] (an even number of rows, got {n}) "
+                         f"and neither residual nor gated")
+    width = n // 2 if activate else n
+    y = residual if residual is not None else torch.empty((m, width), dtype=x.dtype,
+                                                          device=x.device)
     if m == 0:
         return y
     cfg = config or default_config(n, k, m, x.device)
+    # With activate a program's rows are half gate, half up: an even count of them.
+    block_n = max(2, cfg.block_n + cfg.block_n % 2) if activate else cfg.block_n
     pdl = programmatic_launch(x.device)
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
-    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, y,
         sum_squares if sum_squares is not None else y,
         m, n, k, rms_eps or 0.0,
         x.stride(0), weight.stride(0), y.stride(0), y.stride(0),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, PDL=pdl,
         DEFER_SUM=cfg.defer_sum, RMS=rms_eps is not None, ADD_RESIDUAL=residual is not None,
         SUM_SQUARES_OUT=residual is not None and sum_squares is not None,
-        W_CACHE=W_LOAD[0], W_EVICT=W_LOAD[1],
+        W_CACHE=W_LOAD[0], W_EVICT=W_LOAD[1], ACTIVATE=activate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y

@@ -68,6 +68,9 @@ class Attention(nn.Module):
         return self.o_proj.forward_for_norm(out, residual)
 
 
+ACTIVATE_IN_GATE_UP = True
+
+
 class MLP(nn.Module):
     """SiLU-gated feed-forward of a normalised input: merged gate/up (column parallel), then the
     down projection (row parallel) of silu(gate) * up. The projections apply the norm before
@@ -82,6 +85,11 @@ class MLP(nn.Module):
     def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
                 ) -> tuple[NormInput, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
+        if ACTIVATE_IN_GATE_UP:  # experiment: A/B against the gated down projection
+            self.down_proj.gated = False
+            act, residual = self.gate_up_proj.forward_normed(x, residual, norm, activate=True)
+            return self.down_proj.forward_for_norm(act, residual)
+        self.down_proj.gated = True
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_for_norm(gate_up, residual)
 
