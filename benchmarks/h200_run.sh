@@ -5,7 +5,7 @@
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
-#   [tilesweep] [tileconfirm] [activateab]
+#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -201,26 +201,19 @@ for step in "$@"; do
         python3 benchmarks/latency.py --shape qwen3-8b $args 2>&1 | grep '^{' \
           | tee -a "$OUT/tile_confirm_latency.log"
       done ;;
-    activateab)  # gate/up writing silu(gate) * up (default) against down reading [gate | up]
-      python3 -m pytest tests/gpu/test_fused_kernels.py tests/gpu/test_gpu_parity.py -q -s \
-        -p no:cacheprovider -k "gate_up or norm_in_gemv or split_k or one_sequence or (greedy_close and not True)" \
-        2>&1 | tee "$OUT/activate_tests.log"
+    activatetiles)  # run 144's tile winners (the default) against the tiles before them
       python3 benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 136 384 --variants \
-        activate=0 default activate=0 default tile=1024:3072:8:2048 tile=1024:3072:4:4096 \
-        tile=1024:3072:2:2048:defer tile=1024:3072:8:1024:defer tile=1024:3072:8:2048:defer \
-        tile=6144:1024:16:1024 tile=6144:1024:4:1024 activate=0 default \
-        2>&1 | grep '^{' | tee -a "$OUT/activate_chain.log"
+        default tile=1024:3072:4:2048:defer default tile=1024:3072:4:2048:defer \
+        2>&1 | grep '^{' | tee -a "$OUT/activate_tiles.log"
       python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 384 --variants \
-        activate=0 default activate=0 default tile=4096:12288:8:2048 tile=4096:12288:8:4096 \
-        tile=4096:12288:4:2048:defer tile=4096:12288:2:4096 tile=4096:12288:4:2048 \
-        tile=24576:4096:8:4096 tile=24576:4096:8:2048 activate=0 default \
-        2>&1 | grep '^{' | tee -a "$OUT/activate_chain.log"
-      for shape in qwen3-0.6b qwen3-8b; do
-        for variant in default activate=0 default activate=0; do
-          python3 benchmarks/latency.py --shape $shape --variant $variant 2>&1 | grep '^{' \
-            | tee -a "$OUT/activate_latency.log"
-        done
-      done ;;
+        default tile=24576:4096:4:4096 default tile=24576:4096:4:4096 \
+        2>&1 | grep '^{' | tee -a "$OUT/activate_tiles.log" ;;
+    tiles8b)  # 8B's tiles with gate/up writing the activation (run 145 and 144 disagreed on gate/up)
+      python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 384 --variants \
+        default tile=24576:4096:8:4096 default tile=24576:4096:8:4096 tile=24576:4096:4:2048 \
+        tile=24576:4096:2:4096 tile=4096:12288:8:4096 tile=4096:12288:2:4096 \
+        tile=4096:12288:4:2048:defer tile=6144:4096:4:4096 default \
+        2>&1 | grep '^{' | tee -a "$OUT/tiles_8b.log" ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;

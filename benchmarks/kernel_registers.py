@@ -102,11 +102,11 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
 
 def skinny_variant(n: int, k: int, **flags: bool) -> dict:
     """The batch-1 GEMV for ``n`` x ``k`` with the engine's tiles and the given epilogue flags
-    (``RMS``, ``GATED``, ``ADD_RESIDUAL``, ``SUM_SQUARES_OUT``, ``ACTIVATE``), in bf16 with a bf16 residual."""
+    (``RMS``, ``ADD_RESIDUAL``, ``SUM_SQUARES_OUT``, ``ACTIVATE``), in bf16 with a bf16 residual."""
     cfg = default_config(n, k, 1, torch.device("cuda"))
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     constants = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=block_k, HAS_BIAS=False,
-                     EVEN_K=k % block_k == 0, GATED=False, PDL=True, DEFER_SUM=cfg.defer_sum,
+                     EVEN_K=k % block_k == 0, PDL=True, DEFER_SUM=cfg.defer_sum,
                      RMS=False, ADD_RESIDUAL=False, SUM_SQUARES_OUT=False, W_CACHE=W_LOAD[0],
                      W_EVICT=W_LOAD[1], ACTIVATE=False)
     constants.update(flags)
@@ -205,11 +205,10 @@ def skinny_report() -> None:
         qkv = q + 2 * c["num_key_value_heads"] * c["head_dim"]
         roles = [("qkv", qkv, hidden, dict(RMS=True)), ("o_proj", hidden, q,
                  dict(ADD_RESIDUAL=True, SUM_SQUARES_OUT=True)),
-                 ("gate_up", 2 * inter, hidden, dict(RMS=True)),
-                 ("down_proj", hidden, inter,
-                  dict(GATED=True, ADD_RESIDUAL=True, SUM_SQUARES_OUT=True))]
+                 ("gate_up", 2 * inter, hidden, dict(RMS=True, ACTIVATE=True)),
+                 ("down_proj", hidden, inter, dict(ADD_RESIDUAL=True, SUM_SQUARES_OUT=True))]
         for role, n, k, flags in roles:
-            for variant in ({"GATED": True} if flags.get("GATED") else {}, flags):
+            for variant in ({}, flags):
                 print(json.dumps({"shape": shape, "role": role, **skinny_variant(n, k, **variant)}))
 
 

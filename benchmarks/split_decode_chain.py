@@ -12,9 +12,7 @@ batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel d
 per chunk and warps, ``w_load=CACHE/EVICT`` sets how the batch-1 GEMVs load W
 (``skinny_gemm.W_LOAD``; ``w_load=/``: Triton's default caching), ``tile=N:K:BN:BK[:defer][:wW]``
 replaces the batch-1 GEMV tiles of one (N, K) shape (``skinny_gemm.TUNED_ONE_ROW``; ``wW``: W
-warps, 4 unless given; repeatable), ``activate=0`` has the batch-1 down projection apply
-SiLU-and-mul to ``[gate | up]`` as it reads it rather than gate/up writing the activation
-(``decoder.ACTIVATE_IN_GATE_UP``), and the other fields replace split
+warps, 4 unless given; repeatable), and the other fields replace split
 decode's ``DecodeTuning``s (booleans as 0/1). The build before context caps is
 ``caps=0,num_stages=3``. One JSON line per variant and context:
 
@@ -34,7 +32,6 @@ from nanoserve import LLM
 from nanoserve.attention import triton_backend
 from nanoserve.kernels import merged_o_proj, skinny_gemm
 from nanoserve.kernels.decode_attention import DecodeTuning, NewTokens, decode_attention
-from nanoserve.models import decoder
 from nanoserve.runner import cuda_graph
 from nanoserve.runner.cuda_graph import DecodeGraphs
 from nanoserve.runner.graph_inputs import DecodeRows
@@ -85,7 +82,6 @@ def apply_variant(spec: str) -> dict:
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
     saved[skinny_gemm, "W_LOAD"] = skinny_gemm.W_LOAD
     saved[skinny_gemm, "TUNED_ONE_ROW"] = skinny_gemm.TUNED_ONE_ROW
-    saved[decoder, "ACTIVATE_IN_GATE_UP"] = decoder.ACTIVATE_IN_GATE_UP
     saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
     saved[triton_backend.TritonAttentionBackend, "attention"] = \
         triton_backend.TritonAttentionBackend.attention
@@ -107,8 +103,6 @@ def apply_variant(spec: str) -> dict:
                 merged_o_proj.MergedConfig(*(int(v) for v in value.split("/"))))
         elif name == "w_load":  # the batch-1 GEMVs' W loads: CACHE/EVICT, e.g. .cg/evict_first
             skinny_gemm.W_LOAD = tuple(value.split("/"))
-        elif name == "activate":
-            decoder.ACTIVATE_IN_GATE_UP = bool(int(value))
         elif name == "tile":  # a new table, so that restore() puts the engine's back
             shape, config = parse_tile(value)
             skinny_gemm.TUNED_ONE_ROW = {**skinny_gemm.TUNED_ONE_ROW, shape: config}

@@ -54,22 +54,10 @@ def test_every_tiling_gives_the_same_product(config, with_bias):
     b = torch.randn(41, generator=gen) if with_bias else None
     torch.testing.assert_close(skinny_linear(x, w, b, config=config), reference(x, w, b),
                                **TOLERANCE[torch.float32])
-    gated = skinny_linear(torch.cat([x, x.flip(1)], 1), w, b, config=config, gated=True)
-    torch.testing.assert_close(gated, reference(silu_and_mul_torch(torch.cat([x, x.flip(1)], 1)),
-                                                w, b), **TOLERANCE[torch.float32])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,n,k", [(1, 24, 64), (3, 40, 100)])
-def test_gated_input_applies_silu_and_mul_first(dtype, m, n, k):
-    """The down projection of an MLP: x = [gate | up], product with silu(gate) * up."""
-    gen = torch.Generator().manual_seed(k + m)
-    x = torch.randn(m, 2 * k, generator=gen).mul(3).to(dtype)
-    w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
-    expected = reference(silu_and_mul_torch(x), w, None)
-    torch.testing.assert_close(skinny_linear(x, w, gated=True), expected, **TOLERANCE[dtype])
-    with pytest.raises(ValueError, match="when gated"):
-        skinny_linear(x[:, :k + 1], w, gated=True)
+    gate_up, gate_up_bias = torch.cat([w, w.flip(0)]), torch.cat([b, -b]) if with_bias else None
+    act = skinny_linear(x, gate_up, gate_up_bias, config=config, activate=True)
+    torch.testing.assert_close(act, silu_and_mul_torch(reference(x, gate_up, gate_up_bias)),
+                               **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -125,24 +113,23 @@ def test_rms_input_normalises_each_row(dtype, m, n, k, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_residual_epilogue_adds_the_product_in_place(dtype, gated, with_bias):
+def test_residual_epilogue_adds_the_product_in_place(dtype, with_bias):
     """o_proj and down_proj at batch 1: the product goes into the residual stream in place,
     rounded as ``F.linear(...) + residual`` rounds (the product first, then the sum)."""
-    gen = torch.Generator().manual_seed(7 + gated + 2 * with_bias)
+    gen = torch.Generator().manual_seed(7 + 2 * with_bias)
     k, n = 100, 40
-    x = torch.randn(1, 2 * k if gated else k, generator=gen).mul(2).to(dtype)
+    x = torch.randn(1, k, generator=gen).mul(2).to(dtype)
     w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     residual = (4 * torch.randn(1, n, generator=gen)).to(dtype)
-    product = skinny_linear(x, w, b, gated=gated, config=SkinnyConfig(8, 32, 1, 1))
+    product = skinny_linear(x, w, b, config=SkinnyConfig(8, 32, 1, 1))
     expected = product + residual
-    out = skinny_linear(x, w, b, gated=gated, residual=residual, config=SkinnyConfig(8, 32, 1, 1))
+    out = skinny_linear(x, w, b, residual=residual, config=SkinnyConfig(8, 32, 1, 1))
     assert out is residual
     assert torch.equal(residual, expected)
     with pytest.raises(ValueError, match="residual"):
-        skinny_linear(x, w, b, gated=gated, residual=torch.zeros(1, n + 1, dtype=dtype))
+        skinny_linear(x, w, b, residual=torch.zeros(1, n + 1, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -8,9 +8,12 @@ chunks, multiplying by x on the CUDA cores and summing over K. The tiles are tun
 (``TUNED_ONE_ROW``): the best take K in as few chunks as fit, so each program has asked for all
 of its W before it sums anything.
 
-``gated=True`` fuses the MLP's ``silu(gate) * up`` into the down projection: x is read as
-``[gate | up]`` and activated chunk by chunk as it is loaded, which saves a launch per layer.
-The residual add and RMSNorm between projections cost no launch either. The projection before
+``activate=True`` fuses the MLP's ``silu(gate) * up`` into the gate/up projection, which saves
+a launch per layer: each program takes the same features of the gate half and the up half of W
+(rows interleaved in its tile) and writes their activation. The down projection then reads I
+inputs, not 2I, and no program of it recomputes SiLU over the whole row, which is what it did
+when down activated ``[gate | up]`` as it loaded it (Qwen3-8B's forward 3.69 ms against 3.81
+that way, run 144). The residual add and RMSNorm between projections cost no launch either. The projection before
 them (o_proj, down_proj) adds its output into the residual in its epilogue
 (``skinny_linear(..., residual=r, sum_squares=s)``): each program owns its output features, so
 the update is in place, and it adds its share of each updated row's sum of squares into ``s``
@@ -57,21 +60,12 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _x_tile(x_rows, k_start, K, x_mask, GATED: tl.constexpr):
-    """One chunk of x's rows in fp32; with ``GATED``, of ``silu(gate) * up`` (x = [gate | up])."""
-    x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
-    if GATED:
-        x = silu_times(x, tl.load(x_rows + K + k_start, mask=x_mask, other=0.0))
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr,
     M, N, K, eps,
     stride_xm, stride_wn, stride_ym, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
     DEFER_SUM: tl.constexpr, RMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     SUM_SQUARES_OUT: tl.constexpr, W_CACHE: tl.constexpr, W_EVICT: tl.constexpr,
     ACTIVATE: tl.constexpr,
@@ -105,7 +99,7 @@ def _skinny_gemm_kernel(
         r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=out_mask, other=0.0)
     if RMS:  # x's rows' sums of squares, from the GEMV that wrote x (SUM_SQUARES_OUT)
         row_sum_sq = tl.load(ss_ptr + m, mask=m_mask, other=0.0)
-    x = _x_tile(x_rows, 0, K, m_mask[:, None] & k_mask[None, :], GATED)
+    x = tl.load(x_rows, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
     if DEFER_SUM:
         acc3 = x[:, None, :] * w.to(tl.float32)[None, :, :]
     else:
@@ -120,7 +114,7 @@ def _skinny_gemm_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k_start, mask=w_mask, other=0.0, cache_modifier=W_CACHE,
                     eviction_policy=W_EVICT)
-        x = _x_tile(x_rows, k_start, K, x_mask, GATED)
+        x = tl.load(x_rows + k_start, mask=x_mask, other=0.0).to(tl.float32)
         if DEFER_SUM:
             acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
@@ -170,16 +164,15 @@ def residual_epilogue(acc, r, r_ptrs, mask, ss_ptrs, row_mask, SUM_SQUARES_OUT: 
 
 
 # Best tiles for one row on an H200, keyed by (N, K): Qwen3-0.6B's and Qwen3-8B's projections.
-# From run 25's sweep (benchmarks/skinny_gemm.py --sweep), then, once W was loaded evict-first,
-# re-swept inside the model's forward (split_decode_chain.py's tile= variants, runs 141-143,
-# docs/benchmarks.md): the best take more rows per program than before, 0.6B's gate/up and down
-# twice as many (forward 0.554-0.566 ms against 0.590-0.597), 8B's gate/up 4 rows (3.890-3.906
-# against 3.980-3.985) and its qkv K in two chunks (3.870 against 3.902).
+# From run 25's sweep (benchmarks/skinny_gemm.py --sweep), then, once W was loaded evict-first
+# and gate/up wrote the activation, re-swept inside the model's forward (split_decode_chain.py's
+# tile= variants, runs 142-146, docs/benchmarks.md). A gate/up program's rows are half gate,
+# half up: 8B's 4 rows are 2 features.
 TUNED_ONE_ROW = {
     (4096, 1024): SkinnyConfig(16, 1024, 4, 4),
     (1024, 2048): SkinnyConfig(4, 2048, 4, 4, defer_sum=True),
     (6144, 1024): SkinnyConfig(8, 1024, 4, 4),
-    (1024, 3072): SkinnyConfig(4, 2048, 4, 4, defer_sum=True),
+    (1024, 3072): SkinnyConfig(2, 2048, 4, 4, defer_sum=True),
     (6144, 4096): SkinnyConfig(4, 2048, 4, 4),
     (4096, 4096): SkinnyConfig(4, 4096, 4, 4),
     (24576, 4096): SkinnyConfig(4, 4096, 4, 4),
@@ -203,15 +196,14 @@ def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyCon
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None, gated: bool = False,
+                  config: SkinnyConfig | None = None,
                   residual: torch.Tensor | None = None,
                   sum_squares: torch.Tensor | None = None,
                   activate: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows.
 
     ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
-    result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32. With ``gated``,
-    ``x`` is ``[M, 2K] = [gate | up]`` and the product is ``F.linear(silu(gate) * up, ...)``.
+    result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32.
     With ``residual`` (``[M, N]`` in x's dtype, contiguous rows) the product is added into it
     IN PLACE, rounded as ``F.linear(...) + residual``, and ``residual`` is returned; with
     ``sum_squares`` too (float32 ``[M]``, zero on entry) each row's sum of squares of the
@@ -223,7 +215,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     if sum_squares is not None and residual is None:
         raise ValueError("sum_squares is the updated residual's: it needs residual")
-    return _launch(x, weight, bias, config, gated=gated, residual=residual,
+    return _launch(x, weight, bias, config, residual=residual,
                    sum_squares=sum_squares, activate=activate)
 
 
@@ -244,19 +236,16 @@ def skinny_rms_linear(h: torch.Tensor, sum_squares: torch.Tensor, eps: float,
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: SkinnyConfig | None, gated: bool = False,
+            config: SkinnyConfig | None,
             residual: torch.Tensor | None = None, rms_eps: float | None = None,
             sum_squares: torch.Tensor | None = None, activate: bool = False) -> torch.Tensor:
     """Checks, then one kernel launch."""
-    m, width = x.shape
-    k = width // 2 if gated else width
+    m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear serves at most {MAX_ROWS} rows, got {m}")
-    if weight.shape[1] != k or (gated and width != 2 * k) or weight.stride(1) != 1 \
-            or x.stride(1) != 1:
-        raise ValueError(f"skinny_linear needs x [M, K] ([M, 2K] when gated) and weight [N, K] "
-                         f"with contiguous rows; "
+    if weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"skinny_linear needs x [M, K] and weight [N, K] with contiguous rows; "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1
                                  or residual.dtype != x.dtype):
@@ -266,9 +255,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                     or sum_squares.dtype != torch.float32):
         raise ValueError(f"sum_squares must be a contiguous float32 [{m}], got "
                          f"{tuple(sum_squares.shape)} in {sum_squares.dtype}")
-    if activate and (n % 2 or residual is not None or gated):
+    if activate and (n % 2 or residual is not None):
         raise ValueError(f"activate needs weight = [gate; up] (an even number of rows, got {n}) "
-                         f"and neither residual nor gated")
+                         f"and no residual")
     width = n // 2 if activate else n
     y = residual if residual is not None else torch.empty((m, width), dtype=x.dtype,
                                                           device=x.device)
@@ -285,7 +274,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         m, n, k, rms_eps or 0.0,
         x.stride(0), weight.stride(0), y.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, PDL=pdl,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl,
         DEFER_SUM=cfg.defer_sum, RMS=rms_eps is not None, ADD_RESIDUAL=residual is not None,
         SUM_SQUARES_OUT=residual is not None and sum_squares is not None,
         W_CACHE=W_LOAD[0], W_EVICT=W_LOAD[1], ACTIVATE=activate,

@@ -31,18 +31,19 @@ def _one_row_on_cuda(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           gated: bool = False, activate: bool = False) -> torch.Tensor:
-    """``F.linear``; with ``gated``, of ``silu(gate) * up`` where ``x`` is ``[gate | up]``;
-    with ``activate``, ``silu(gate) * up`` of the product (``weight`` being ``[gate; up]``).
+           activate: bool = False) -> torch.Tensor:
+    """``F.linear``; with ``activate``, ``silu(gate) * up`` of it (``weight`` being a merged
+    ``[gate; up]``).
 
     One 16-bit row on CUDA (batch-1 decode) goes through the skinny-GEMM Triton kernel: as fast
     as cuBLAS or faster on every projection shape measured there, up to 3x on some
-    (docs/kernels.md), and it applies the gate while loading x, one launch less.
+    (docs/kernels.md), and with ``activate`` it applies SiLU-and-mul as it stores, one launch
+    less.
     """
     if _one_row_on_cuda(x):
         from nanoserve.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, weight, bias, gated=gated, activate=activate)
-    out = F.linear(silu_and_mul(x) if gated else x, weight, bias)
+        return skinny_linear(x, weight, bias, activate=activate)
+    out = F.linear(x, weight, bias)
     return silu_and_mul(out) if activate else out
 
 
@@ -170,16 +171,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's columns (input features) split; partial sums all-reduced.
+    """y = x W^T + b with W's columns (input features) split; partial sums all-reduced."""
 
-    With ``gated`` the input is ``[gate | up]`` (twice ``in_features`` wide, each half split
-    the same way) and the layer is the MLP's down projection of ``silu(gate) * up``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 gated: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.gated = gated
         self.tp = get_tp_group()
         self.in_per_rank = divide(in_features, self.tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
@@ -204,14 +199,14 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, self.bias, self.gated))
+        return self.tp.all_reduce(linear(x, self.weight, self.bias))
 
     @property
     def merges_split_partials(self) -> bool:
         """Whether :meth:`forward_for_norm` takes a batch-1 attention output still split
         (``SplitPartials``): on one rank, on CUDA, in 16 bits, without bias, for a shape where
         that measured faster than merging first (``merged_o_proj.TUNED``)."""
-        if not (self.tp.size == 1 and self.bias is None and not self.gated and self.weight.is_cuda
+        if not (self.tp.size == 1 and self.bias is None and self.weight.is_cuda
                 and self.weight.dtype in (torch.bfloat16, torch.float16)):
             return False
         from nanoserve.kernels.merged_o_proj import TUNED
@@ -235,9 +230,7 @@ class RowParallelLinear(nn.Module):
         if (self.bias is None and _one_row_on_cuda(x) and residual.dtype == x.dtype
                 and residual.is_contiguous()):
             from nanoserve.kernels.skinny_gemm import skinny_linear
-            skinny_linear(x, self.weight, gated=self.gated, residual=residual,
-                          sum_squares=self.sum_squares)
+            skinny_linear(x, self.weight, residual=residual, sum_squares=self.sum_squares)
             return AddedToResidual(self.sum_squares), residual
-        parts = split_k_partial_sums(x, self.weight, self.bias, self.gated)
-        return (parts if parts is not None
-                else linear(x, self.weight, self.bias, self.gated)), residual
+        parts = split_k_partial_sums(x, self.weight, self.bias)
+        return (parts if parts is not None else linear(x, self.weight, self.bias)), residual

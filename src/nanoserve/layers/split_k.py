@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import PartialSums
 
 # Decode-size batches (the CUDA graphs' range) whose narrow projections run split-K.
@@ -45,14 +44,13 @@ def split_k_views(x: torch.Tensor, weight: torch.Tensor, parts: int
             weight.view(n, parts, k // parts).permute(1, 2, 0))
 
 
-def split_k_partial_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         gated: bool = False) -> PartialSums | None:
-    """``x @ weight.T`` (of ``silu(gate) * up`` with ``gated``) as float32 partial sums over
+def split_k_partial_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                         ) -> PartialSums | None:
+    """``x @ weight.T`` as float32 partial sums over
     slices of K, for decode-size 16-bit batches on CUDA where :func:`split_k_parts` says so;
     None where the projection should run whole (``layers.linear.linear``)."""
     rows = x.shape[0] if x.dim() == 2 else 0
     if (not x.is_cuda or bias is not None or x.dtype not in (torch.bfloat16, torch.float16)
             or (parts := split_k_parts(rows, *weight.shape)) == 1):
         return None
-    x = silu_and_mul(x) if gated else x
     return PartialSums(torch.bmm(*split_k_views(x, weight, parts), out_dtype=torch.float32))

@@ -68,9 +68,6 @@ class Attention(nn.Module):
         return self.o_proj.forward_for_norm(out, residual)
 
 
-ACTIVATE_IN_GATE_UP = True
-
-
 class MLP(nn.Module):
     """SiLU-gated feed-forward of a normalised input: merged gate/up (column parallel), then the
     down projection (row parallel) of silu(gate) * up. The projections apply the norm before
@@ -80,18 +77,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
                                                        [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, gated=True)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
                 ) -> tuple[NormInput, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
-        if ACTIVATE_IN_GATE_UP:  # experiment: A/B against the gated down projection
-            self.down_proj.gated = False
-            act, residual = self.gate_up_proj.forward_normed(x, residual, norm, activate=True)
-            return self.down_proj.forward_for_norm(act, residual)
-        self.down_proj.gated = True
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj.forward_for_norm(gate_up, residual)
+        act, residual = self.gate_up_proj.forward_normed(x, residual, norm, activate=True)
+        return self.down_proj.forward_for_norm(act, residual)
 
 
 class DecoderLayer(nn.Module):
