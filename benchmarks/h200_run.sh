@@ -5,7 +5,7 @@
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
-#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [kvlayoutab]
+#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -214,17 +214,6 @@ for step in "$@"; do
         tile=24576:4096:2:4096 tile=4096:12288:8:4096 tile=4096:12288:2:4096 \
         tile=4096:12288:4:2048:defer tile=6144:4096:4:4096 default \
         2>&1 | grep '^{' | tee -a "$OUT/tiles_8b.log" ;;
-    kvlayoutab)  # K/V cache blocks head-major (NANOSERVE_KV_LAYOUT=heads) against token-major
-      NANOSERVE_KV_LAYOUT=heads python3 -m pytest tests/gpu/test_gpu_parity.py -q -s \
-        -p no:cacheprovider -k "(greedy_close and not True) or fp8" 2>&1 | tee "$OUT/kv_layout_tests.log"
-      for layout in tokens heads tokens heads; do
-        NANOSERVE_KV_LAYOUT=$layout python3 benchmarks/throughput.py 2>&1 | grep '^{' \
-          | sed "s|^{|{\"kv_layout\": \"$layout\", |" | tee -a "$OUT/kv_layout_throughput.log"
-      done
-      for shape in qwen3-0.6b qwen3-8b; do
-        NANOSERVE_KV_LAYOUT=heads python3 benchmarks/latency.py --shape $shape 2>&1 | grep '^{' \
-          | tee -a "$OUT/kv_layout_latency.log"
-      done ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;

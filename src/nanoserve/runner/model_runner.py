@@ -1,7 +1,6 @@
 """ModelRunner: owns the model, its KV cache and the sampler; turns a StepInput into tokens."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -152,17 +151,10 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         attn = self._attention_layers()[0]
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
-        shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
-        # Experiment: each (block, KV head) contiguous in memory, seen as [blocks, block_size,
-        # heads, head_dim] through strides (the Triton kernels take strides).
-        heads_major = self.device.type == "cuda" and os.environ.get("NANOSERVE_KV_LAYOUT") == "heads"
+        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         for layer in self._attention_layers():
-            layer.k_cache, layer.v_cache = (
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device).transpose(1, 2)
-                if heads_major else
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                .view(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-                for _ in range(2))
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     @torch.inference_mode()
     def profile_run(self, decode: bool = False) -> None:
