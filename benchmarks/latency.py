@@ -1,7 +1,7 @@
 """Batch-1 decode latency (ms per output token) against the weight-read floor. One JSON line.
 
-``--skinny N:K:BLOCK_N:BLOCK_K[:defer][:wWARPS]`` (repeatable) replaces the batch-1 projection tiles for
-an (N, K) shape, to check a sweep's winners inside the model's chain of kernels;
+``--skinny N:K:BLOCK_N:BLOCK_K[:defer][:wWARPS]`` (repeatable) replaces the batch-1 projection
+tiles for an (N, K) shape, to check a sweep's winners inside the model's chain of kernels;
 ``--variant SPEC`` runs a split-decode variant of ``split_decode_chain.py`` (``none``: attention
 left out, a profile rather than a result), for A/B runs of one tree.
 """

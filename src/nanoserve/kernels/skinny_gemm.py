@@ -13,7 +13,9 @@ a launch per layer: each program takes the same features of the gate half and th
 (rows interleaved in its tile) and writes their activation. The down projection then reads I
 inputs, not 2I, and no program of it recomputes SiLU over the whole row, which is what it did
 when down activated ``[gate | up]`` as it loaded it (Qwen3-8B's forward 3.69 ms against 3.81
-that way, run 144). The residual add and RMSNorm between projections cost no launch either. The projection before
+that way, run 144).
+
+The residual add and RMSNorm between projections cost no launch either. The projection before
 them (o_proj, down_proj) adds its output into the residual in its epilogue
 (``skinny_linear(..., residual=r, sum_squares=s)``): each program owns its output features, so
 the update is in place, and it adds its share of each updated row's sum of squares into ``s``

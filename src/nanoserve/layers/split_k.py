@@ -46,9 +46,9 @@ def split_k_views(x: torch.Tensor, weight: torch.Tensor, parts: int
 
 def split_k_partial_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          ) -> PartialSums | None:
-    """``x @ weight.T`` as float32 partial sums over
-    slices of K, for decode-size 16-bit batches on CUDA where :func:`split_k_parts` says so;
-    None where the projection should run whole (``layers.linear.linear``)."""
+    """``x @ weight.T`` as float32 partial sums over slices of K, for decode-size 16-bit
+    batches on CUDA where :func:`split_k_parts` says so; None where the projection should run
+    whole (``layers.linear.linear``)."""
     rows = x.shape[0] if x.dim() == 2 else 0
     if (not x.is_cuda or bias is not None or x.dtype not in (torch.bfloat16, torch.float16)
             or (parts := split_k_parts(rows, *weight.shape)) == 1):
