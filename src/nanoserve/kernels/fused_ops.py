@@ -165,11 +165,18 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     row = x_ptr + token * stride_xt
-    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + N + cols, mask=mask, other=0.0).to(tl.float32)
-    # `F.silu(gate) * up` rounds silu's result to the input dtype before the multiply; so do we.
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(row + cols, mask=mask, other=0.0)
+    up = tl.load(row + N + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_ot + cols, silu_times(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_times(gate, up):
+    """``F.silu(gate) * up`` in fp32, rounded where it rounds: silu's result to ``gate``'s dtype
+    before the multiply, then the product."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

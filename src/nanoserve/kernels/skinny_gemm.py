@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import interpreted, programmatic_launch
+from nanoserve.kernels.fused_ops import silu_times
 
 # How the batch-1 GEMVs (this one and merged_o_proj's) load W: (cache modifier, eviction
 # policy), in Triton's spellings. W is read once per step, so its lines go first from L1 and L2
@@ -140,15 +141,6 @@ def _skinny_gemm_kernel(
     else:
         y_rows = y_ptr + m[:, None] * stride_ym + n[None, :]
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def silu_times(gate, up):
-    """``F.silu(gate) * up`` of 16-bit tensors, rounded where it rounds: silu's result, then
-    the product."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
