@@ -5,7 +5,7 @@
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
-#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b]
+#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -214,6 +214,8 @@ for step in "$@"; do
         tile=24576:4096:2:4096 tile=4096:12288:8:4096 tile=4096:12288:2:4096 \
         tile=4096:12288:4:2048:defer tile=6144:4096:4:4096 default \
         2>&1 | grep '^{' | tee -a "$OUT/tiles_8b.log" ;;
+    gemmpdl)  # programmatic edges into cuBLAS's GEMMs in a CUDA graph: safe? worth it? (run 148)
+      python3 benchmarks/graph_pdl.py 2>&1 | tee "$OUT/graph_pdl.log" ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;
