@@ -61,7 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--stride", type=int, default=64)
-    parser.add_argument("--parts", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--parts", type=int, nargs="*", default=[2, 4],
+                        help="parts to split the batch into (none: the whole batch only)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(str(make_model_dir(args.shape, Path(tmp) / "m")), load_format="dummy",
