@@ -5,7 +5,7 @@
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
-#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [l2prefetch]
+#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -216,16 +216,6 @@ for step in "$@"; do
         2>&1 | grep '^{' | tee -a "$OUT/tiles_8b.log" ;;
     gemmpdl)  # programmatic edges into cuBLAS's GEMMs in a CUDA graph: safe? worth it? (run 148)
       python3 benchmarks/graph_pdl.py 2>&1 | tee "$OUT/graph_pdl.log" ;;
-    l2prefetch)  # unsplit decode asks L2 for its first K/V tile before the wait (run 149)
-      python3 -m pytest tests/gpu/test_fused_kernels.py -q -p no:cacheprovider -k "l2 or split_decode" \
-        2>&1 | tee "$OUT/l2_prefetch_tests.log"
-      python3 benchmarks/kernel_registers.py --prefetch-l2 --warps 4 --max-registers 96 \
-        | tee "$OUT/l2_prefetch_registers.jsonl"
-      on=NANOSERVE_DECODE_PREFETCH_L2=1 off=NANOSERVE_DECODE_PREFETCH_L2=0
-      bash benchmarks/env_variants.sh l2_prefetch_forwards.jsonl $off $on $off $on \
-        -- benchmarks/stream_split_decode.py --parts
-      bash benchmarks/env_variants.sh l2_prefetch_throughput.jsonl $off $on $off $on \
-        -- benchmarks/throughput.py ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;

@@ -7,7 +7,7 @@ Triton version (3.6: ``pip install --no-deps --target DIR triton==3.6.0`` and pu
 PYTHONPATH); others allocate differently. One JSON line per variant:
 
     python benchmarks/kernel_registers.py [--block-n 32 64] [--warps 4 8] [--new-tokens]
-        [--wide-offsets] [--splits 32] [--max-registers 96] [--prefetch-l2]
+        [--wide-offsets] [--splits 32] [--max-registers 96]
     python benchmarks/kernel_registers.py --skinny
     python benchmarks/kernel_registers.py --persistent   (persistent_layers.py's kernel)
     python benchmarks/kernel_registers.py --merged   (the o_proj merging batch-1 splits)
@@ -73,15 +73,13 @@ def resource_usage(cubin: bytes) -> dict:
 
 def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bool,
                    narrow_offsets: bool, group: int, head_dim: int, splits: int,
-                   max_registers: int | None = None, prefetch_kv: bool = False,
-                   prefetch_l2: bool = False) -> dict:
+                   max_registers: int | None = None, prefetch_kv: bool = False) -> dict:
     constants = dict(GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n,
                      NUM_SPLITS=splits, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
                      PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens,
                      NARROW_OFFSETS=narrow_offsets, FP16_PRODUCTS=False,
-                     PREFETCH_KV=prefetch_kv and new_tokens, PREFETCH_L2=prefetch_l2,
-                     PIECE_BYTES=16 * 8 * head_dim * 2)  # 16 keys of 8 KV heads, bf16
+                     PREFETCH_KV=prefetch_kv and new_tokens)
     names = _decode_split_kernel.arg_names
     signature = {name: "constexpr" if name in constants else arg_type(name) for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -95,7 +93,7 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
             "num_stages": num_stages, "new_tokens": new_tokens,
             "narrow_offsets": narrow_offsets, "splits": splits, "group": group,
             "head_dim": head_dim, "max_registers": max_registers,
-            "prefetch_kv": prefetch_kv and new_tokens, "prefetch_l2": prefetch_l2, **usage,
+            "prefetch_kv": prefetch_kv and new_tokens, **usage,
             "shared_bytes": kernel.metadata.shared,
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (usage["registers"] * threads),
             "programs_per_sm_by_shared": SHARED_PER_SM // (kernel.metadata.shared + 1024),
@@ -230,9 +228,6 @@ def main() -> None:
     parser.add_argument("--prefetch-kv", action="store_true",
                         help="with --new-tokens: the first K/V tile loaded before the wait "
                              "(DecodeTuning.prefetch_kv, as split decode runs)")
-    parser.add_argument("--prefetch-l2", action="store_true",
-                        help="the first K/V tile asked of L2 before the wait "
-                             "(DecodeTuning.prefetch_l2)")
     parser.add_argument("--max-registers", type=int,
                         help="cap per thread (DecodeTuning.max_registers, ptx .maxnreg)")
     parser.add_argument("--skinny", action="store_true",
@@ -256,7 +251,7 @@ def main() -> None:
             print(json.dumps(decode_variant(block_n, warps, args.stages, args.new_tokens,
                                             not args.wide_offsets, args.group, args.head_dim,
                                             args.splits, args.max_registers,
-                                            args.prefetch_kv, args.prefetch_l2)))
+                                            args.prefetch_kv)))
 
 
 if __name__ == "__main__":

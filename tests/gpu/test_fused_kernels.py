@@ -28,7 +28,6 @@ from nanoserve.attention.triton_backend import (  # noqa: E402
 )
 from nanoserve.kernels.common import device_sm_count  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
-    DecodeTuning,
     NewTokens,
     decode_attention,
     num_decode_splits,
@@ -149,24 +148,6 @@ def check_norm_in_gemv(n: int, k: int, dtype: torch.dtype, device: str) -> None:
 @pytest.mark.parametrize("prefetch_kv", [True, False], ids=["prefetched", "in-loop"])
 def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group, prefetch_kv):
     check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda", prefetch_kv=prefetch_kv)
-
-
-def test_unsplit_decode_asking_l2_for_its_first_tile_changes_nothing():
-    """The prefetch is a hint: a large batch's unsplit decode gives the same bits with it (and
-    the register cap it runs under) as without, mixed contexts, shuffled blocks."""
-    seq_lens = [int(n) for n in torch.randint(1, 2100, (200,),
-                                              generator=torch.Generator().manual_seed(3))]
-    q, _, _, _, k_cache, v_cache, meta = decode_case(seq_lens, 16, 8, 128, 16, torch.bfloat16,
-                                                     "cuda", seed=5)
-    order = torch.tensor(sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]),
-                         dtype=torch.int32, device="cuda")
-    outs = [decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                             meta.query_start_loc, meta.max_seq_len, 128 ** -0.5, num_splits=1,
-                             seq_order=order, tuning=tuning)
-            for tuning in (DecodeTuning(), DecodeTuning(prefetch_l2=True, max_registers=96))]
-    assert torch.equal(outs[0], outs[1])
-    reference = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 128 ** -0.5)
-    torch.testing.assert_close(outs[1].float(), reference.float(), **BF16)
 
 
 @pytest.mark.parametrize("context", [1, 300, 511])

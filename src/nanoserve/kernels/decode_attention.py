@@ -43,10 +43,6 @@ class DecodeTuning(NamedTuple):
     # except the new token's, which this kernel stores itself; a kernel reading keys that
     # qk_norm_rope_store wrote must not (so without new tokens this is ignored).
     prefetch_kv: bool = False
-    # Without prefetch_kv (and on CUDA): ask L2 for the first K/V tile before waiting (a
-    # hint, safe for any key; docs/kernels.md).
-    prefetch_l2: bool = False
-    max_registers: int | None = None  # per thread (ptx .maxnreg); None: the compiler's choice
 
 
 # K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
@@ -194,10 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         and k_cache.numel() < 2 ** 31),
         FP16_PRODUCTS=fp16_products(q, k_cache),
         PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None,
-        PREFETCH_L2=tuning.prefetch_l2 and pdl,
-        PIECE_BYTES=min(block_size, block_n) * k_cache.stride(1) * k_cache.element_size(),
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages, maxnreg=tuning.max_registers,
-        launch_pdl=pdl,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1 and keep_partials:
         return part_lse, part_o

@@ -34,8 +34,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
     NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
-    FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr, PREFETCH_L2: tl.constexpr,
-    PIECE_BYTES: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -106,13 +105,6 @@ def _decode_split_kernel(
                                     d_mask, stride_btc, stride_kb, stride_ks, stride_kh,
                                     stride_vb, stride_vs, stride_vh,
                                     BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS)
-    elif PREFETCH_L2:
-        # Only a hint, so any key may be asked for: L2 is coherent, and a key the kernel
-        # before is still writing is read again after the wait. The first tile's bytes then
-        # stream while that kernel runs instead of after it.
-        _prefetch_kv_tile_to_l2(k_cache_ptr, v_cache_ptr, block_row, start, end, stride_btc,
-                                stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE,
-                                BLOCK_N, PIECE_BYTES)
     if PDL:
         gdc_wait()
     if NEW_TOKENS:
@@ -207,36 +199,6 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, kv_head,
                                    + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
     return k, v, valid
-
-
-@triton.jit
-def _prefetch_kv_tile_to_l2(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, stride_btc,
-                            stride_kb, stride_ks, stride_vb, stride_vs,
-                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                            PIECE_BYTES: tl.constexpr):
-    """Ask L2 for the keys and values of every KV head at ``[tile_start, tile_start + BLOCK_N)``
-    below ``end``: one sm_90 bulk prefetch per cache block it spans (``PIECE_BYTES`` each, the
-    block's part in the tile; asynchronous, nothing waits for it). The other KV heads'
-    programs of the sequence, its neighbours in the grid, read those bytes too."""
-    PIECE: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_SIZE else BLOCK_SIZE
-    pos = tile_start + tl.arange(0, BLOCK_N // PIECE) * PIECE
-    valid = pos < end
-    block = tl.load(block_row + (pos // BLOCK_SIZE) * stride_btc, mask=valid, other=0)
-    block = block.to(tl.int64)
-    offset = pos % BLOCK_SIZE
-    # Past the end: the cache's first piece again (the asm takes no mask).
-    _bulk_prefetch_to_l2(tl.where(valid, k_cache_ptr + block * stride_kb + offset * stride_ks,
-                                  k_cache_ptr), PIECE_BYTES)
-    _bulk_prefetch_to_l2(tl.where(valid, v_cache_ptr + block * stride_vb + offset * stride_vs,
-                                  v_cache_ptr), PIECE_BYTES)
-
-
-@triton.jit
-def _bulk_prefetch_to_l2(starts, NUM_BYTES: tl.constexpr):
-    """``cp.async.bulk.prefetch.L2`` of ``NUM_BYTES`` from each address in ``starts``."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tcp.async.bulk.prefetch.L2.global [$1], $2;",
-                              "=r,l,r", [starts, tl.full(starts.shape, NUM_BYTES, tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
