@@ -5,7 +5,7 @@
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
-#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl]
+#   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -216,6 +216,11 @@ for step in "$@"; do
         2>&1 | grep '^{' | tee -a "$OUT/tiles_8b.log" ;;
     gemmpdl)  # programmatic edges into cuBLAS's GEMMs in a CUDA graph: safe? worth it? (run 148)
       python3 benchmarks/graph_pdl.py 2>&1 | tee "$OUT/graph_pdl.log" ;;
+    forwardvariants)  # decode forwards over the workload replay: K/V load hints, cuBLASLt (run 151)
+      bash benchmarks/env_variants.sh forward_variants.jsonl NANOSERVE_KV_LOAD=/ \
+        NANOSERVE_KV_LOAD=/evict_first NANOSERVE_KV_LOAD=.cg/ NANOSERVE_KV_LOAD=.cg/evict_first \
+        TORCH_BLAS_PREFER_CUBLASLT=1 NANOSERVE_KV_LOAD=/ \
+        -- benchmarks/stream_split_decode.py --parts ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;
