@@ -79,7 +79,7 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
                      NUM_SPLITS=splits, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
                      PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens,
                      NARROW_OFFSETS=narrow_offsets, FP16_PRODUCTS=False,
-                     PREFETCH_KV=prefetch_kv and new_tokens, KV_CACHE="", KV_EVICT="")
+                     PREFETCH_KV=prefetch_kv and new_tokens)
     names = _decode_split_kernel.arg_names
     signature = {name: "constexpr" if name in constants else arg_type(name) for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)

@@ -1,7 +1,6 @@
 """Attention backend for CUDA: Triton kernels for q/k norm + RoPE + KV store, decode and prefill."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +36,6 @@ MERGE_IN_O_PROJ_MAX_SPLITS = 8
 # Over an fp8 cache, two warps per program read the throughput workload's K/V 15% faster than
 # four (benchmarks/decode_workload.py --kv-cache-dtype fp8, run 105).
 FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
-DECODE_TUNING = DecodeTuning(kv_load=tuple(os.environ.get("NANOSERVE_KV_LOAD", "/").split("/")))
 
 
 class TritonAttentionBackend:
@@ -100,7 +98,7 @@ class TritonAttentionBackend:
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_seq_len, scale,
                                     seq_order=meta.seq_order,
-                                    tuning=FP8_DECODE_TUNING if fp8 else DECODE_TUNING)
+                                    tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning())
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, scale)
 

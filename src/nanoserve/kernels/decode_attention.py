@@ -43,7 +43,6 @@ class DecodeTuning(NamedTuple):
     # except the new token's, which this kernel stores itself; a kernel reading keys that
     # qk_norm_rope_store wrote must not (so without new tokens this is ignored).
     prefetch_kv: bool = False
-    kv_load: tuple[str, str] = ("", "")  # K/V loads' (cache modifier, eviction policy)
 
 
 # K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
@@ -191,7 +190,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         and k_cache.numel() < 2 ** 31),
         FP16_PRODUCTS=fp16_products(q, k_cache),
         PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None,
-        KV_CACHE=tuning.kv_load[0], KV_EVICT=tuning.kv_load[1],
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1 and keep_partials:

@@ -35,7 +35,6 @@ def _decode_split_kernel(
     ORDERED: tl.constexpr, PDL: tl.constexpr,
     NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
     FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr,
-    KV_CACHE: tl.constexpr, KV_EVICT: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -105,7 +104,7 @@ def _decode_split_kernel(
         k, v, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, start, end, kv_head, d,
                                     d_mask, stride_btc, stride_kb, stride_ks, stride_kh,
                                     stride_vb, stride_vs, stride_vh,
-                                    BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS, KV_CACHE, KV_EVICT)
+                                    BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS)
     if PDL:
         gdc_wait()
     if NEW_TOKENS:
@@ -143,7 +142,7 @@ def _decode_split_kernel(
         k, v, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end,
                                     kv_head, d, d_mask, stride_btc, stride_kb, stride_ks,
                                     stride_kh, stride_vb, stride_vs, stride_vh,
-                                    BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS, KV_CACHE, KV_EVICT)
+                                    BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS)
         m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
     if NEW_TOKENS:
         # The new key as one more step of the online softmax (zero weight outside its owner).
@@ -179,8 +178,7 @@ def _decode_split_kernel(
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, kv_head, d, d_mask,
                   stride_btc, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
-                  KV_CACHE: tl.constexpr, KV_EVICT: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NARROW_OFFSETS: tl.constexpr):
     """The keys and values at positions ``[tile_start, tile_start + BLOCK_N)`` below ``end``,
     read through the sequence's block-table row; returns them with the valid-position mask."""
     pos = tile_start + tl.arange(0, BLOCK_N)
@@ -190,10 +188,8 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, kv_head,
     kv_mask = valid[:, None] & d_mask[None, :]
     if NARROW_OFFSETS:  # V's strides are K's: one [BLOCK_N, D] tile of int32 offsets
         offsets = (block * stride_kb + offset * stride_ks)[:, None] + d[None, :]
-        k = tl.load(k_cache_ptr + kv_head * stride_kh + offsets, mask=kv_mask, other=0.0,
-                    cache_modifier=KV_CACHE, eviction_policy=KV_EVICT)
-        v = tl.load(v_cache_ptr + kv_head * stride_vh + offsets, mask=kv_mask, other=0.0,
-                    cache_modifier=KV_CACHE, eviction_policy=KV_EVICT)
+        k = tl.load(k_cache_ptr + kv_head * stride_kh + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_head * stride_vh + offsets, mask=kv_mask, other=0.0)
     else:
         block = block.to(tl.int64)
         k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks
