@@ -216,7 +216,8 @@ for step in "$@"; do
         2>&1 | grep '^{' | tee -a "$OUT/tiles_8b.log" ;;
     gemmpdl)  # programmatic edges into cuBLAS's GEMMs in a CUDA graph: safe? worth it? (run 148)
       python3 benchmarks/graph_pdl.py 2>&1 | tee "$OUT/graph_pdl.log" ;;
-    forwardvariants)  # decode forwards over the workload replay: K/V load hints, cuBLASLt (run 151)
+    forwardvariants)  # decode forwards over the workload replay: K/V load hints (NANOSERVE_KV_LOAD
+      # is read by commit 84dbbbb's engine only), cuBLASLt (run 151)
       bash benchmarks/env_variants.sh forward_variants.jsonl NANOSERVE_KV_LOAD=/ \
         NANOSERVE_KV_LOAD=/evict_first NANOSERVE_KV_LOAD=.cg/ NANOSERVE_KV_LOAD=.cg/evict_first \
         TORCH_BLAS_PREFER_CUBLASLT=1 NANOSERVE_KV_LOAD=/ \
