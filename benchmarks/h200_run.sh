@@ -222,6 +222,10 @@ for step in "$@"; do
         NANOSERVE_KV_LOAD=/evict_first NANOSERVE_KV_LOAD=.cg/ NANOSERVE_KV_LOAD=.cg/evict_first \
         TORCH_BLAS_PREFER_CUBLASLT=1 NANOSERVE_KV_LOAD=/ \
         -- benchmarks/stream_split_decode.py --parts ;;
+    orderindirection)  # what the seq_order load costs unsplit decode: rows presorted (run 152)
+      bash benchmarks/env_variants.sh order_indirection.jsonl NANOSERVE_DECODE_UNORDERED=0 \
+        NANOSERVE_DECODE_UNORDERED=1 NANOSERVE_DECODE_UNORDERED=0 NANOSERVE_DECODE_UNORDERED=1 \
+        -- benchmarks/stream_split_decode.py --parts --presorted ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;

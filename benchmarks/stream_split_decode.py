@@ -61,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--stride", type=int, default=64)
+    parser.add_argument("--presorted", action="store_true",
+                        help="rows in longest-first order already (batch order = the kernel's)")
     parser.add_argument("--parts", type=int, nargs="*", default=[2, 4],
                         help="parts to split the batch into (none: the whole batch only)")
     args = parser.parse_args()
@@ -85,6 +87,8 @@ def main() -> None:
     main_stream = torch.cuda.current_stream()
     with torch.inference_mode():
         for step, seq_lens in zip(range(0, 10 ** 9, args.stride), decode_steps(args.stride)):
+            if args.presorted:
+                seq_lens = sorted(seq_lens, reverse=True)
             batch, _ = decode_inputs(seq_lens, 1, block_size, vocab)
             parted = {}
             for p in (p for p in args.parts if p <= len(seq_lens)):
