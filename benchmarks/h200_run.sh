@@ -222,7 +222,8 @@ for step in "$@"; do
         NANOSERVE_KV_LOAD=/evict_first NANOSERVE_KV_LOAD=.cg/ NANOSERVE_KV_LOAD=.cg/evict_first \
         TORCH_BLAS_PREFER_CUBLASLT=1 NANOSERVE_KV_LOAD=/ \
         -- benchmarks/stream_split_decode.py --parts ;;
-    orderindirection)  # what the seq_order load costs unsplit decode: rows presorted (run 152)
+    orderindirection)  # what the seq_order load costs unsplit decode: rows presorted (run 152;
+      # NANOSERVE_DECODE_UNORDERED is read by commit ad68449's engine only)
       bash benchmarks/env_variants.sh order_indirection.jsonl NANOSERVE_DECODE_UNORDERED=0 \
         NANOSERVE_DECODE_UNORDERED=1 NANOSERVE_DECODE_UNORDERED=0 NANOSERVE_DECODE_UNORDERED=1 \
         -- benchmarks/stream_split_decode.py --parts --presorted ;;

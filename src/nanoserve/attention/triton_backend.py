@@ -1,7 +1,6 @@
 """Attention backend for CUDA: Triton kernels for q/k norm + RoPE + KV store, decode and prefill."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,8 +97,7 @@ class TritonAttentionBackend:
             fp8 = k_cache.dtype == torch.float8_e4m3fn
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_seq_len, scale,
-                                    seq_order=None if os.environ.get("NANOSERVE_DECODE_UNORDERED")
-                                    == "1" else meta.seq_order,
+                                    seq_order=meta.seq_order,
                                     tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning())
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, scale)
