@@ -227,6 +227,11 @@ for step in "$@"; do
       bash benchmarks/env_variants.sh order_indirection.jsonl NANOSERVE_DECODE_UNORDERED=0 \
         NANOSERVE_DECODE_UNORDERED=1 NANOSERVE_DECODE_UNORDERED=0 NANOSERVE_DECODE_UNORDERED=1 \
         -- benchmarks/stream_split_decode.py --parts --presorted ;;
+    noattention)  # decode forwards over the workload replay with and without attention (run 153;
+      # NANOSERVE_SKIP_DECODE_ATTENTION is read by commit SKIPCOMMIT's engine only)
+      bash benchmarks/env_variants.sh no_attention.jsonl NANOSERVE_SKIP_DECODE_ATTENTION=0 \
+        NANOSERVE_SKIP_DECODE_ATTENTION=1 NANOSERVE_SKIP_DECODE_ATTENTION=0 \
+        NANOSERVE_SKIP_DECODE_ATTENTION=1 -- benchmarks/stream_split_decode.py --parts ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;

@@ -1,6 +1,7 @@
 """Attention backend for CUDA: Triton kernels for q/k norm + RoPE + KV store, decode and prefill."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +68,9 @@ class TritonAttentionBackend:
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                   partials_ok: bool = False) -> torch.Tensor | SplitPartials:
+        if meta.decode_only and os.environ.get("NANOSERVE_SKIP_DECODE_ATTENTION") == "1":
+            # Timing only: the forward without decode attention (nor the K/V store).
+            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode_only:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
