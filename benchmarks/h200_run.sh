@@ -228,10 +228,17 @@ for step in "$@"; do
         NANOSERVE_DECODE_UNORDERED=1 NANOSERVE_DECODE_UNORDERED=0 NANOSERVE_DECODE_UNORDERED=1 \
         -- benchmarks/stream_split_decode.py --parts --presorted ;;
     noattention)  # decode forwards over the workload replay with and without attention (run 153;
-      # NANOSERVE_SKIP_DECODE_ATTENTION is read by commit SKIPCOMMIT's engine only)
+      # NANOSERVE_SKIP_DECODE_ATTENTION is read by commit 6dd0a64's engine only)
       bash benchmarks/env_variants.sh no_attention.jsonl NANOSERVE_SKIP_DECODE_ATTENTION=0 \
         NANOSERVE_SKIP_DECODE_ATTENTION=1 NANOSERVE_SKIP_DECODE_ATTENTION=0 \
         NANOSERVE_SKIP_DECODE_ATTENTION=1 -- benchmarks/stream_split_decode.py --parts ;;
+    splitrule)  # the split rule at moderate batches, decode forwards over the replay (run 154;
+      # NANOSERVE_SPLIT_TARGET and NANOSERVE_FUSED_MAX_SEQS are read by commit SPLITCOMMIT only)
+      bash benchmarks/env_variants.sh split_rule.jsonl NANOSERVE_FUSED_MAX_SEQS=1000000 \
+        NANOSERVE_FUSED_MAX_SEQS=8 "NANOSERVE_SPLIT_TARGET=7.5 NANOSERVE_FUSED_MAX_SEQS=8" \
+        "NANOSERVE_SPLIT_TARGET=10 NANOSERVE_FUSED_MAX_SEQS=8" \
+        "NANOSERVE_SPLIT_TARGET=15 NANOSERVE_FUSED_MAX_SEQS=8" NANOSERVE_FUSED_MAX_SEQS=1000000 \
+        -- benchmarks/stream_split_decode.py --parts ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;

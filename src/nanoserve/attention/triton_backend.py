@@ -80,7 +80,8 @@ class TritonAttentionBackend:
             # fills the GPU and its K/V loop runs better without that work's registers
             # (docs/kernels.md). 64-bit K/V offsets measured faster here, 32-bit ones (more
             # programs per SM) in large batches.
-            if splits > 1:
+            if splits > 1 and meta.num_seqs <= int(os.environ.get("NANOSERVE_FUSED_MAX_SEQS",
+                                                                  "1000000")):
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
                 tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,

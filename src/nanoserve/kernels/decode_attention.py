@@ -16,6 +16,8 @@ registers. That is one dependent launch per layer fewer in every decode step.
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -107,6 +109,9 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     """
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = programs_per_sm * num_sms // programs
+    if os.environ.get("NANOSERVE_SPLIT_TARGET"):  # experiment: ceil to a higher target
+        target = float(os.environ["NANOSERVE_SPLIT_TARGET"]) * num_sms
+        wanted = math.ceil(target / programs) if programs < target else 1
     by_length = max(max_seq_len // MIN_TOKENS_PER_SPLIT, 1)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
