@@ -233,12 +233,21 @@ for step in "$@"; do
         NANOSERVE_SKIP_DECODE_ATTENTION=1 NANOSERVE_SKIP_DECODE_ATTENTION=0 \
         NANOSERVE_SKIP_DECODE_ATTENTION=1 -- benchmarks/stream_split_decode.py --parts ;;
     splitrule)  # the split rule at moderate batches, decode forwards over the replay (run 154;
-      # NANOSERVE_SPLIT_TARGET and NANOSERVE_FUSED_MAX_SEQS are read by commit SPLITCOMMIT only)
+      # NANOSERVE_SPLIT_TARGET and NANOSERVE_FUSED_MAX_SEQS are read by commit 1e790c1 only)
       bash benchmarks/env_variants.sh split_rule.jsonl NANOSERVE_FUSED_MAX_SEQS=1000000 \
         NANOSERVE_FUSED_MAX_SEQS=8 "NANOSERVE_SPLIT_TARGET=7.5 NANOSERVE_FUSED_MAX_SEQS=8" \
         "NANOSERVE_SPLIT_TARGET=10 NANOSERVE_FUSED_MAX_SEQS=8" \
         "NANOSERVE_SPLIT_TARGET=15 NANOSERVE_FUSED_MAX_SEQS=8" NANOSERVE_FUSED_MAX_SEQS=1000000 \
         -- benchmarks/stream_split_decode.py --parts ;;
+    balanceab)  # splits that even out ragged contexts at 16-112 rows, A/B (run 155)
+      bash benchmarks/env_variants.sh balance_forwards.jsonl NANOSERVE_SPLIT_RULE=new \
+        NANOSERVE_SPLIT_RULE=old -- benchmarks/stream_split_decode.py --parts
+      bash benchmarks/env_variants.sh balance_throughput.jsonl NANOSERVE_SPLIT_RULE=new \
+        NANOSERVE_SPLIT_RULE=old -- benchmarks/throughput.py
+      python3 -m pytest tests/gpu/test_gpu_parity.py -q -s -p no:cacheprovider -k larger_batch \
+        2>&1 | tail -3 | tee "$OUT/balance_tests.log"
+      bash benchmarks/env_variants.sh balance_throughput.jsonl NANOSERVE_SPLIT_RULE=new \
+        NANOSERVE_SPLIT_RULE=old -- benchmarks/throughput.py ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;

@@ -89,7 +89,7 @@ def assert_greedy_close_to_transformers(model_dir: Path, label: str, hf_cache=No
         theirs, their_top5 = _hf_greedy_with_top5(model, prompt, **cache)
         exact += ours == theirs
         assert_logprobs_close(ours, our_top5, theirs, their_top5)
-    print(f"{label}: {exact}/8 identical")
+    print(f"{label}: {exact}/{len(prompts)} identical")
 
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen3-moe-small"])
@@ -109,6 +109,15 @@ def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
                                         f"{shape} one sequence at a time",
                                         prompt_lens=[5, 120, 300, 490, 500, 1000, 2030, 2040],
                                         max_num_seqs=1)
+
+
+def test_bf16_greedy_of_a_larger_batch_close_to_transformers(tmp_path_factory):
+    """24 sequences at once (a 32-row decode graph): split decode without the new tokens
+    fused, split to even out ragged contexts (num_decode_splits' balance regime)."""
+    random.seed(2)
+    assert_greedy_close_to_transformers(random_model_dir("qwen3-0.6b", tmp_path_factory),
+                                        "qwen3-0.6b 24 sequences",
+                                        prompt_lens=[random.randint(5, 700) for _ in range(24)])
 
 
 def test_fp8_kv_cache_close_to_transformers_rounding_its_cache(tmp_path_factory):

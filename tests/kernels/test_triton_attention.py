@@ -23,9 +23,11 @@ from nanoserve.attention.triton_backend import (  # noqa: E402
     split_decode_tuning,
 )
 from nanoserve.kernels.decode_attention import (  # noqa: E402
-    DecodeTuning,
+    BALANCE_TARGET,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
+    PROGRAMS_PER_SM,
+    DecodeTuning,
     NewTokens,
     decode_attention,
     num_decode_splits,
@@ -297,11 +299,16 @@ def test_split_decode_takes_one_stage_only_for_one_tile_splits_read_before_the_w
 
 def test_num_decode_splits_fills_the_device_without_tiny_splits():
     assert num_decode_splits(256, 8, 4096, num_sms=132) == 1  # batch alone fills the GPU
-    assert num_decode_splits(64, 8, 4096, num_sms=132) == 1
+    assert num_decode_splits(128, 8, 4096, num_sms=132) == 1
     assert num_decode_splits(1, 8, 100, num_sms=132) == 1  # too short to be worth splitting
-    for batch in (1, 4, 16):
+    for batch in (1, 4, 8):  # latency-bound: five programs per SM
         splits = num_decode_splits(batch, 8, 4096, num_sms=132)
         assert splits > 1 and 4096 / splits >= MIN_TOKENS_PER_SPLIT
+        assert batch * 8 * splits <= PROGRAMS_PER_SM * 132
+    for batch in (16, 32, 64, 96, 112):  # about a wave of ragged contexts: evened out
+        splits = num_decode_splits(batch, 8, 40960, num_sms=132)
+        assert batch * 8 * splits >= BALANCE_TARGET * 132 > batch * 8 * (splits - 1)
+    assert num_decode_splits(64, 8, 128, num_sms=132) == 2  # no slice under 64 keys
     assert num_decode_splits(1, 1, 10 ** 6, num_sms=132) == MAX_SPLITS
     assert num_decode_splits(0, 8, 0, num_sms=132) == 1
 

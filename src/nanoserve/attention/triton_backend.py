@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -9,8 +10,8 @@ import torch
 from nanoserve.attention.backend import SplitPartials
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.kernels.common import device_sm_count
-from nanoserve.kernels.decode_attention import (DecodeTuning, NewTokens, decode_attention,
-                                                num_decode_splits)
+from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
+                                                decode_attention, num_decode_splits)
 from nanoserve.kernels.prefill_attention import prefill_attention
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
@@ -75,13 +76,13 @@ class TritonAttentionBackend:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                        num_sms)
-            # Split decode means a small batch, bound by the chain of dependent launches: the
-            # split kernel finishes the new tokens itself, one launch fewer. Unsplit, the batch
-            # fills the GPU and its K/V loop runs better without that work's registers
+            # A small batch is bound by the chain of dependent launches: the split kernel
+            # finishes the new tokens itself, one launch fewer. Larger ones, split or not,
+            # fill the GPU and their K/V loop runs better without that work's registers
             # (docs/kernels.md). 64-bit K/V offsets measured faster here, 32-bit ones (more
             # programs per SM) in large batches.
-            if splits > 1 and meta.num_seqs <= int(os.environ.get("NANOSERVE_FUSED_MAX_SEQS",
-                                                                  "1000000")):
+            fused = meta.num_seqs <= LATENCY_MAX_SEQS or os.environ.get("NANOSERVE_SPLIT_RULE") == "old"
+            if splits > 1 and fused:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
                 tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,

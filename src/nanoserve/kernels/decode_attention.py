@@ -93,6 +93,12 @@ class NewTokens(NamedTuple):
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 5
+# Batches up to this size are latency-bound: their splits fill the GPU, and the split kernel
+# finishes the new tokens itself (attention.triton_backend).
+LATENCY_MAX_SEQS = 8
+# Larger batches with fewer programs than BALANCE_BELOW per SM split to BALANCE_TARGET per SM.
+BALANCE_BELOW = 7.5
+BALANCE_TARGET = 15
 # Under TRITON_INTERPRET the "device" is the CPU; small tiles keep the interpreter fast and
 # make short test sequences span several tiles and splits.
 INTERPRETER_BLOCK_N = 16
@@ -102,16 +108,20 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """How many context splits a decode launch uses, from host-side ints only (no device sync).
 
-    Aim at ``programs_per_sm`` programs per SM: split only while the (sequence, KV head)
-    programs alone fall short of that, and never into slices shorter than
-    ``MIN_TOKENS_PER_SPLIT`` keys, where the partial-result traffic and the extra reduce launch
-    would cost more than the added parallelism gains.
+    Up to ``LATENCY_MAX_SEQS`` sequences, aim at ``programs_per_sm`` programs per SM: split
+    only while the (sequence, KV head) programs alone fall short of that. Larger batches
+    below ``BALANCE_BELOW`` programs per SM split so as to make ``BALANCE_TARGET`` per SM: with
+    ragged contexts a launch of about one wave of programs lasts as long as its longest
+    context, and slices of it even out the waves (docs/kernels.md, run 154). Never split into
+    slices shorter than ``MIN_TOKENS_PER_SPLIT`` keys.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = programs_per_sm * num_sms // programs
-    if os.environ.get("NANOSERVE_SPLIT_TARGET"):  # experiment: ceil to a higher target
-        target = float(os.environ["NANOSERVE_SPLIT_TARGET"]) * num_sms
-        wanted = math.ceil(target / programs) if programs < target else 1
+    if num_seqs <= LATENCY_MAX_SEQS or os.environ.get("NANOSERVE_SPLIT_RULE") == "old":
+        wanted = programs_per_sm * num_sms // programs
+    elif programs < BALANCE_BELOW * num_sms:
+        wanted = math.ceil(BALANCE_TARGET * num_sms / programs)
+    else:
+        wanted = 1
     by_length = max(max_seq_len // MIN_TOKENS_PER_SPLIT, 1)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
