@@ -239,7 +239,8 @@ for step in "$@"; do
         "NANOSERVE_SPLIT_TARGET=10 NANOSERVE_FUSED_MAX_SEQS=8" \
         "NANOSERVE_SPLIT_TARGET=15 NANOSERVE_FUSED_MAX_SEQS=8" NANOSERVE_FUSED_MAX_SEQS=1000000 \
         -- benchmarks/stream_split_decode.py --parts ;;
-    balanceab)  # splits that even out ragged contexts at 16-112 rows, A/B (run 155)
+    balanceab)  # splits that even out ragged contexts at 16-112 rows, A/B (run 155;
+      # NANOSERVE_SPLIT_RULE=old is read by commit 0414054's engine only)
       bash benchmarks/env_variants.sh balance_forwards.jsonl NANOSERVE_SPLIT_RULE=new \
         NANOSERVE_SPLIT_RULE=old -- benchmarks/stream_split_decode.py --parts
       bash benchmarks/env_variants.sh balance_throughput.jsonl NANOSERVE_SPLIT_RULE=new \

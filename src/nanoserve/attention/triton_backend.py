@@ -1,8 +1,6 @@
 """Attention backend for CUDA: Triton kernels for q/k norm + RoPE + KV store, decode and prefill."""
 from __future__ import annotations
 
-import os
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,9 +41,9 @@ FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
 class TritonAttentionBackend:
     """GPU path: flash-decoding for decode-only batches, paged varlen prefill for the rest.
 
-    In split decode (small batches) the split kernel also applies the q/k norms and RoPE and
-    stores the new K/V (one launch); otherwise ``qk_norm_rope_store`` does, then the decode or
-    prefill kernel attends. A batch-1 split decode over few splits returns its partials
+    In split decode of small batches (up to ``LATENCY_MAX_SEQS`` sequences) the split kernel
+    also applies the q/k norms and RoPE and stores the new K/V (one launch); otherwise
+    ``qk_norm_rope_store`` does, then the decode or prefill kernel attends. A batch-1 split decode over few splits returns its partials
     unmerged when the caller allows it (``partials_ok``): its o_proj merges them.
 
     Nothing here reads device values on the host, so the decode path can be captured in a CUDA
@@ -69,9 +67,6 @@ class TritonAttentionBackend:
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                   partials_ok: bool = False) -> torch.Tensor | SplitPartials:
-        if meta.decode_only and os.environ.get("NANOSERVE_SKIP_DECODE_ATTENTION") == "1":
-            # Timing only: the forward without decode attention (nor the K/V store).
-            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode_only:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
@@ -81,8 +76,7 @@ class TritonAttentionBackend:
             # fill the GPU and their K/V loop runs better without that work's registers
             # (docs/kernels.md). 64-bit K/V offsets measured faster here, 32-bit ones (more
             # programs per SM) in large batches.
-            fused = meta.num_seqs <= LATENCY_MAX_SEQS or os.environ.get("NANOSERVE_SPLIT_RULE") == "old"
-            if splits > 1 and fused:
+            if splits > 1 and meta.num_seqs <= LATENCY_MAX_SEQS:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
                 tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,
