@@ -43,8 +43,9 @@ class TritonAttentionBackend:
 
     In split decode of small batches (up to ``LATENCY_MAX_SEQS`` sequences) the split kernel
     also applies the q/k norms and RoPE and stores the new K/V (one launch); otherwise
-    ``qk_norm_rope_store`` does, then the decode or prefill kernel attends. A batch-1 split decode over few splits returns its partials
-    unmerged when the caller allows it (``partials_ok``): its o_proj merges them.
+    ``qk_norm_rope_store`` does, then the decode or prefill kernel attends. A batch-1 split
+    decode over few splits returns its partials unmerged when the caller allows it
+    (``partials_ok``): its o_proj merges them.
 
     Nothing here reads device values on the host, so the decode path can be captured in a CUDA
     graph (run it once outside capture first, so Triton compiles its kernels). The decode split

@@ -111,8 +111,8 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     only while the (sequence, KV head) programs alone fall short of that. Larger batches
     below ``BALANCE_BELOW`` programs per SM split so as to make ``BALANCE_TARGET`` per SM: with
     ragged contexts a launch of about one wave of programs lasts as long as its longest
-    context, and slices of it even out the waves (docs/kernels.md, runs 154-155). Never split into
-    slices shorter than ``MIN_TOKENS_PER_SPLIT`` keys.
+    context, and slices of it even out the waves (docs/kernels.md, runs 154-155). Never split
+    into slices shorter than ``MIN_TOKENS_PER_SPLIT`` keys.
     """
     programs = max(num_seqs * num_kv_heads, 1)
     if num_seqs <= LATENCY_MAX_SEQS:
