@@ -6,6 +6,7 @@ median of many), and printed as one JSON line. Decode is timed as a CUDA-graph r
 the engine runs it, which also proves the decode path is capturable.
 
     python benchmarks/kernels.py [--quick] [--kernels decode prefill mixed]
+        [--batches 16 64 96] [--decode-splits 1 2 4]
 """
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from nanoserve.attention.torch_backend import paged_attention_reference
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import decode_attention, num_decode_splits
 from nanoserve.kernels.prefill_attention import prefill_attention
+from nanoserve.runner.cuda_graph import context_caps
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 DTYPE = torch.bfloat16
 ELEM = 2  # bytes per bf16
 L2_FLUSH_BYTES = 256 << 20  # well over the H100/H200 L2 (50-60 MB)
 MAX_ABS_ERR = 2e-2  # bf16 inputs and output, fp32 accumulation
+CAPTURE_MAX_SEQ_LEN = 40960  # the decode graphs' split count comes from the model's max length
 
 
 def make_batch(seq_lens: list[int], q_lens: list[int], block_size: int,
@@ -96,14 +99,22 @@ def causal_flops(seq_lens: list[int], q_lens: list[int]) -> int:
     return 4 * NUM_HEADS * HEAD_DIM * visible
 
 
-def bench_decode(batch: int, ctx: int, block_size: int, iters: int, gen: torch.Generator) -> dict:
+def bench_decode(batch: int, ctx: int, block_size: int, iters: int, gen: torch.Generator,
+                 splits: int | None = None) -> dict:
+    """Uniform contexts; ``splits`` forces a split count, else the engine's rule for the decode
+    graph that would run the batch (captured for the model's max length, or for batches up to
+    8 the smallest context cap that holds ``ctx``)."""
     seq_lens = [ctx] * batch
     q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * batch, block_size, gen)
-    splits = num_decode_splits(batch, NUM_KV_HEADS, ctx, device_sm_count(q.device))
+    rule = splits is None
+    if rule:
+        cap = next(c for c in context_caps(batch, CAPTURE_MAX_SEQ_LEN) if c >= ctx)
+        splits = num_decode_splits(batch, NUM_KV_HEADS, cap, device_sm_count(q.device))
 
     def run() -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, meta.max_seq_len, HEAD_DIM ** -0.5)
+                                meta.query_start_loc, meta.max_seq_len, HEAD_DIM ** -0.5,
+                                num_splits=splits)
 
     eager = run()
     torch.cuda.synchronize()
@@ -115,7 +126,8 @@ def bench_decode(batch: int, ctx: int, block_size: int, iters: int, gen: torch.G
     result["ok"] = result["ok"] and torch.equal(graphed, eager)
     ms = median_ms(graph.replay, iters, warmup=10)
     return {"kernel": "decode", "batch": batch, "ctx": ctx, "block_size": block_size,
-            "num_splits": splits, "ms": ms, "kv_gbps": kv_bytes(seq_lens) / ms / 1e6, **result}
+            "num_splits": splits, "split_rule": rule, "ms": ms,
+            "kv_gbps": kv_bytes(seq_lens) / ms / 1e6, **result}
 
 
 def bench_prefill(seq_lens: list[int], q_lens: list[int], block_size: int, iters: int,
@@ -152,12 +164,15 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["decode", "prefill", "mixed"],
                         choices=["decode", "prefill", "mixed"])
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--decode-splits", type=int, nargs="*", default=[],
+                        help="also time decode at these forced split counts (besides the rule)")
+    parser.add_argument("--batches", type=int, nargs="+", help="decode batch sizes to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     iters = args.iters or (20 if args.quick else 100)
-    batches = [1, 64] if args.quick else [1, 16, 64, 256]
+    batches = args.batches or ([1, 64] if args.quick else [1, 16, 64, 256])
     contexts = [512, 4096] if args.quick else [128, 512, 1024, 2048, 4096]
     block_sizes = [16] if args.quick else [16, 256]
     # Bounds on the reference's padded [B, H, max_q, max_kv] fp32 scores (GPU memory).
@@ -167,8 +182,8 @@ def main() -> None:
     jobs: list[Callable[[], dict]] = []
     for bs in block_sizes:
         if "decode" in args.kernels:
-            jobs += [lambda b=b, c=c, bs=bs: bench_decode(b, c, bs, iters, gen)
-                     for b in batches for c in contexts]
+            jobs += [lambda b=b, c=c, bs=bs, n=n: bench_decode(b, c, bs, iters, gen, n)
+                     for b in batches for c in contexts for n in [None, *args.decode_splits]]
         if "prefill" in args.kernels:
             jobs += [lambda b=b, c=c, bs=bs: bench_prefill([c] * b, [c] * b, bs, iters, gen, "prefill")
                      for b in batches for c in contexts if b * c <= max_prefill_tokens]
