@@ -18,14 +18,13 @@ import itertools
 import json
 
 import torch
-from kernels import HEAD_DIM, NUM_KV_HEADS, errors, kv_bytes, make_batch, median_ms, reference
+from kernels import (CAPTURE_MAX_SEQ_LEN, HEAD_DIM, NUM_KV_HEADS, errors, kv_bytes, make_batch,
+                     median_ms, reference)
 from throughput import workload
 
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (PROGRAMS_PER_SM, DecodeTuning, decode_attention,
                                                 num_decode_splits)
-
-CAPTURE_MAX_SEQ_LEN = 40960  # CUDA graphs fix the split count with the model's max length
 
 
 def decode_steps(stride: int) -> list[list[int]]:
