@@ -6,7 +6,7 @@
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
-#   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits]
+#   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase` (an
 # untracked folder travels with the tree; delete it before committing), then BASE=abbase on the
@@ -253,6 +253,7 @@ for step in "$@"; do
     uniformsplits)  # the balance rule's split count against unsplit on uniform contexts
       python3 benchmarks/kernels.py --kernels decode --batches 16 32 64 96 112 \
         --decode-splits 1 2>&1 | grep '^{' | tee "$OUT/uniform_splits.jsonl" ;;
+    cublasltalgos) python3 benchmarks/cublaslt_algos.py 2>&1 | tee "$OUT/cublaslt_algos.log" ;;
     firstrun) python3 benchmarks/throughput.py --budgets 16384 16384 16384 2>&1 | tee "$OUT/first_run.log" ;;
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;
