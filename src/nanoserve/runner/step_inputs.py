@@ -25,7 +25,7 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     (the memory-profiling pass) stores nothing and reads every sequence through block 0.
     """
     ids: list[int] = []
-    positions: list[int] = []
+    positions: list[int] | np.ndarray = []
     q_lens, seq_lens, last = [], [], []
     pending_at, pending_rows = [], []
     for c in chunks:
@@ -42,17 +42,22 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks)
     tables = padded_block_tables(chunks, width)
     decode_only = max(q_lens) == 1
-    order, slots = [], []
-    if decode_only:
-        # One token per sequence: its cache slot is cheaper to find here than with a handful
-        # of device ops, and the decode kernel takes sequences longest first.
-        order = longest_first(seq_lens)
-        slots = [-1 if dummy else first_token_slot(c, block_size) for c in chunks]
+    # Cache slots are found here, not with a handful of device ops: those cost more host time
+    # to launch than numpy takes, and their kernels load on first use at each new size, waiting
+    # for the device (docs/benchmarks.md, run 161).
+    order = longest_first(seq_lens) if decode_only else []  # decode takes the longest first
+    if dummy:
+        slots = np.full(len(ids), -1, dtype=np.int64)
+    elif decode_only:
+        slots = [first_token_slot(c, block_size) for c in chunks]
+    else:
+        positions = np.asarray(positions, dtype=np.int64)  # converted once, for both uses
+        slots = token_slots(tables, width, q_lens, positions, block_size)
     sample_all = len(last) == len(ids)  # every token ends its chunk and samples: all rows
     starts = list(itertools.accumulate(q_lens, initial=0))
-    (ids_t, pos, q_lens_t, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
+    (ids_t, pos, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
      seq_lens_t, tables_t, order_t) = packed_to_device(
-        [(v, np.int64) for v in (ids, positions, q_lens, [] if sample_all else last,
+        [(v, np.int64) for v in (ids, positions, [] if sample_all else last,
                                  pending_at, pending_rows, slots)]
         + [(v, np.int32) for v in (starts, seq_lens, tables, order)], device)
     b = len(chunks)
@@ -61,17 +66,8 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     elif pending_at:
         ids_t[pending_at_t] = last_samples[pending_rows_t]
     tables_t = tables_t.view(b, width)
-    if decode_only:
-        slot_mapping = slots_t
-    elif dummy:
-        slot_mapping = torch.full_like(pos, -1)
-    else:
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(b, device=device), q_lens_t, output_size=len(ids))
-        blocks = tables_t[seq_of_token, pos // block_size]
-        slot_mapping = blocks * block_size + pos % block_size
     meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t,
-                             slot_mapping=slot_mapping, block_tables=tables_t,
+                             slot_mapping=slots_t, block_tables=tables_t,
                              max_query_len=max(q_lens), max_seq_len=max(seq_lens),
                              seq_order=order_t if decode_only else None)
     return ids_t, pos, meta, None if sample_all else last_t
@@ -89,6 +85,15 @@ def padded_block_tables(chunks: list[SequenceChunk], width: int) -> list[int]:
         tables += c.block_table
         tables += [0] * (width - len(c.block_table))
     return tables
+
+
+def token_slots(tables: list[int], width: int, q_lens: list[int], positions: np.ndarray,
+                block_size: int) -> np.ndarray:
+    """Every token's cache slot, chunk after chunk: the block its position falls in, from its
+    chunk's row of the padded ``tables`` (``width`` blocks a row), and the offset there."""
+    rows = np.repeat(np.arange(len(q_lens), dtype=np.int64) * width, q_lens)
+    blocks = np.asarray(tables, dtype=np.int64)[rows + positions // block_size]
+    return blocks * block_size + positions % block_size
 
 
 def first_token_slot(chunk: SequenceChunk, block_size: int) -> int:
