@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import gc
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -175,10 +176,12 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
         allocs_before, host_before = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
         collections = GCTimer()  # Python's garbage collections inside the run
         gc.callbacks.append(collections)
+        usage_before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        usage_after = resource.getrusage(resource.RUSAGE_SELF)
         gc.callbacks.remove(collections)
         allocs_after, host_after = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
         # cudaMalloc/cudaFree inside the run: either can stall the host until the device idles;
@@ -189,7 +192,11 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
                        for key in ("num_host_alloc", "host_alloc_time.total")})
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(p.max_tokens for p in params), "every request must run to max_tokens"
-    return elapsed, {**allocs, "gc": collections.report(), **report, **host_report}
+    # Page faults, context switches and CPU seconds of the host process over the run.
+    usage = {f"{field}_in_run": round(getattr(usage_after, field) - getattr(usage_before, field), 3)
+             for field in ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw", "ru_utime",
+                           "ru_stime")}
+    return elapsed, {**allocs, **usage, "gc": collections.report(), **report, **host_report}
 
 
 def main() -> None:

@@ -80,6 +80,8 @@ class ModelRunner:
                 self.model, self._graph_batch(), self._blocks_per_seq(),
                 self.max_model_len, self.device, sample=self.graphs_sample,
                 max_samples=config.max_num_seqs)
+        if self.device.type == "cuda":
+            self.model.lm_head.warm_row_counts(config.max_num_seqs)
         if self.device.type == "cuda" and self.sampling_rank:
             from nanoserve.kernels.sampling import compile_for_batches
             compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
