@@ -66,13 +66,12 @@ def _chunk_argmax_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     # A tile is [QUARTER, 4]: row g holds the group of logits 4g .. 4g+3 and their 4 numbers, so
     # each thread draws once for the adjacent logits it loads.
-    groups = tl.arange(0, QUARTER)
+    groups = tl.arange(0, QUARTER)[:, None]
     k = tl.arange(0, 4)[None, :]
     first = chunk * (TILES_PER_CHUNK * 4 * QUARTER)
     # Philox counter (group index in the row, row, 0, 0): every logit of the batch gets its own
     # number, whatever the other rows' temperatures.
     group = first // 4 + groups
-    groups = groups[:, None]
     best = tl.full([QUARTER, 4], float("-inf"), tl.float32)
     # A chunk with no finite logit reports its first index, so an all -inf row yields token 0.
     best_idx = first + 4 * groups + k
@@ -82,8 +81,7 @@ def _chunk_argmax_kernel(
         x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
         if temperature > 0.0:
             r0, r1, r2, r3 = tl.philox(seed, group + t * QUARTER, row, 0, 0)
-            # The group's 4 numbers side by side, in the order r0 r2 r1 r3 (no selects).
-            bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (QUARTER, 4))
+            bits = tl.where(k == 0, r0, tl.where(k == 1, r1, tl.where(k == 2, r2, r3)))
             # The top 23 bits as (n + 1/2) / 2^23: uniform in (0, 1), never 0 or 1, exact in fp32.
             u = ((bits >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
             exponential = tl.maximum(-tl.log(u), E_MIN)  # ~ Exp(1)
