@@ -2,6 +2,7 @@
 import numpy as np
 import torch
 
+from nanoserve.attention.prefill_work import prefill_work
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
 from nanoserve.runner.packed_copy import TENSOR_ALIGNMENT, packed_to_device
 from nanoserve.runner.step_inputs import prepare_inputs
@@ -65,3 +66,31 @@ def test_steady_decode_takes_the_previous_samples_as_they_are():
     ids, _, _, _ = prepare_inputs(chunks, BLOCK, torch.device("cpu"), last_samples,
                                   {"a": 1, "b": 0})  # rows swapped: gathered
     assert ids.tolist() == [71, 70]
+
+
+def test_prefill_work_lists_every_tile_once_most_keys_first():
+    # A decode, a whole prompt, a short prompt and a chunk after a cached prefix, 16-token tiles.
+    q_lens, seq_lens = [1, 70, 9, 33], [50, 70, 9, 40]
+    work = prefill_work(q_lens, seq_lens, 16)
+    assert work.dtype == np.int32 and work.shape[0] == 2
+    pairs = list(zip(*work.tolist()))
+    assert sorted(pairs) == [(s, t) for s, n in enumerate(q_lens) for t in range(-(-n // 16))]
+    # A tile reads its sequence's keys up to its last token: most first, ties in batch order.
+    keys = [min(seq_lens[s], seq_lens[s] - q_lens[s] + (t + 1) * 16) for s, t in pairs]
+    assert keys == sorted(keys, reverse=True)
+    assert pairs[:3] == [(1, 4), (1, 3), (0, 0)]  # 70, 64 and 50 keys
+    assert prefill_work([], [], 16).shape == (2, 0)
+
+
+def test_steps_carry_the_prefill_work_list_when_the_backend_wants_one():
+    chunks = [chunk("p", [5, 6, 7], 2, [8, 5], sample=False), chunk("d", [PENDING_TOKEN], 3, [6])]
+    last_samples = torch.tensor([40, 41])
+    _, _, meta, _ = prepare_inputs(chunks, BLOCK, torch.device("cpu"), last_samples, {"d": 1},
+                                   prefill_tile=2)
+    assert meta.prefill_work.dtype == torch.int32
+    assert meta.prefill_work.tolist() == prefill_work([3, 1], [5, 4], 2).tolist()
+    _, _, meta, _ = prepare_inputs(chunks, BLOCK, torch.device("cpu"), last_samples, {"d": 1})
+    assert meta.prefill_work is None  # a backend without a work list (prefill_tile 0)
+    decodes = [chunk("a", [11], 5, [3, 9]), chunk("b", [12], 0, [4])]
+    _, _, meta, _ = prepare_inputs(decodes, BLOCK, torch.device("cpu"), None, {}, prefill_tile=2)
+    assert meta.prefill_work is None  # decode kernels take sequences through seq_order

@@ -32,7 +32,8 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.prefill_attention import prefill_attention  # noqa: E402
+from nanoserve.attention.prefill_work import prefill_work  # noqa: E402
+from nanoserve.kernels.prefill_attention import prefill_attention, query_tile  # noqa: E402
 from nanoserve.layers.norm import RMSNorm  # noqa: E402
 from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -100,7 +101,7 @@ def run_decode(q, k_cache, v_cache, meta, num_splits=None, tuning=DecodeTuning()
 
 def run_prefill(q, k_cache, v_cache, meta):
     return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                             meta.query_start_loc, meta.max_query_len, q.shape[-1] ** -0.5)
+                             meta.query_start_loc, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("group,head_dim,block_size,num_splits", [
@@ -177,6 +178,22 @@ def test_prefill_matches_reference(group, head_dim, block_size, seq_lens, q_lens
                                            head_dim=head_dim, block_size=block_size)
     out = run_prefill(q, k_cache, v_cache, meta)
     assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_prefill_takes_its_programs_from_the_work_list_in_any_order(group):
+    # The runner's list (most keys first), its reverse and a shuffle: each (sequence, tile)
+    # program writes its own rows, whatever order the programs run in.
+    seq_lens, q_lens = [50, 9, 33, 17, 70], [1, 9, 1, 6, 70]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=2 * group,
+                                           num_kv_heads=2, head_dim=32, block_size=16)
+    work = prefill_work(q_lens, seq_lens, query_tile(2 * group, 2, q.device))
+    shuffled = torch.randperm(work.shape[1], generator=torch.Generator().manual_seed(0))
+    for items in (torch.from_numpy(work), torch.from_numpy(work).flip(1).contiguous(),
+                  torch.from_numpy(work)[:, shuffled].contiguous()):
+        out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, 32 ** -0.5, work=items)
+        assert_matches_reference(out, q, k_cache, v_cache, meta)
 
 
 @pytest.mark.parametrize("head_dim", [24, 80])

@@ -42,6 +42,10 @@ class AttentionBackend(Protocol):
         ``SplitPartials``.
         """
 
+    def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
+        """Tokens of a sequence per prefill program, for the runner to list the programs of a
+        step that is not decode-only (``AttentionMetadata.prefill_work``); 0: no list needed."""
+
 
 def select_backend(device: torch.device) -> AttentionBackend:
     """Pick the attention backend once, from the device the model runs on."""

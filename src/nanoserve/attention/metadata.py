@@ -28,6 +28,9 @@ class AttentionMetadata:
     # hand sequences to programs in this order (see kernels/decode_attention.py); None keeps
     # batch order.
     seq_order: torch.Tensor | None = None
+    # [2, N] int32 in other steps on the GPU: the prefill kernel's programs, (sequence, query
+    # tile) pairs with the most keys first (kernels/prefill_attention.py, ``prefill_work``).
+    prefill_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

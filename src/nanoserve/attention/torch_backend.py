@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 class TorchAttentionBackend:
     """CPU path and the reference for the Triton kernels: exact, vectorised, no custom ops."""
 
+    def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
+        return 0  # attends sequence by sequence: no work list
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         valid = slot_mapping >= 0

@@ -10,7 +10,7 @@ from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
                                                 decode_attention, num_decode_splits)
-from nanoserve.kernels.prefill_attention import prefill_attention
+from nanoserve.kernels.prefill_attention import prefill_attention, query_tile
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
 if TYPE_CHECKING:
@@ -53,6 +53,9 @@ class TritonAttentionBackend:
     kernel partitions each sequence's actual length at replay, so results stay correct for any
     length, but a graph captured with a short ``max_seq_len`` under-splits long contexts.
     """
+
+    def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
+        return query_tile(num_heads, num_kv_heads, device)
 
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -101,7 +104,7 @@ class TritonAttentionBackend:
                                     seq_order=meta.seq_order,
                                     tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning())
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, meta.max_query_len, scale)
+                                 meta.query_start_loc, scale, work=meta.prefill_work)
 
 
 def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int

@@ -1,10 +1,15 @@
 """Variable-length causal attention over a paged cache: prefill, chunked prefill, mixed batches.
 
-The grid is (query tile, sequence, KV head). A program takes ``BLOCK_Q`` consecutive new tokens
-of one sequence together with every query head of one KV head's group, flattened into
-``BLOCK_Q * GROUP`` rows, so each K/V tile read through the block table serves the whole
-group. Keys are the sequence's cached prefix plus its new tokens; the online softmax runs in
-fp32, in base 2.
+A program takes ``BLOCK_Q`` consecutive new tokens of one sequence (a query tile) together with
+every query head of one KV head's group, flattened into ``BLOCK_Q * GROUP`` rows, so each K/V
+tile read through the block table serves the whole group. Keys are the sequence's cached prefix
+plus its new tokens; the online softmax runs in fp32, in base 2.
+
+The launch is one program per (query tile, KV head) that has work, from a host-built list of
+(sequence, tile) pairs ordered by the keys each reads, most first (``prefill_work``): no
+program idles on a short sequence's missing tiles (a mixed batch's decodes have one tile of a
+possible dozens), and the longest tiles of every sequence start first, so none is left to run
+alone at the end. A pair's KV heads are neighbouring programs, which read neighbouring bytes.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.attention.prefill_work import prefill_work
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision,
                                       fp16_products, interpreted, online_softmax_step)
 
@@ -56,30 +62,31 @@ def _attend_tile(
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
-# The block table's width follows the longest context of the step: specialising on it (divisible
-# by 16, equal to 1) would compile new variants mid-run, on the serving path.
-@triton.jit(do_not_specialize=["stride_bt"])
+# The block table's width follows the longest context of the step, and the work list's length
+# the step's tiles: specialising on either (divisible by 16, equal to 1) would compile new
+# variants mid-run, on the serving path.
+@triton.jit(do_not_specialize=["stride_bt", "num_work"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    work_ptr, num_work,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP16_PRODUCTS: tl.constexpr,
 ):
-    # Later tiles see more keys: launching them first shortens the tail of the grid.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    item = tl.program_id(0) // NUM_KV_HEADS
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
+    seq = tl.load(work_ptr + item)
+    tile = tl.load(work_ptr + num_work + item)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # keys already cached before this step's tokens
 
@@ -123,10 +130,18 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def query_tile(num_heads: int, num_kv_heads: int, device: torch.device) -> int:
+    """New tokens of one sequence per program: a tile of ``BLOCK_M`` rows holds every query head
+    of one KV head's group for each token. ``tl.dot`` needs at least 16 rows, so large groups
+    shrink the token count instead."""
+    block_m = INTERPRETER_BLOCK_M if interpreted(device) else BLOCK_M
+    return max(block_m // triton.next_power_of_2(num_heads // num_kv_heads), 1)
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      query_start_loc: torch.Tensor, max_query_len: int,
-                      scale: float) -> torch.Tensor:
+                      query_start_loc: torch.Tensor, scale: float,
+                      work: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged keys; ``[T, H, D]``.
 
     Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` and its keys
@@ -134,32 +149,38 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     stored). Any query length works, 1 included, so it serves chunked prefill and mixed
     batches. Rows of ``q`` past ``query_start_loc[-1]`` belong to no sequence and are left
     unwritten.
+
+    ``work`` is :func:`prefill_work` of the batch's lengths for :func:`query_tile`'s tile, on
+    the device (the runner builds it with the step's inputs). Without it, it is built here from
+    the lengths read back from the device: for tests and benchmarks, not for the serving path.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seqs = seq_lens.shape[0]
     check_attention_inputs(q, k_cache, v_cache)
     group = num_heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
-    on_cpu = interpreted(q.device)
-    block_m = INTERPRETER_BLOCK_M if on_cpu else BLOCK_M
-    # tl.dot needs at least 16 rows; large groups shrink the token count of a tile instead.
-    block_q = max(block_m // group_p, 1)
+    block_q = query_tile(num_heads, num_kv_heads, q.device)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    if num_seqs == 0 or max_query_len == 0:
+    if work is None:
+        starts = query_start_loc.tolist()
+        lengths = [b - a for a, b in zip(starts, starts[1:])]
+        work = torch.from_numpy(prefill_work(lengths, seq_lens.tolist(), block_q)).to(q.device)
+    num_work = work.shape[1]
+    if num_work == 0:
         return out
-    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
+    _prefill_kernel[(num_work * num_kv_heads,)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        work, num_work,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=triton.next_power_of_2(group),
+        BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        BLOCK_SIZE=block_size, BLOCK_N=INTERPRETER_BLOCK_N if on_cpu else BLOCK_N,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=INTERPRETER_BLOCK_N if interpreted(q.device) else BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype), FP16_PRODUCTS=fp16_products(q, k_cache),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )

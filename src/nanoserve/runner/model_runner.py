@@ -72,6 +72,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.last_samples: torch.Tensor | None = None  # the previous step's sampled ids
         self.last_sample_rows: dict[str, int] = {}  # request id -> row in last_samples
+        attn = self._attention_layers()[0]
+        self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
+                                                      self.device)
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
@@ -189,7 +192,7 @@ class ModelRunner:
     def _prepare(self, chunks: list[SequenceChunk], dummy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         return prepare_inputs(chunks, self.block_size, self.device, self.last_samples,
-                              self.last_sample_rows, dummy)
+                              self.last_sample_rows, dummy, self.prefill_tile)
 
     def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
         if chunk.params.seed is None:

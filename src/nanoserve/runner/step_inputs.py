@@ -7,13 +7,14 @@ import numpy as np
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.attention.prefill_work import prefill_work
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
 from nanoserve.runner.packed_copy import packed_to_device
 
 
 def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device,
                    last_samples: torch.Tensor | None, last_sample_rows: dict[str, int],
-                   dummy: bool = False
+                   dummy: bool = False, prefill_tile: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
     """Token ids, positions, attention metadata and the rows to sample, on ``device``.
 
@@ -22,7 +23,9 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
 
     A chunk whose last token is PENDING_TOKEN gets the previous step's sample for its request
     (row ``last_sample_rows[request_id]`` of ``last_samples``), read on the device. ``dummy``
-    (the memory-profiling pass) stores nothing and reads every sequence through block 0.
+    (the memory-profiling pass) stores nothing and reads every sequence through block 0. With
+    ``prefill_tile`` (the attention backend's, 0 for none), steps that are not decode-only also
+    carry the prefill kernel's work list for that many tokens a tile.
     """
     ids: list[int] = []
     positions: list[int] | np.ndarray = []
@@ -53,13 +56,15 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     else:
         positions = np.asarray(positions, dtype=np.int64)  # converted once, for both uses
         slots = token_slots(tables, width, q_lens, positions, block_size)
+    with_work = prefill_tile > 0 and not decode_only
+    work = prefill_work(q_lens, seq_lens, prefill_tile) if with_work else np.zeros((2, 0))
     sample_all = len(last) == len(ids)  # every token ends its chunk and samples: all rows
     starts = list(itertools.accumulate(q_lens, initial=0))
     (ids_t, pos, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
-     seq_lens_t, tables_t, order_t) = packed_to_device(
+     seq_lens_t, tables_t, order_t, work_t) = packed_to_device(
         [(v, np.int64) for v in (ids, positions, [] if sample_all else last,
                                  pending_at, pending_rows, slots)]
-        + [(v, np.int32) for v in (starts, seq_lens, tables, order)], device)
+        + [(v, np.int32) for v in (starts, seq_lens, tables, order, work.ravel())], device)
     b = len(chunks)
     if pending_at == pending_rows == list(range(len(ids))):
         ids_t = last_samples[:len(ids)]  # each token is the previous step's sample, in order
@@ -69,7 +74,8 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t,
                              slot_mapping=slots_t, block_tables=tables_t,
                              max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-                             seq_order=order_t if decode_only else None)
+                             seq_order=order_t if decode_only else None,
+                             prefill_work=work_t.view(2, -1) if with_work else None)
     return ids_t, pos, meta, None if sample_all else last_t
 
 
