@@ -82,8 +82,8 @@ class LtGemm:
         pref = ctypes.c_void_p()
         check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
         ws = ctypes.c_uint64(WORKSPACE_BYTES)
-        check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, ctypes.byref(ws),
-                                                       ctypes.c_size_t(8)), "PreferenceSetAttribute")
+        check(lib.cublasLtMatmulPreferenceSetAttribute(
+            pref, PREF_MAX_WORKSPACE, ctypes.byref(ws), ctypes.c_size_t(8)), "PreferenceSetAttribute")
         results = (HeuristicResult * candidates)()
         found = ctypes.c_int(0)
         check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.d, self.d,
@@ -95,17 +95,16 @@ class LtGemm:
     def _layout(self, dtype: int, rows: int, cols: int, ld: int, batch: int, stride: int
                 ) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
-        check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, ctypes.c_uint64(rows),
-                                                  ctypes.c_uint64(cols), ctypes.c_int64(ld)),
-              "MatrixLayoutCreate")
+        check(self.lib.cublasLtMatrixLayoutCreate(
+            ctypes.byref(layout), dtype, ctypes.c_uint64(rows), ctypes.c_uint64(cols),
+            ctypes.c_int64(ld)), "MatrixLayoutCreate")
         if batch > 1:
             count, offset = ctypes.c_int32(batch), ctypes.c_int64(stride)
-            check(self.lib.cublasLtMatrixLayoutSetAttribute(layout, LAYOUT_BATCH_COUNT,
-                                                            ctypes.byref(count), ctypes.c_size_t(4)),
-                  "batch count")
-            check(self.lib.cublasLtMatrixLayoutSetAttribute(layout, LAYOUT_BATCH_STRIDE,
-                                                            ctypes.byref(offset), ctypes.c_size_t(8)),
-                  "batch stride")
+            check(self.lib.cublasLtMatrixLayoutSetAttribute(
+                layout, LAYOUT_BATCH_COUNT, ctypes.byref(count), ctypes.c_size_t(4)), "batch count")
+            check(self.lib.cublasLtMatrixLayoutSetAttribute(
+                layout, LAYOUT_BATCH_STRIDE, ctypes.byref(offset), ctypes.c_size_t(8)),
+                "batch stride")
         return layout
 
     def __call__(self, index: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,

@@ -45,7 +45,8 @@ def main() -> None:
         first[m] = round(call_ms(lambda: F.linear(rows, weight)), 3)
         second[m] = round(call_ms(lambda: F.linear(rows, weight)), 3)
     slow = {m: t for m, t in first.items() if t > 1.0}
-    emit({"bench": "first_gemm_calls", "gemm": "lm_head", "first_ms_total": round(sum(first.values()), 1),
+    emit({"bench": "first_gemm_calls", "gemm": "lm_head",
+          "first_ms_total": round(sum(first.values()), 1),
           "second_ms_total": round(sum(second.values()), 1), "num_slow_first": len(slow),
           "slow_first_ms": slow, "second_ms_max": max(second.values()), **environment()})
 

@@ -29,7 +29,7 @@ class AttentionMetadata:
     # batch order.
     seq_order: torch.Tensor | None = None
     # [2, N] int32 in other steps on the GPU: the prefill kernel's programs, (sequence, query
-    # tile) pairs with the most keys first (kernels/prefill_attention.py, ``prefill_work``).
+    # tile) pairs with the most keys first (attention/prefill_work.py).
     prefill_work: torch.Tensor | None = None
 
     @property
