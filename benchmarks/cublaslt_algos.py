@@ -83,7 +83,7 @@ class LtGemm:
         check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
         ws = ctypes.c_uint64(WORKSPACE_BYTES)
         check(lib.cublasLtMatmulPreferenceSetAttribute(
-            pref, PREF_MAX_WORKSPACE, ctypes.byref(ws), ctypes.c_size_t(8)), "PreferenceSetAttribute")
+            pref, PREF_MAX_WORKSPACE, ctypes.byref(ws), ctypes.c_size_t(8)), "PreferenceSet")
         results = (HeuristicResult * candidates)()
         found = ctypes.c_int(0)
         check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.d, self.d,
