@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from common import make_model_dir
-from throughput import workload
+from throughput import USAGE_FIELDS, workload
 from torch.profiler import ProfilerActivity, profile
 
 from nanoserve import LLM, SamplingParams
@@ -91,9 +91,6 @@ def main() -> None:
     events = device_profile.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
     print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=50))
-
-
-USAGE_FIELDS = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw", "ru_utime", "ru_stime")
 
 
 class LinearCalls:

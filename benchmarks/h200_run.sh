@@ -9,7 +9,8 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
-# (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device. Each build runs its own benchmark scripts where the folder has them.
+# (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
+# Each build runs its own benchmark scripts where the folder has them.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

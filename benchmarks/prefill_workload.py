@@ -20,7 +20,6 @@ from kernels import HEAD_DIM, errors, make_batch, median_ms, reference
 from throughput import workload
 
 import nanoserve.kernels.prefill_attention as prefill
-from nanoserve.attention.prefill_work import prefill_work
 from nanoserve.kernels.prefill_attention import prefill_attention
 
 LAYERS = 28  # Qwen3-0.6B
@@ -87,8 +86,8 @@ def main() -> None:
                      for s, q_len in zip(seq_lens, q_lens))
         for tile in choices:
             with tiles(*tile):
-                work = torch.from_numpy(prefill_work(q_lens, seq_lens, prefill.query_tile(
-                    q.shape[1], k_cache.shape[2], q.device))).to(q.device)
+                work = prefill.work_on_device(q_lens, seq_lens, q.shape[1], k_cache.shape[2],
+                                              q.device)
 
                 def run() -> torch.Tensor:
                     return prefill_attention(q, k_cache, v_cache, meta.block_tables,

@@ -24,6 +24,10 @@ from first_run_probes import add_probe_options, before_each_run, before_runs, pr
 from nanoserve import LLM, SamplingParams
 
 
+# getrusage fields reported per timed run: page faults, context switches, CPU seconds.
+USAGE_FIELDS = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw", "ru_utime", "ru_stime")
+
+
 def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed: int = 0
              ) -> tuple[list[list[int]], list[int]]:
     random.seed(seed)
@@ -192,10 +196,8 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
                        for key in ("num_host_alloc", "host_alloc_time.total")})
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(p.max_tokens for p in params), "every request must run to max_tokens"
-    # Page faults, context switches and CPU seconds of the host process over the run.
     usage = {f"{field}_in_run": round(getattr(usage_after, field) - getattr(usage_before, field), 3)
-             for field in ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw", "ru_utime",
-                           "ru_stime")}
+             for field in USAGE_FIELDS}
     return elapsed, {**allocs, **usage, "gc": collections.report(), **report, **host_report}
 
 

@@ -32,8 +32,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.attention.prefill_work import prefill_work  # noqa: E402
-from nanoserve.kernels.prefill_attention import prefill_attention, query_tile  # noqa: E402
+from nanoserve.kernels.prefill_attention import prefill_attention, work_on_device  # noqa: E402
 from nanoserve.layers.norm import RMSNorm  # noqa: E402
 from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -187,10 +186,9 @@ def test_prefill_takes_its_programs_from_the_work_list_in_any_order(group):
     seq_lens, q_lens = [50, 9, 33, 17, 70], [1, 9, 1, 6, 70]
     q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=2 * group,
                                            num_kv_heads=2, head_dim=32, block_size=16)
-    work = prefill_work(q_lens, seq_lens, query_tile(2 * group, 2, q.device))
+    work = work_on_device(q_lens, seq_lens, 2 * group, 2, q.device)
     shuffled = torch.randperm(work.shape[1], generator=torch.Generator().manual_seed(0))
-    for items in (torch.from_numpy(work), torch.from_numpy(work).flip(1).contiguous(),
-                  torch.from_numpy(work)[:, shuffled].contiguous()):
+    for items in (work, work.flip(1).contiguous(), work[:, shuffled].contiguous()):
         out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, 32 ** -0.5, work=items)
         assert_matches_reference(out, q, k_cache, v_cache, meta)

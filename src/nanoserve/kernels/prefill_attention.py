@@ -138,6 +138,14 @@ def query_tile(num_heads: int, num_kv_heads: int, device: torch.device) -> int:
     return max(block_m // triton.next_power_of_2(num_heads // num_kv_heads), 1)
 
 
+def work_on_device(query_lens: list[int], seq_lens: list[int], num_heads: int,
+                   num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """:func:`prefill_work` for this kernel's query tile, as a tensor on ``device`` (the
+    runner packs it with the step's inputs instead; tests and benchmarks use this)."""
+    tile = query_tile(num_heads, num_kv_heads, device)
+    return torch.from_numpy(prefill_work(query_lens, seq_lens, tile)).to(device)
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float,
@@ -162,8 +170,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if work is None:
         starts = query_start_loc.tolist()
-        lengths = [b - a for a, b in zip(starts, starts[1:])]
-        work = torch.from_numpy(prefill_work(lengths, seq_lens.tolist(), block_q)).to(q.device)
+        work = work_on_device([b - a for a, b in zip(starts, starts[1:])], seq_lens.tolist(),
+                              num_heads, num_kv_heads, q.device)
     num_work = work.shape[1]
     if num_work == 0:
         return out

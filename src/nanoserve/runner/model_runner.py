@@ -86,8 +86,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             # cuBLAS loads a kernel the first time a GEMM shape needs it, behind whatever work
             # is queued (9-35 ms in the throughput run's first prefill steps; docs/benchmarks.md,
-            # run 161). The profile run met the full step budget; a step's last, odd-sized
-            # chunk of prompts and the LM head's row counts are met here instead.
+            # run 161). Sizing the cache from free memory ran a forward of the full step budget;
+            # a step's last, odd-sized chunk of prompts and the LM head's row counts are met
+            # here.
             if config.max_num_batched_tokens > 1:
                 self.profile_run(num_tokens=config.max_num_batched_tokens - 1)
             self.model.lm_head.warm_row_counts(config.max_num_seqs)

@@ -57,7 +57,7 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         positions = np.asarray(positions, dtype=np.int64)  # converted once, for both uses
         slots = token_slots(tables, width, q_lens, positions, block_size)
     with_work = prefill_tile > 0 and not decode_only
-    work = prefill_work(q_lens, seq_lens, prefill_tile) if with_work else np.zeros((2, 0))
+    work = prefill_work(q_lens, seq_lens, prefill_tile) if with_work else np.zeros((2, 0), np.int32)
     sample_all = len(last) == len(ids)  # every token ends its chunk and samples: all rows
     starts = list(itertools.accumulate(q_lens, initial=0))
     (ids_t, pos, last_t, pending_at_t, pending_rows_t, slots_t, query_start,
