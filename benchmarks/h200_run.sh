@@ -7,6 +7,7 @@
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
+#   [samplingab] [samplingwidths]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -258,6 +259,8 @@ for step in "$@"; do
     ablatency) ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b ;;
     ablatency8b) ab ab_latency8b.log benchmarks/latency.py --shape qwen3-8b ;;
     abthroughput) ab ab_throughput.log benchmarks/throughput.py ;;
+    samplingab) ab sampling_ab.log benchmarks/sampling.py ;;
+    samplingwidths) ab sampling_widths.log benchmarks/sampling.py --widths 2 4 8 16 ;;
   esac
 done
 grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null

@@ -74,7 +74,7 @@ def _generate_recording(model_dir: Path, params) -> tuple[list, list[tuple], lis
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_graph_samples_are_the_fused_sampler_on_its_logits(model_dir, temperature):
     from nanoserve import SamplingParams
-    from nanoserve.kernels.sampling import gumbel_max_sample
+    from nanoserve.kernels.sampling import sample_tokens
 
     params = [SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS, ignore_eos=True,
                              logprobs=3)] * 8
@@ -83,7 +83,7 @@ def test_graph_samples_are_the_fused_sampler_on_its_logits(model_dir, temperatur
     assert len(replays) == NEW_TOKENS - 1 and len(sampler_inputs) == 1
     for logits, tokens, temperatures, seed in replays:
         assert logits.shape == (8, 151936) and (temperatures == temperature).all()
-        assert torch.equal(tokens, gumbel_max_sample(logits, temperatures, seed))
+        assert torch.equal(tokens, sample_tokens(logits, temperatures, seed))
         if temperature == 0.0:
             assert seed.item() == 0 and torch.equal(tokens, logits.argmax(-1))
         else:

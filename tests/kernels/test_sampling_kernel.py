@@ -1,4 +1,4 @@
-"""The fused greedy / Gumbel-max sampling kernel against torch, on the CPU interpreter."""
+"""The fused greedy / temperature sampling kernel against torch, on the CPU interpreter."""
 import os
 from types import SimpleNamespace
 
@@ -11,22 +11,22 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from nanoserve.kernels.sampling import (  # noqa: E402
-    INTERPRETER_QUARTER,
+    INTERPRETER_TILE,
     TILES_PER_CHUNK,
-    gumbel_max_sample,
+    sample_tokens,
 )
 from nanoserve.runner.sampler import _fused_path_applies, _fused_sample  # noqa: E402
 from nanoserve.runner.sampling_tensors import SamplingTensors  # noqa: E402
 from nanoserve.sampling_params import SamplingParams  # noqa: E402
 from sampling_stats import chi_square  # noqa: E402
 
-TILE = 4 * INTERPRETER_QUARTER  # logits per tile on CPU (32)
+TILE = INTERPRETER_TILE  # logits per tile on CPU (32)
 CHUNK = TILES_PER_CHUNK * TILE  # logits per program on CPU (64)
 NEG_INF = float("-inf")
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return gumbel_max_sample(logits, torch.zeros(logits.shape[0]), seed=0)
+    return sample_tokens(logits, torch.zeros(logits.shape[0]), seed=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -41,7 +41,7 @@ def test_greedy_is_torch_argmax(dtype, vocab_size):
     logits[2] = NEG_INF
     logits[2, last] = -1e4
     logits[3] = NEG_INF  # nothing finite: token 0, as torch.argmax
-    # Planted ties with the row max: neighbours in one group of 4, the same slot of the next
+    # Planted ties with the row max: neighbours in one tile, the same slot of the next
     # tile, the next chunk; the lowest index must win.
     for row, (a, b) in zip((4, 5, 6), ((0, 1), (1, min(1 + TILE, last)), (last // 2, last))):
         logits[row, [a, b]] = logits[row].max() + 1
@@ -56,11 +56,50 @@ def test_temperature_sampling_follows_softmax():
     logits = torch.tensor([1.0, 0.5, -0.3, 2.0, NEG_INF, -1.0, 1.2, 0.8,
                            0.1, NEG_INF, 1.5, -0.5, 0.3, 0.9, NEG_INF, NEG_INF])
     temperature, draws = 1.0, 800
-    ids = gumbel_max_sample(logits.expand(draws, -1), torch.full((draws,), temperature),
+    ids = sample_tokens(logits.expand(draws, -1), torch.full((draws,), temperature),
                             seed=1234)
     # 11 degrees of freedom (12 finite logits): P(chi2 > 31.26) = 0.001 for a correct sampler.
     assert chi_square(ids, (logits / temperature).softmax(-1)) < 31.26  # also: -inf never drawn
     assert chi_square(ids, (logits / (2 * temperature)).softmax(-1)) > 31.26
+
+
+def test_draws_across_tiles_follow_softmax():
+    """Probability spread over tiles whose maxima differ: each tile's sum is rescaled to the
+    row's maximum before the tile is chosen. Logits near 40 would overflow an unshifted exp."""
+    gen = torch.Generator().manual_seed(21)
+    vocab_size, temperature, draws = 7 * TILE - 5, 0.7, 1000
+    logits = torch.full((vocab_size,), NEG_INF)
+    finite = torch.tensor([0, TILE - 1, TILE, 70, 3 * TILE - 1, 3 * TILE, 130, 150,
+                           vocab_size - 1])
+    logits[finite] = 40 + torch.randn(len(finite), generator=gen)
+    logits[[5, 6 * TILE]] = -20.0  # finite, but ~e^-86 of the mass: never drawn
+    ids = sample_tokens(logits.expand(draws, -1), torch.full((draws,), temperature), seed=5)
+    # 8 degrees of freedom (9 tokens that carry the mass): P(chi2 > 26.12) = 0.001.
+    assert chi_square(ids, (logits / temperature).softmax(-1)) < 26.12
+    assert chi_square(ids, (logits / (2 * temperature)).softmax(-1)) > 26.12
+    assert set(ids.tolist()) <= set(finite.tolist())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the huge row
+def test_special_values_in_sampled_rows():
+    """NaN is never drawn, an infinite or overflowing logit wins, and a tiny temperature
+    draws the argmax."""
+    gen = torch.Generator().manual_seed(4)
+    vocab_size, draws = 3 * TILE + 7, 40
+    base = torch.randn(vocab_size, generator=gen)
+    nan_row = torch.full((vocab_size,), float("nan"))
+    nan_row[[2, TILE + 3, 2 * TILE + 9]] = base[[2, TILE + 3, 2 * TILE + 9]]
+    inf_row = base.clone()
+    inf_row[TILE + 1] = float("inf")
+    huge_row = base.clone()
+    huge_row[[3, 2 * TILE]] = 3e38  # times log2(e) / T overflows float32
+    rows = torch.stack([nan_row, inf_row, huge_row, base]).repeat(draws, 1)
+    temperature = torch.tensor([1.0, 1.0, 0.5, 1e-5]).repeat(draws)
+    ids = sample_tokens(rows, temperature, seed=17).view(draws, 4)
+    assert set(ids[:, 0].tolist()) == {2, TILE + 3, 2 * TILE + 9}
+    assert (ids[:, 1] == TILE + 1).all()
+    assert set(ids[:, 2].tolist()) == {3, 2 * TILE}
+    assert (ids[:, 3] == base.argmax()).all()
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens():
@@ -68,14 +107,14 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
     rows, vocab_size = 32, 2 * CHUNK + 1
     flat = torch.zeros(rows, vocab_size)
     temperature = torch.ones(rows)
-    first = gumbel_max_sample(flat, temperature, seed=7)
-    assert torch.equal(gumbel_max_sample(flat, temperature, seed=7), first)
+    first = sample_tokens(flat, temperature, seed=7)
+    assert torch.equal(sample_tokens(flat, temperature, seed=7), first)
     # A seed above 2^31 uses the high half of the key.
-    other = gumbel_max_sample(flat, temperature, seed=2 ** 40 + 7)
+    other = sample_tokens(flat, temperature, seed=2 ** 40 + 7)
     assert (other == first).sum() <= 2  # each row agrees with probability 1 / 129
     both = torch.cat([first, other])
-    assert len(set(both.tolist())) > 40  # rows draw independent noise
-    # Every tile of every full chunk gets draws: no tile repeats another's noise.
+    assert len(set(both.tolist())) > 40  # rows draw independent uniforms
+    # Every tile of every full chunk gets draws.
     assert set((both // TILE).tolist()) >= set(range(2 * CHUNK // TILE))
 
 
@@ -88,12 +127,12 @@ def test_mixed_batch():
     logits[5] = NEG_INF  # no finite logit: token 0, greedy or not
     greedy_rows = torch.tensor([True, False, True, False, False, True])
     temperature = torch.where(greedy_rows, 0.0, 1.0)
-    ids = gumbel_max_sample(logits, temperature, seed=11)
+    ids = sample_tokens(logits, temperature, seed=11)
     assert torch.equal(ids[greedy_rows], logits[greedy_rows].argmax(-1))
     assert ids[1] % 2 == 0 and ids[4] == 0 and ids[5] == 0
     assert ids[3] != logits[3].argmax()  # flat logits: 1 / 96 to draw the argmax
-    # A sampled row's noise depends on the seed and its own position only.
-    all_sampled = gumbel_max_sample(logits, torch.ones(6), seed=11)
+    # A sampled row's draw depends on the seed and its own row only.
+    all_sampled = sample_tokens(logits, torch.ones(6), seed=11)
     assert torch.equal(all_sampled[~greedy_rows], ids[~greedy_rows])
 
 
@@ -103,19 +142,19 @@ def test_seed_read_from_a_tensor_and_negative_draws_nothing():
     gen = torch.Generator().manual_seed(8)
     logits = torch.randn(5, 300, generator=gen)
     temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3])
-    by_int = gumbel_max_sample(logits, temperature, seed=2 ** 33 + 5)
-    by_tensor = gumbel_max_sample(logits, temperature, torch.tensor([2 ** 33 + 5]))
+    by_int = sample_tokens(logits, temperature, seed=2 ** 33 + 5)
+    by_tensor = sample_tokens(logits, temperature, torch.tensor([2 ** 33 + 5]))
     assert torch.equal(by_int, by_tensor)
-    assert not torch.equal(by_tensor, gumbel_max_sample(logits, temperature, torch.tensor([6])))
+    assert not torch.equal(by_tensor, sample_tokens(logits, temperature, torch.tensor([6])))
     out = torch.full((5,), -7)
-    assert gumbel_max_sample(logits, temperature, torch.tensor([-1]), out=out) is out
+    assert sample_tokens(logits, temperature, torch.tensor([-1]), out=out) is out
     assert out.tolist() == [-7] * 5
-    gumbel_max_sample(logits, temperature, torch.tensor([2 ** 33 + 5]), out=out)
+    sample_tokens(logits, temperature, torch.tensor([2 ** 33 + 5]), out=out)
     assert torch.equal(out, by_int)
 
 
 def test_empty_batch():
-    assert gumbel_max_sample(torch.empty(0, 10), torch.empty(0), seed=1).shape == (0,)
+    assert sample_tokens(torch.empty(0, 10), torch.empty(0), seed=1).shape == (0,)
 
 
 def sampling_tensors(params: list[SamplingParams], vocab_size: int, banned=None,
@@ -176,17 +215,18 @@ def test_fused_sampler_path_with_logprobs():
 
 
 def test_tokens_do_not_depend_on_how_the_batch_is_chunked():
-    """Larger batches take wider chunks per program (tiles_per_chunk); the noise is keyed by
-    (row, position), so a row's draw is the same in a batch of 1, 32 or 256."""
+    """Larger batches take wider chunks per program (tiles_per_chunk); a tile's results and
+    the uniform (keyed by row) do not depend on it, so a row's draw is the same in a batch of 1,
+    32 or 256."""
     from nanoserve.kernels.sampling import tiles_per_chunk
 
     assert tiles_per_chunk(1) == TILES_PER_CHUNK < tiles_per_chunk(32) < tiles_per_chunk(256)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(256, 1000, generator=gen)
     temperature = torch.full((256,), 0.7)
-    whole = gumbel_max_sample(logits, temperature, seed=99)
+    whole = sample_tokens(logits, temperature, seed=99)
     for rows in (1, 32):
-        assert torch.equal(gumbel_max_sample(logits[:rows], temperature[:rows], seed=99),
+        assert torch.equal(sample_tokens(logits[:rows], temperature[:rows], seed=99),
                            whole[:rows])
     assert len(set(whole.tolist())) > 50  # draws, not one argmax repeated
 
@@ -196,7 +236,7 @@ def test_start_up_compile_runs_every_chunk_width_once(monkeypatch):
     import nanoserve.kernels.sampling as sampling
 
     batches = []
-    monkeypatch.setattr(sampling, "gumbel_max_sample",
+    monkeypatch.setattr(sampling, "sample_tokens",
                         lambda logits, temperature, seed: batches.append(logits.shape[0]))
     sampling.compile_for_batches(256, 50, torch.float32, torch.device("cpu"))
     widths = [sampling.tiles_per_chunk(b) for b in batches]

@@ -1,125 +1,177 @@
-"""Fused greedy / temperature sampling: one pass over the logits with the Gumbel-max trick.
+"""Fused greedy / temperature sampling: inverse-transform sampling over per-tile softmax sums.
 
-``argmax_i(logits_i / T + G_i)`` with ``G_i = -log(E_i)``, ``E_i ~ Exp(1)``, is token ``i`` with
-probability ``softmax(logits / T)_i``: it is the sampler's exponential race ``argmax_i p_i / E_i``
-taken in log space, so neither the softmax nor its normalisation is ever materialised. The noise
-comes from Triton's counter-based Philox generator (``tl.philox``), keyed by a seed read from
-device memory and counted by (row, position), so a step reads the logits once, in their own
-dtype, and writes nothing but small per-chunk partial results. Rows with temperature 0 skip the
-noise: a plain argmax.
+A temperature row draws token ``i`` with probability ``softmax(logits / T)_i`` by inverse
+transform: one uniform ``u`` per row, and the first token whose running sum of probabilities
+passes ``u``. The softmax is never materialised; two launches read the logits in their own dtype:
 
-Two launches: (row, vocabulary chunk) programs reduce each chunk to its (max, argmax), so that
-batch 1 still spreads over many SMs; then one program per row reduces its chunks. Launch shapes
-depend on tensor shapes alone and the seed is read on the device, so nothing waits on the device
-and a CUDA graph that captured the launches draws new noise whenever its seed tensor changes. A
-negative seed draws nothing: a decode graph's batch that needs the general sampler skips the pass.
+1. (row, chunk) programs stream the row once. For each tile of ``TILE`` logits a sampled row
+   stores the tile's largest score ``s = x log2(e) / T`` and the sum of ``2^(s - that max)``;
+   a greedy row (temperature 0) stores each chunk's largest logit and its lowest index.
+2. One program per row. A greedy row takes the first chunk holding the row's maximum. A sampled
+   row weighs each tile by its sum, rescaled to the row's maximum, finds the tile where the
+   running weight (float64) passes ``u`` times the total, and rereads that one tile to find the
+   token inside it.
+
+The pass over the logits costs a multiply, an ``exp2`` and two reductions per tile: it streams at
+memory speed, where noise for every logit (the Gumbel-max trick, this kernel's earlier form) kept
+a Philox draw and two logarithms per logit and was bound by arithmetic. ``u`` comes from Triton's
+counter-based Philox generator keyed by a seed read from device memory and counted by row. Launch
+shapes depend on tensor shapes alone, so nothing waits on the device and a CUDA graph that
+captured the launches draws anew whenever its seed tensor changes. A negative seed draws nothing:
+a decode graph's batch that needs the general sampler skips the pass.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from nanoserve.kernels.common import LOG2E, interpreted
 
-# A chunk is some tiles of 4 * QUARTER logits: one Philox call yields 4 numbers, one for each
-# logit of a group of 4 adjacent ones. Small batches take TILES_PER_CHUNK tiles (4096 logits, 38
-# programs per row of a 152k vocabulary, so batch 1 spreads over the SMs); larger ones take up
-# to MAX_TILES_PER_CHUNK, so each program has more than two tiles to stream
-# (tiles_per_chunk).
-QUARTER = 512
+# Small batches take TILES_PER_CHUNK tiles per program (4096 logits, 38 programs per row of a
+# 152k vocabulary, so batch 1 spreads over the SMs); larger ones up to MAX_TILES_PER_CHUNK, so
+# each program has more than two tiles to stream (tiles_per_chunk).
+TILE = 2048
 TILES_PER_CHUNK = 2
 MAX_TILES_PER_CHUNK = 16
 NUM_WARPS = 4
 # Small tiles on CPU so that short test rows still span several tiles and chunks.
-INTERPRETER_QUARTER = 8
-# -log(u) at the largest u, 1 - 2^-24, is ~2^-24: an approximate (fast-math) log could round it
-# to 0 or below and make the noise infinite. Torch's exponential_ guards the same way.
-E_MIN = tl.constexpr(2.0 ** -26)
+INTERPRETER_TILE = 32
 _LOG2E = tl.constexpr(LOG2E)
-_INT32_MAX = 2 ** 31 - 1
-_NO_INDEX = tl.constexpr(_INT32_MAX)  # loses every lowest-index tie
+# A logit past float32's range (an infinite one, or a huge one at a tiny temperature) scores
+# the largest finite value, so that score - max stays defined.
+_MAX_SCORE = tl.constexpr(3.4028234663852886e38)
+_NO_INDEX = tl.constexpr(2 ** 31 - 1)  # loses every lowest-index tie
 
 
 @triton.jit
-def _log2(x, FAST: tl.constexpr):
-    """log2; on the GPU the one-instruction approximation (the interpreter has only the exact
-    one)."""
-    if FAST:
-        return libdevice.fast_log2f(x)
-    return tl.log2(x)
+def _logits_tile(row_ptr, cols, limit):
+    """One tile of a row as float32, -inf from column ``limit`` on (the vocabulary's end, or 0
+    to load nothing) and for NaN (never drawn)."""
+    x = tl.load(row_ptr + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
+    return tl.where(x == x, x, float("-inf"))
 
 
 @triton.jit
-def _chunk_argmax_kernel(
-    logits_ptr, temperature_ptr, best_val_ptr, best_idx_ptr, seed_ptr, vocab_size, stride_row,
-    QUARTER: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, FAST_LOG: tl.constexpr,
+def _scores(x, temperature):
+    """``x / T`` in base 2 (the same softmax): exp2 of a score difference is a probability
+    ratio."""
+    return tl.minimum(x * (_LOG2E / temperature), _MAX_SCORE)
+
+
+@triton.jit
+def _finite(top):
+    """A tile's or row's maximum to subtract: 0 when nothing is finite (every weight is 0)."""
+    return tl.where(top == float("-inf"), 0.0, top)
+
+
+@triton.jit
+def _tile_stats_kernel(
+    logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr,
+    vocab_size, stride_row, num_tiles, TILE: tl.constexpr, TILES_PER_CHUNK: tl.constexpr,
+):
+    if tl.load(seed_ptr) < 0:
+        return
+    row = tl.program_id(0)
+    first = tl.program_id(1) * TILES_PER_CHUNK
+    temperature = tl.load(temperature_ptr + row)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    stats = row.to(tl.int64) * num_tiles
+    offsets = tl.arange(0, TILE)
+    # The last chunk skips the tiles that lie wholly past the vocabulary. Each loop loads the
+    # next tile before it reduces the one in hand, so a program keeps two loads in flight.
+    end = tl.minimum(first + TILES_PER_CHUNK, num_tiles)
+    x = _logits_tile(row_ptr, first * TILE + offsets, vocab_size)
+    if temperature > 0.0:
+        for tile in range(first, end):
+            after = _logits_tile(row_ptr, (tile + 1) * TILE + offsets,
+                                 tl.where(tile + 1 < end, vocab_size, 0))
+            s = _scores(x, temperature)
+            top = tl.max(s, axis=0)
+            tl.store(tile_sum_ptr + stats + tile, tl.sum(tl.exp2(s - _finite(top)), axis=0))
+            tl.store(tile_max_ptr + stats + tile, top)
+            x = after
+    else:
+        # A greedy row needs no per-tile sums: each position keeps its (max, index) over the
+        # chunk's tiles, reduced once into the chunk's first slot. The other slots hold -inf
+        # and no index, which the row's reduction never picks.
+        best = tl.full([TILE], float("-inf"), tl.float32)
+        # An all -inf chunk reports its first index, so an all -inf row yields token 0.
+        best_idx = first * TILE + offsets
+        for tile in range(first, end):
+            after = _logits_tile(row_ptr, (tile + 1) * TILE + offsets,
+                                 tl.where(tile + 1 < end, vocab_size, 0))
+            # Strictly greater: a position sees increasing indices, so it keeps the first.
+            better = x > best
+            best = tl.where(better, x, best)
+            best_idx = tl.where(better, tile * TILE + offsets, best_idx)
+            if tile > first:
+                tl.store(tile_max_ptr + stats + tile, float("-inf"))
+                tl.store(tile_arg_ptr + stats + tile, _NO_INDEX)
+            x = after
+        top = tl.max(best, axis=0)
+        tl.store(tile_max_ptr + stats + first, top)
+        tl.store(tile_arg_ptr + stats + first,
+                 tl.min(tl.where(best == top, best_idx, _NO_INDEX), axis=0))
+
+
+@triton.jit
+def _pick_kernel(
+    logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr, out_ptr,
+    vocab_size, stride_row, num_tiles, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     seed = tl.load(seed_ptr)
     if seed < 0:
         return
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
-    seed = seed.to(tl.uint64)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    # A tile is [QUARTER, 4]: row g holds the group of logits 4g .. 4g+3 and their 4 numbers, so
-    # each thread draws once for the adjacent logits it loads.
-    groups = tl.arange(0, QUARTER)[:, None]
-    k = tl.arange(0, 4)[None, :]
-    first = chunk * (TILES_PER_CHUNK * 4 * QUARTER)
-    # Philox counter (group index in the row, row, 0, 0): every logit of the batch gets its own
-    # number, whatever the other rows' temperatures.
-    group = first // 4 + groups
-    best = tl.full([QUARTER, 4], float("-inf"), tl.float32)
-    # A chunk with no finite logit reports its first index, so an all -inf row yields token 0.
-    best_idx = first + 4 * groups + k
-    # The last chunk skips the tiles that lie wholly past the vocabulary.
-    for t in range(tl.minimum(TILES_PER_CHUNK, tl.cdiv(vocab_size - first, 4 * QUARTER))):
-        cols = first + t * (4 * QUARTER) + 4 * groups + k
-        x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-        if temperature > 0.0:
-            r0, r1, r2, r3 = tl.philox(seed, group + t * QUARTER, row, 0, 0)
-            bits = tl.where(k == 0, r0, tl.where(k == 1, r1, tl.where(k == 2, r2, r3)))
-            # The top 23 bits as (n + 1/2) / 2^23: uniform in (0, 1), never 0 or 1, exact in fp32.
-            u = ((bits >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
-            exponential = tl.maximum(-tl.log(u), E_MIN)  # ~ Exp(1)
-            # x / T - ln(E), times log2(e) (the same argmax): x * log2(e) / T - log2(E). The
-            # second log may be approximate (absolute error ~2^-22 against scores of order 1
-            # and more); the first may not: near u = 1 it must resolve -ln(u) ~ 2^-24.
-            x = x * (_LOG2E / temperature) - _log2(exponential, FAST_LOG)
-        # Strictly greater: a position sees increasing indices, so it keeps the first of equals.
-        better = x > best
-        best = tl.where(better, x, best)
-        best_idx = tl.where(better, cols, best_idx)
-    top = tl.max(best, axis=None)
-    token = tl.min(tl.where(best == top, best_idx, _NO_INDEX), axis=None)
-    num_chunks = tl.num_programs(1)
-    out = row.to(tl.int64) * num_chunks + chunk
-    tl.store(best_val_ptr + out, top)
-    tl.store(best_idx_ptr + out, token)
-
-
-@triton.jit
-def _row_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, seed_ptr, num_chunks,
-                       BLOCK_C: tl.constexpr):
-    if tl.load(seed_ptr) < 0:
-        return
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_C)
-    mask = c < num_chunks
-    vals = tl.load(best_val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
-    idx = tl.load(best_idx_ptr + row * num_chunks + c, mask=mask, other=_NO_INDEX)
-    # Chunks cover increasing index ranges: the lowest index among equal maxima is the first.
-    token = tl.min(tl.where(vals == tl.max(vals, 0), idx, _NO_INDEX), 0)
+    tiles = tl.arange(0, BLOCK_T)
+    in_row = tiles < num_tiles
+    stats = row.to(tl.int64) * num_tiles + tiles
+    # All three loads before any use, so that the row's results cost one round trip; a greedy
+    # row's sums and a sampled row's indices were never written and go unused.
+    tops = tl.load(tile_max_ptr + stats, mask=in_row, other=float("-inf"))
+    sums = tl.load(tile_sum_ptr + stats, mask=in_row, other=0.0)
+    args = tl.load(tile_arg_ptr + stats, mask=in_row, other=_NO_INDEX)
+    row_top = tl.max(tops, axis=0)
+    if temperature > 0.0:
+        weights = sums.to(tl.float64) * tl.exp2(tops - _finite(row_top)).to(tl.float64)
+        running = tl.cumsum(weights, axis=0)
+        total = tl.max(running, axis=0)  # the last running weight: weights are >= 0
+        r0, r1, _, _ = tl.philox(seed.to(tl.uint64), row, 0, 0, 0)
+        # 53 random bits: u = k / 2^53 in [0, 1), exact in float64.
+        u = ((r0 >> 11).to(tl.float64) * 4294967296.0 + r1.to(tl.float64)) * (2.0 ** -53)
+        target = u * total
+        tile = tl.min(tl.where(running > target, tiles, BLOCK_T), axis=0)
+        # u * total can round up to the total: then the last tile with weight.
+        last = tl.max(tl.where(weights > 0.0, tiles, -1), axis=0)
+        # Nothing finite in the row: tile 0, whose masses are all 0, and token 0 below.
+        tile = tl.maximum(tl.where(tile == BLOCK_T, last, tile), 0)
+        here = tiles == tile
+        weight = tl.sum(tl.where(here, weights, 0.0), axis=0)
+        # Where u falls inside the tile, in the tile's own units (its sum of 2^(s - max)).
+        inside = (target - tl.sum(tl.where(here, running, 0.0), axis=0) + weight) \
+            / tl.where(weight > 0.0, weight, 1.0) \
+            * tl.sum(tl.where(here, sums, 0.0), axis=0).to(tl.float64)
+        cols = tile * TILE + tl.arange(0, TILE)
+        x = _logits_tile(logits_ptr + row.to(tl.int64) * stride_row, cols, vocab_size)
+        tile_top = tl.max(tl.where(here, tops, float("-inf")), axis=0)
+        mass = tl.exp2(_scores(x, temperature) - _finite(tile_top))
+        token = tl.min(tl.where(tl.cumsum(mass.to(tl.float64), axis=0) > inside, cols,
+                                _NO_INDEX), axis=0)
+        # The tile's sum in this order can fall a rounding short of the first pass's.
+        fallback = tl.maximum(tl.max(tl.where(mass > 0.0, cols, -1), axis=0), 0)
+        token = tl.where(token == _NO_INDEX, fallback, token)
+    else:
+        # Tiles cover increasing index ranges: the lowest index among the row's maxima.
+        token = tl.min(tl.where(tops == row_top, args, _NO_INDEX), axis=0)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def tiles_per_chunk(batch: int) -> int:
     """Tiles per program: 2 up to 16 rows, doubling with the batch up to 16 tiles from 65 rows
-    (five programs per row of a 152k vocabulary: 1,280 at 256 rows). The noise is keyed by
-    position, not by chunk, so the tokens do not depend on it."""
+    (five programs per row of a 152k vocabulary: 1,280 at 256 rows). Tiles' results do not
+    depend on which program computes them, so neither do the tokens."""
     return min(MAX_TILES_PER_CHUNK, max(TILES_PER_CHUNK, triton.next_power_of_2(batch) // 8))
 
 
@@ -131,24 +183,23 @@ def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
     for batch in range(1, max_batch + 1):
         first_batch.setdefault(tiles_per_chunk(batch), batch)
     for batch in first_batch.values():
-        gumbel_max_sample(torch.zeros(batch, vocab_size, dtype=dtype, device=device),
-                          torch.ones(batch, device=device), seed=0)
+        sample_tokens(torch.zeros(batch, vocab_size, dtype=dtype, device=device),
+                      torch.ones(batch, device=device), seed=0)
 
 
-def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor,
-                      seed: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
+                  seed: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row of ``logits [B, V]``; returns ``[B]`` int64 token ids (``out``
     when given).
 
     A row with ``temperature`` 0 (``[B]`` float32) takes the argmax of its logits, the lowest
     index on ties as ``torch.argmax``. Any other row draws token ``i`` with probability
-    ``softmax(logits / T)_i``, by the Gumbel-max trick with noise from ``seed``: an int in
-    ``[0, 2**62)``, or a one-element int64 tensor on the logits' device holding one, read when
-    the kernel runs; a negative value there draws nothing and leaves the result as it was. The same
-    seed and inputs give the same tokens (on the same kind of device; the CPU interpreter tiles
-    differently). A token whose logit is -inf is never drawn, unless
-    the whole row is -inf, which yields token 0. NaN logits are never picked (``torch.argmax``
-    would pick them).
+    ``softmax(logits / T)_i``, with a uniform from ``seed``: an int in ``[0, 2**62)``, or a
+    one-element int64 tensor on the logits' device holding one, read when the kernel runs; a
+    negative value there draws nothing and leaves the result as it was. The same seed and
+    inputs give the same tokens (on the same kind of device; the CPU interpreter tiles
+    differently). A token whose logit is -inf is never drawn, unless the whole row is -inf,
+    which yields token 0. NaN logits are never picked (``torch.argmax`` would pick them).
 
     ``logits`` may be bf16, fp16 or fp32 with any row stride, but a contiguous last dimension.
     Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -166,18 +217,19 @@ def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor,
     assert token_ids.shape == (batch,) and token_ids.dtype == torch.int64
     if batch == 0:
         return token_ids
-    quarter = INTERPRETER_QUARTER if interpreted(logits.device) else QUARTER
+    tile = INTERPRETER_TILE if interpreted(logits.device) else TILE
+    num_tiles = triton.cdiv(vocab_size, tile)
     tiles = tiles_per_chunk(batch)
-    num_chunks = triton.cdiv(vocab_size, tiles * 4 * quarter)
-    best_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(batch, num_chunks)](
-        logits, temperature, best_val, best_idx, seed, vocab_size, logits.stride(0),
-        QUARTER=quarter, TILES_PER_CHUNK=tiles, FAST_LOG=not interpreted(logits.device),
+    tile_max = torch.empty(batch, num_tiles, dtype=torch.float32, device=logits.device)
+    tile_sum = torch.empty_like(tile_max)
+    tile_arg = torch.empty(batch, num_tiles, dtype=torch.int32, device=logits.device)
+    common = (logits, temperature, tile_max, tile_sum, tile_arg, seed)
+    _tile_stats_kernel[(batch, triton.cdiv(num_tiles, tiles))](
+        *common, vocab_size, logits.stride(0), num_tiles, TILE=tile, TILES_PER_CHUNK=tiles,
         num_warps=NUM_WARPS,
     )
-    _row_argmax_kernel[(batch,)](
-        best_val, best_idx, token_ids, seed, num_chunks,
-        BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+    _pick_kernel[(batch,)](
+        *common, token_ids, vocab_size, logits.stride(0), num_tiles, TILE=tile,
+        BLOCK_T=triton.next_power_of_2(num_tiles), num_warps=NUM_WARPS,
     )
     return token_ids

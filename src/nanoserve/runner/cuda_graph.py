@@ -117,10 +117,10 @@ class DecodeGraphs:
             hidden = self.model(self.arena.int64[region.sources], region.positions)
         if not self.sample:
             return DecodeOutput(hidden, None, None)
-        from nanoserve.kernels.sampling import gumbel_max_sample
+        from nanoserve.kernels.sampling import sample_tokens
 
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
-        return DecodeOutput(hidden, logits, gumbel_max_sample(
+        return DecodeOutput(hidden, logits, sample_tokens(
             logits, region.temperature, region.noise_seed, out=self.samples[:bs]))
 
     @torch.inference_mode()

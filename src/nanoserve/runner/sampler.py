@@ -64,9 +64,9 @@ def _fused_path_applies(logits: torch.Tensor, tensors: SamplingTensors) -> bool:
 
 def _fused_sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
     """Greedy and temperature rows in one Triton pass (same distribution as the general path)."""
-    from nanoserve.kernels.sampling import gumbel_max_sample
+    from nanoserve.kernels.sampling import sample_tokens
 
-    token_ids = gumbel_max_sample(logits, tensors.temperature, tensors.noise_seed)
+    token_ids = sample_tokens(logits, tensors.temperature, tensors.noise_seed)
     return with_fused_logprobs(logits, token_ids, tensors.max_logprobs)
 
 
