@@ -121,7 +121,7 @@ for step in "$@"; do
       done ;;
     mergetests) python3 -m pytest tests/gpu/test_fused_kernels.py tests/gpu/test_gpu_parity.py -q -s \
                   -p no:cacheprovider -k "not fp8 and not logprobs" 2>&1 | tee "$OUT/merge_tests.log" ;;
-    mergechain)  # batch-1 o_proj merging the splits (default) against not (merge=0)
+    mergechain)  # batch-1 o_proj merging the splits (default) against the reduce kernel (merge=0)
       python3 benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 136 384 511 1024 \
         --variants default merge=0 default merge=0 2>&1 | tee -a "$OUT/merge_chain.log"
       python3 benchmarks/split_decode_chain.py --shape qwen3-8b --contexts 136 384 \

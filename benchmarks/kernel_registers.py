@@ -35,8 +35,7 @@ from nanoserve.kernels.skinny_gemm import W_LOAD, _skinny_gemm_kernel, default_c
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024  # Hopper; the driver reserves 1 KB of it per resident program
 H200 = GPUTarget("cuda", 90, 32)
-INT32_POINTERS = {"seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr", "block_tables_ptr",
-                  "arrived_ptr"}
+INT32_POINTERS = {"seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr", "block_tables_ptr"}
 INT64_POINTERS = {"positions_ptr", "slot_ptr"}
 # At run time Triton marks 16-byte-aligned pointers and integers divisible by 16 (every stride
 # and head count of the Qwen3 shapes) as such, which is what lets it vectorise the K/V loads;
@@ -80,7 +79,7 @@ def decode_variant(block_n: int, num_warps: int, num_stages: int, new_tokens: bo
                      NUM_SPLITS=splits, DOT_PRECISION="tf32", HEADS_FIRST=True, ORDERED=True,
                      PDL=True, NEW_TOKENS=new_tokens, HAS_QK_NORM=new_tokens,
                      NARROW_OFFSETS=narrow_offsets, FP16_PRODUCTS=False,
-                     PREFETCH_KV=prefetch_kv and new_tokens, MERGE=splits > 1)
+                     PREFETCH_KV=prefetch_kv and new_tokens)
     names = _decode_split_kernel.arg_names
     signature = {name: "constexpr" if name in constants else arg_type(name) for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)

@@ -5,9 +5,9 @@ alone is captured for ``--batch`` sequences (1: ``latency.py``'s ``forward_graph
 replayed back to back with every sequence at each context length. A variant is ``default``,
 ``none`` (attention returns q as it came, so o_proj follows the qkv projection at once: a
 profile of attention's share, whose tokens mean nothing) or ``FIELD=VALUE,...`` where ``splits`` fixes the split count,
-``unsplit=1`` runs the kernel that finishes the new tokens unsplit (no merge),
+``unsplit=1`` runs the kernel that finishes the new tokens unsplit (one launch, no reduce),
 ``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), ``merge=S`` merges
-batch-1 splits in o_proj up to S splits (``merge=0``: never; the split kernel does),
+batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel does),
 ``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
 per chunk and warps, ``w_load=CACHE/EVICT`` sets how the batch-1 GEMVs load W
 (``skinny_gemm.W_LOAD``; ``w_load=/``: Triton's default caching), ``tile=N:K:BN:BK[:defer][:wW]``

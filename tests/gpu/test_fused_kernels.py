@@ -28,7 +28,6 @@ from nanoserve.attention.triton_backend import (  # noqa: E402
 )
 from nanoserve.kernels.common import device_sm_count  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
-    DecodeTuning,
     NewTokens,
     decode_attention,
     num_decode_splits,
@@ -149,34 +148,6 @@ def check_norm_in_gemv(n: int, k: int, dtype: torch.dtype, device: str) -> None:
 @pytest.mark.parametrize("prefetch_kv", [True, False], ids=["prefetched", "in-loop"])
 def test_split_decode_finishing_new_tokens_matches_torch_path(seq_lens, group, prefetch_kv):
     check_split_decode(seq_lens, group, 128, torch.bfloat16, "cuda", prefetch_kv=prefetch_kv)
-
-
-@pytest.mark.parametrize("num_seqs", [1, 8, 24, 100])
-def test_last_split_merge_over_graph_replays(num_seqs):
-    """The last split of each group merges the others' partials through an acquire/release
-    count. Over graph replays with a new q each time, every output equals the unsplit
-    kernel's: a merge that read a partial before it landed, or one left from the previous
-    replay, would not."""
-    device = "cuda"
-    gen = torch.Generator().manual_seed(num_seqs)
-    seq_lens = torch.randint(1, 3000, (num_seqs,), generator=gen).tolist()
-    seq_lens[0] = 3000  # long enough for a batch of one to split
-    q, _, _, _, k_cache, v_cache, meta = decode_case(seq_lens, 16, 8, 128, 16, torch.bfloat16,
-                                                     device, seed=num_seqs)
-    splits = num_decode_splits(num_seqs, 8, max(seq_lens), device_sm_count(q.device))
-    assert splits > 1
-    args = (k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_seq_len, 128 ** -0.5)
-    tuning = DecodeTuning()
-    decode_attention(q, *args, num_splits=splits, tuning=tuning)  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(q, *args, num_splits=splits, tuning=tuning)
-    for _ in range(30):
-        q.copy_(2 * torch.randn(q.shape, device=device))
-        graph.replay()
-        expected = decode_attention(q, *args, num_splits=1, tuning=tuning)
-        torch.testing.assert_close(out.float(), expected.float(), **BF16)
 
 
 @pytest.mark.parametrize("context", [1, 300, 511])

@@ -77,8 +77,8 @@ def test_a_head_with_no_keys_contributes_nothing():
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
 def test_equals_split_decode_then_reduce_then_o_proj(qk_norm):
-    """Split decode keeping its partials, then the merging o_proj: the split kernel's own merge
-    and the skinny GEMV's residual epilogue, in one launch fewer."""
+    """Split decode keeping its partials, then the merging o_proj: the reduce kernel and the
+    skinny GEMV's residual epilogue, one launch fewer."""
     dtype, heads, head_dim = torch.float16, 8, 32
     q, k_cache, v_cache, meta = make_batch([75], [1], num_heads=heads, num_kv_heads=2,
                                            head_dim=head_dim, block_size=16, dtype=dtype, seed=7)

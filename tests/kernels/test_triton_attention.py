@@ -28,7 +28,6 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     MIN_TOKENS_PER_SPLIT,
     PROGRAMS_PER_SM,
     DecodeTuning,
-    split_arrivals,
     NewTokens,
     decode_attention,
     num_decode_splits,
@@ -138,23 +137,6 @@ def test_decode_in_longest_first_order(num_splits, heads_first):
                                num_splits=num_splits, tuning=DecodeTuning(heads_first=heads_first),
                                seq_order=torch.tensor(order, dtype=torch.int32))
         assert_matches_reference(out, q, k_cache, v_cache, meta)
-
-
-def test_last_split_merges_and_leaves_the_counts_at_zero():
-    """The program that finishes last among a group's splits merges them, counting arrivals in
-    a per-device array; it leaves the counts at zero, so the next launch (a graph replay, the
-    next layer) merges again without clearing them."""
-    q, k_cache, v_cache, meta = make_batch([37, 1, 70, 16], [1] * 4, num_heads=8,
-                                           num_kv_heads=2, head_dim=64, block_size=16)
-    arrivals = split_arrivals(q.device, 8)
-    first = run_decode(q, k_cache, v_cache, meta, num_splits=3)
-    assert split_arrivals(q.device, 8) is arrivals and not arrivals.any()
-    assert_matches_reference(first, q, k_cache, v_cache, meta)
-    for num_splits in (3, 5):
-        assert torch.equal(run_decode(q, k_cache, v_cache, meta, num_splits=3), first)
-        assert_matches_reference(run_decode(q, k_cache, v_cache, meta, num_splits=num_splits),
-                                 q, k_cache, v_cache, meta)
-        assert not arrivals.any()
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -23,14 +23,14 @@ SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False, prefetch_kv=True)
 # without the stages' shared memory the programs start sooner, beside the projection they
 # wait for (benchmarks/split_decode_chain.py; docs/kernels.md).
 ONE_TILE_SPLIT_TUNING = SPLIT_DECODE_TUNING._replace(num_stages=1)
-# The prefetched tile is live through the wait: compiled for sm_90 with Triton 3.6, 186
-# registers against 128 without it (with the last split's merge; 168 before it), so two
-# programs per SM instead of four. Launches that fit the device at two per SM (batch 1: 8 KV
-# heads x 32 splits) take it; larger ones keep their occupancy.
-PREFETCH_PROGRAMS_PER_SM = 2
+# The prefetched tile is live through the wait: compiled for sm_90, 168 registers against 165
+# with Triton 3.6 (three programs per SM either way), 145 against 114 with Triton 3.9 (three
+# instead of four). Launches that fit the device at three per SM (batch 1: 8 KV heads x 32
+# splits) take it; larger ones keep their occupancy.
+PREFETCH_PROGRAMS_PER_SM = 3
 # A batch-1 split decode over at most this many splits (the decode graphs' short-context cap)
 # leaves its partials to an o_proj that merges them, when the caller's o_proj does: every o_proj
-# program reads them all, so more splits would cost more than merging once in the split kernel
+# program reads them all, so more splits would cost more than the reduce launch they save
 # (kernels/merged_o_proj.py; docs/kernels.md).
 MERGE_IN_O_PROJ_MAX_SPLITS = 8
 # Over an fp8 cache, two warps per program read the throughput workload's K/V 15% faster than

@@ -4,10 +4,9 @@ Flash-decoding: the grid is (KV head, sequence, split), or sequences first (a `D
 option). Each program attends the whole query group of one KV head (all query heads that share
 it, so each K/V tile is read once per group) to one contiguous slice of the sequence's context
 and writes a partial result: the slice's normalised output and the log2 of its softmax
-denominator. The program that finishes last among a group's splits merges them
-(``merge_splits``), counting arrivals in a per-device array the kernel leaves zeroed; or, at
-batch 1, the o_proj GEMV merges them as it reads its input (``keep_partials``,
-``kernels/merged_o_proj.py``). With one split the kernel writes the normalised output directly.
+denominator. A second small kernel merges the splits (``merge_splits``), or, at batch 1, the
+o_proj GEMV does as it reads its input (``keep_partials``, ``kernels/merged_o_proj.py``). With
+one split the first kernel writes the normalised output directly.
 
 Given the step's new tokens (``NewTokens``), the split kernel also does what
 ``qk_norm_rope_store`` does in prefill: every program normalises (Qwen3) and rotates its q group
@@ -26,7 +25,7 @@ import triton
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, device_sm_count,
                                       dot_precision, fp16_products, interpreted,
                                       programmatic_launch)
-from nanoserve.kernels.decode_kernels import _decode_split_kernel
+from nanoserve.kernels.decode_kernels import _decode_reduce_kernel, _decode_split_kernel
 
 
 class DecodeTuning(NamedTuple):
@@ -126,20 +125,6 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 arrival counts for ``count`` (sequence, KV head) groups, one array per
-    device: the split kernel leaves them at zero, so no launch has to clear them. A graph
-    captures the array in use when it was captured (the largest first, see cuda_graph.py)."""
-    arrivals = _arrivals.get(device)
-    if arrivals is None or arrivals.numel() < count:
-        arrivals = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _arrivals[device] = arrivals
-    return arrivals
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
@@ -162,7 +147,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     With ``new_tokens``, ``q`` is the projection's raw q (un-normalised, unrotated, left
     unmodified) and the kernel finishes and stores each sequence's new k/v itself, at position
     ``seq_lens[i] - 1`` (see the module docstring); the cache holds only the earlier keys.
-    With ``keep_partials`` (and more than one split) nothing merges them: the result is each
+    With ``keep_partials`` (and more than one split) no reduce runs: the result is each
     split's partial, ``(lse [B, H, S] float32, out [B, H, S, D] in q's dtype)``, for a
     consumer that merges them (``merge_splits``), indexed by sequence, not by q's rows.
     Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
@@ -184,14 +169,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=device)
         # 16-bit for a consumer that merges as it reads (half the bytes it reads per program);
-        # float32 for the split kernel's own merge, which rounds once, at the end.
+        # float32 for the reduce, which rounds once, at the end.
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim),
                              dtype=q.dtype if keep_partials else torch.float32, device=device)
     else:  # the partial buffers are never touched: pass the output as a typed placeholder
         part_lse = part_o = out
-    merge = num_splits > 1 and not keep_partials
-    # Without merging, an int32 placeholder, never touched.
-    arrived = split_arrivals(device, num_seqs * num_kv_heads) if merge else seq_lens
 
     if new_tokens is None:  # typed placeholders, never read
         new_pointers, new_strides = (q, q, seq_lens, seq_lens, q, q, q), (0, 0, 0, 0, 0)
@@ -204,7 +186,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,  # an int32 placeholder when unordered
-        out, part_lse, part_o, arrived, *new_pointers,
+        out, part_lse, part_o, *new_pointers,
         scale * LOG2E, 0.0 if new_tokens is None else new_tokens.eps, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -221,10 +203,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NARROW_OFFSETS=(tuning.narrow_offsets and k_cache.stride() == v_cache.stride()
                         and k_cache.numel() < 2 ** 31),
         FP16_PRODUCTS=fp16_products(q, k_cache),
-        PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None, MERGE=merge,
+        PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1 and keep_partials:
         return part_lse, part_o
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_lse, part_o, query_start_loc, out,
+            num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
     return out
 

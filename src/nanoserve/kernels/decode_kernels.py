@@ -1,4 +1,4 @@
-"""Device code of paged decode attention: the split kernel, whose last split merges the rest.
+"""Device code of paged decode attention: the split kernel and the kernel that merges splits.
 
 The launch rules, tunings and the step's new tokens are host-side concerns: see
 ``decode_attention.py``, which launches these.
@@ -18,7 +18,7 @@ from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr, arrived_ptr,
+    seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr,
     k_new_ptr, v_new_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
     scale_log2, eps,
     num_heads,
@@ -34,7 +34,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
     NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
-    FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr, MERGE: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -173,21 +173,6 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
                  out.to(part_o_ptr.dtype.element_ty), mask=out_mask)
-        if MERGE:
-            # The last split of the group to arrive merges all of them: no second launch. The
-            # barrier puts every thread's stores before the count, whose release / acquire at
-            # GPU scope lets the last program see every split's partials (a semaphore as in
-            # split-K GEMMs). It then leaves the count at 0 for the next launch.
-            tl.debug_barrier()
-            arrived = arrived_ptr + seq * (num_heads // GROUP) + kv_head
-            if tl.atomic_add(arrived, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                # Rows past the group read the group's first head (valid memory, not stored).
-                rows = seq * num_heads + tl.where(g_mask, head, kv_head * GROUP)
-                merged = merge_splits(part_lse_ptr, part_o_ptr, rows, d, d_mask, NUM_SPLITS,
-                                      HEAD_DIM)
-                tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         merged.to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.store(arrived, 0)
 
 
 @triton.jit
@@ -250,3 +235,24 @@ def merge_splits(part_lse_ptr, part_o_ptr, rows, d, d_mask,
         o = tl.load(out_rows + i * HEAD_DIM, mask=d_mask[None, :], other=0.0)
         out += weight[:, None] * o.to(tl.float32)
     return out / tl.where(total > 0, total, 1.0)[:, None]
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_lse_ptr, part_o_ptr, query_start_loc_ptr, out_ptr,
+    num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # o_proj's batch-1 GEMV may start fetching its weights
+        gdc_launch_dependents()
+        gdc_wait()  # launched early too: the partial results come from the split kernel
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    row = seq * num_heads + head + tl.arange(0, 1)
+    out = merge_splits(part_lse_ptr, part_o_ptr, row, d, d_mask, NUM_SPLITS, HEAD_DIM)
+    token = tl.load(query_start_loc_ptr + seq)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=d_mask[None, :])

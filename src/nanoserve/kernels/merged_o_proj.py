@@ -2,8 +2,8 @@
 
 Split decode leaves each head's attention as one partial result per split (the split's
 normalised output and the log2 of its softmax denominator, ``decode_attention(...,
-keep_partials=True)``). Elsewhere the split kernel's last split merges them and o_proj then
-reads the merged row. Here every o_proj program merges the heads of each K chunk it multiplies
+keep_partials=True)``). Elsewhere a reduce kernel merges them and o_proj then reads the merged
+row. Here every o_proj program merges the heads of each K chunk it multiplies
 (``merge_splits``), rounds them as the attention output is rounded, and goes on as the skinny
 GEMV's residual epilogue does (``skinny_linear(..., residual=r, sum_squares=s)``): the product
 is added into the residual in place and its sums of squares into ``s``. A batch-1 layer then
@@ -11,8 +11,7 @@ has one dependent launch fewer.
 
 Every program re-reads the partials of all heads (16-bit, ``heads x splits x head_dim`` values),
 so this pays only while they are few (short contexts, whose decode graphs use few splits) and
-only where a shape measured faster than a separate reduce kernel (``TUNED``; docs/kernels.md;
-the split kernel's own merge replaced that kernel later and was not measured against this).
+only where a shape measured faster than the reduce kernel (``TUNED``; docs/kernels.md).
 Programmatically launched like the other batch-1 kernels: a program fetches its first chunk of
 W before it waits for attention.
 """
@@ -74,9 +73,9 @@ def _merged_o_proj_kernel(
                       ss_ptr + tl.arange(0, 1), tl.arange(0, 1) < 1, SUM_SQUARES_OUT)
 
 
-# The shapes, (N, K), where merging in o_proj beat a separate reduce kernel on an H200, with their
+# The shapes, (N, K), where merging in o_proj beat the reduce kernel on an H200, with their
 # tiles (runs 133-134, docs/kernels.md): Qwen3-8B's o_proj. Qwen3-0.6B's (1024, 2048) lost at
-# every tiling tried, so the split kernel merges there.
+# every tiling tried, so the engine keeps the reduce kernel there.
 TUNED = {
     (4096, 4096): MergedConfig(block_n=16, heads_per_chunk=16, num_warps=8),
 }
