@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from common import make_model_dir
-from throughput import USAGE_FIELDS, workload
+from throughput import USAGE_FIELDS, workload, workload_params
 from torch.profiler import ProfilerActivity, profile
 
 from nanoserve import LLM, SamplingParams
@@ -47,8 +47,9 @@ def main() -> None:
         llm = LLM(str(make_model_dir("qwen3-0.6b", Path(tmp) / "m")), load_format="dummy",
                   max_num_seqs=256, **budget)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+    params = workload_params(max_tokens)
     if args.compare:
-        compare_runs(llm, prompts, max_tokens)
+        compare_runs(llm, prompts, params)
         return
     host_profile, plain_step, times = cProfile.Profile(), LLMEngine.step, []
     device_profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -72,7 +73,6 @@ def main() -> None:
         return out
 
     LLMEngine.step = step
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     print(f"admitting step ms ({'cProfile' if args.host_only else 'both profilers'} on):", times)
@@ -123,11 +123,11 @@ class LinearCalls:
         return "\n".join(lines)
 
 
-def compare_runs(llm: LLM, prompts: list[list[int]], max_tokens: list[int], runs: int = 2) -> None:
+def compare_runs(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+                 runs: int = 2) -> None:
     """Each run's admitting phase: its wall ms, getrusage deltas and torch.profiler's CPU-side
     table (self time), printed run by run."""
     plain_step = LLMEngine.step
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     linear_calls = LinearCalls()
     F.linear = linear_calls
     for run in range(1, runs + 1):

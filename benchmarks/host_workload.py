@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 from common import SHAPES, emit, make_model_dir
-from throughput import workload
+from throughput import workload, workload_params
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM
 from nanoserve.runner.sampler import SamplerOutput
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     runner = llm.engine.executor
     runner.model = StubModel(SHAPES["tiny-qwen3"]["hidden_size"])
     runner.sampler = stub_sampler
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    params = workload_params(max_tokens)
     profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     if profiler:

@@ -18,6 +18,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from common import replay_ms
 
 from nanoserve.kernels import sampling
 from nanoserve.kernels.sampling import sample_tokens
@@ -46,20 +47,12 @@ def median_us(fn: Callable[[], object], iters: int = 50) -> float:
 
 def replay_us(fn: Callable[[], object]) -> float:
     """Mean µs of one launch of ``fn`` captured in a CUDA graph, over back-to-back replays."""
-    fn()
+    fn()  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS
+    return replay_ms(graph, REPLAYS) * 1e3
 
 
 def check_distribution(gen: torch.Generator) -> dict:

@@ -37,6 +37,11 @@ def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed:
     return prompts, max_tokens
 
 
+def workload_params(max_tokens: list[int]) -> list[SamplingParams]:
+    """The workload's sampling: temperature 0.6, each request to its ``max_tokens`` (ignore_eos)."""
+    return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+
+
 def floor_seconds(shape: dict, prompts: list[list[int]], max_tokens: list[int],
                   bandwidth_gbs: float, num_gpus: int = 1, kv_bytes: int = 2) -> float:
     """Bytes the decode steps must read (all KV + weights once per step) / bandwidth.
@@ -245,8 +250,7 @@ def main() -> None:
                      if args.kv_cache_dtype != "auto" else {}),
                   **({"max_num_batched_tokens": budget} if budget else {}))
         load_s = time.perf_counter() - t0
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
-                  for n in max_tokens]
+        params = workload_params(max_tokens)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
         floor = floor_seconds(shape, prompts, max_tokens, bandwidth, args.tensor_parallel_size)
