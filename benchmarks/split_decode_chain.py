@@ -26,12 +26,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 from common import SHAPES, emit, environment, make_model_dir, replay_ms
 
 from nanoserve import LLM
 from nanoserve.attention import triton_backend
 from nanoserve.kernels import merged_o_proj, skinny_gemm
 from nanoserve.kernels.decode_attention import DecodeTuning, NewTokens, decode_attention
+from nanoserve.layers.linear import RowParallelLinear
 from nanoserve.runner import cuda_graph
 from nanoserve.runner.cuda_graph import DecodeGraphs
 from nanoserve.runner.graph_inputs import DecodeRows
@@ -74,9 +76,9 @@ def parse_tile(spec: str) -> tuple[tuple[int, int], skinny_gemm.SkinnyConfig]:
                                                       defer_sum="defer" in options)
 
 
-def apply_variant(spec: str) -> dict:
-    """Patch the backend (and the graphs' context caps) for ``spec``; returns what to
-    restore. Tuning fields replace those of both split-decode tunings."""
+def apply_variant(spec: str, model: torch.nn.Module) -> dict:
+    """Patch the backend (and the graphs' context caps, ``model``'s projections) for ``spec``;
+    returns what to restore. Tuning fields replace those of both split-decode tunings."""
     saved = {(triton_backend, name): getattr(triton_backend, name)
              for name in (*TUNINGS, "num_decode_splits", "MERGE_IN_O_PROJ_MAX_SPLITS")}
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
@@ -106,6 +108,11 @@ def apply_variant(spec: str) -> dict:
         elif name == "tile":  # a new table, so that restore() puts the engine's back
             shape, config = parse_tile(value)
             skinny_gemm.TUNED_ONE_ROW = {**skinny_gemm.TUNED_ONE_ROW, shape: config}
+        elif name == "epilogue" and value == "0":
+            for module in model.modules():
+                if isinstance(module, RowParallelLinear) and module.adds_into_residual:
+                    saved[module, "adds_into_residual"] = True
+                    module.adds_into_residual = False
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:
@@ -151,7 +158,7 @@ def main() -> None:
         block_size = llm.engine.block_manager.block_size
         engine_graphs = runner.graphs
         for spec in args.variants:
-            saved = apply_variant(spec)
+            saved = apply_variant(spec, runner.model)
             graphs = DecodeGraphs(runner.model, args.batch, engine_graphs.max_blocks,
                                   engine_graphs.max_seq_len, runner.device)
             for context in args.contexts:

@@ -267,6 +267,68 @@ def test_split_k_projection_and_norm_match_unsplit(rows, k):
     torch.testing.assert_close(out.float(), expected.float(), **BF16)
 
 
+@pytest.mark.parametrize("rows", [2, 64, 300])
+@pytest.mark.parametrize("hidden,inner", [(1024, 3072), (4096, 12288)], ids=["0.6b", "8b"])
+def test_norm_left_to_the_kernels_after_the_projections(rows, hidden, inner):
+    """Above one row, o_proj adds into the residual (cuBLAS's C), gate/up projects that
+    residual with the norm's weight folded in and SiLU-and-mul applies the norm's 1/rms; the
+    qkv side hands its factor to q/k-norm + RoPE + store. Against float64, and the two
+    backends against each other on the scaled q, k and v."""
+    from nanoserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from nanoserve.layers.norm import AddedToResidual, RowScale
+    gen = torch.Generator().manual_seed(rows + hidden)
+
+    def rand(*shape, std=1.0):
+        return (std * torch.randn(*shape, generator=gen)).to("cuda", torch.bfloat16)
+
+    with torch.device("cuda"):
+        o_proj = RowParallelLinear(2 * hidden, hidden).to(torch.bfloat16)
+        gate_up = MergedColumnParallelLinear(hidden, [inner] * 2).to(torch.bfloat16)
+        norm = RMSNorm(hidden, 1e-6).to(torch.bfloat16)
+    o_proj.weight.data.copy_(rand(hidden, 2 * hidden, std=(2 * hidden) ** -0.5))
+    gate_up.weight.data.copy_(rand(2 * inner, hidden, std=hidden ** -0.5))
+    norm.weight.data.copy_(rand(hidden, std=0.3) + 1)
+    attn_out, residual = rand(rows, 2 * hidden), rand(rows, hidden, std=4.0)
+    h = residual.double() + attn_out.double() @ o_proj.weight.double().T
+    expected = silu_and_mul_torch(rms_norm_torch(h, norm.weight.double(), 1e-6)
+                                  @ gate_up.weight.double().T)
+
+    gate_up.fold_norm(norm)
+    o_proj.adds_into_residual = True
+    marker, stream = o_proj.forward_for_norm(attn_out, residual)
+    assert isinstance(marker, AddedToResidual) and marker.sum_squares is None
+    assert stream is residual
+    torch.testing.assert_close(stream.double(), h, **BF16)
+    act, _, scale = gate_up.forward_normed(marker, stream, norm, activate=True)
+    assert scale is None
+    torch.testing.assert_close(act.double(), expected, **BF16)
+
+    heads, kv_heads, head_dim = hidden // 128, 8, 128
+    qkv = rand(rows, (heads + 2 * kv_heads) * head_dim)
+    q, k, v = (t.reshape(rows, -1, head_dim) for t in
+               qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1))
+    row_scale = RowScale(residual, 1e-6)
+    cache_shape = (rows // 16 + 2, 16, kv_heads, head_dim)
+    caches = [torch.zeros(cache_shape, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    positions = torch.randint(0, MAX_POSITIONS, (rows,), generator=gen).cuda()
+    slots = torch.randperm(cache_shape[0] * 16, generator=gen)[:rows].cuda()
+    rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, 1e6, None).to("cuda")
+    with torch.device("cuda"):
+        q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(torch.bfloat16), \
+            RMSNorm(head_dim, 1e-6).to(torch.bfloat16)
+    expected_q = TorchAttentionBackend().rope_and_store(
+        positions, q.clone(), k.clone(), v.clone(), caches[0], caches[1], slots, rotary,
+        q_norm, k_norm, row_scale)
+    out_q = TritonAttentionBackend().rope_and_store(
+        positions, q, k, v, caches[2], caches[3], slots, rotary, q_norm, k_norm, row_scale)
+    torch.testing.assert_close(out_q.float(), expected_q.float(), **BF16)
+    torch.testing.assert_close(caches[2].float(), caches[0].float(), **BF16)
+    torch.testing.assert_close(caches[3].float(), caches[1].float(), **BF16)
+    factor = torch.rsqrt(residual.double().pow(2).mean(-1) + 1e-6)
+    stored_v = caches[3].view(-1, kv_heads, head_dim)[slots].double()
+    torch.testing.assert_close(stored_v, v.double() * factor[:, None, None], **BF16)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 16, 300, 2048])
 def test_fused_experts_match_per_expert_loop(num_tokens):
     """Qwen3-30B-A3B's experts (128 of hidden 2048, intermediate 768, top-8): the grouped

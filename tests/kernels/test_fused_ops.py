@@ -142,6 +142,26 @@ def test_silu_and_mul(dtype, n):
     assert_matches(out, F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 1000])
+def test_silu_and_mul_scales_rows_by_their_norm(dtype, hidden):
+    """With a ``RowScale`` each row of [gate | up] is first multiplied by 1/rms of its row of
+    the residual (the norm the gate/up GEMM left out): rows of different size get different
+    factors, and the residual may be a strided view."""
+    from nanoserve.layers.norm import RowScale, row_scale_torch
+    gen = torch.Generator().manual_seed(hidden)
+    n = 1100
+    x = (3 * torch.randn(5, 2 * n, generator=gen)).to(dtype)
+    sizes = torch.tensor([0.5, 1.0, 4.0, 20.0, 100.0])[:, None]
+    residual = (sizes * torch.randn(5, hidden + 8, generator=gen)).to(dtype)[:, :hidden]
+    scale = RowScale(residual, EPS)
+    out = silu_and_mul(x, scale)
+    gate, up = row_scale_torch(x, scale).chunk(2, dim=-1)
+    assert_matches(out, F.silu(gate) * up)
+    factor = torch.rsqrt(residual.float().pow(2).mean(-1, keepdim=True) + EPS)
+    assert not torch.allclose(factor, torch.ones_like(factor), rtol=0.1)
+
+
 def test_empty_batch():
     """A zero-token step launches nothing and returns empty results."""
     w = torch.ones(64)

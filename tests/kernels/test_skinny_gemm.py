@@ -211,8 +211,10 @@ def test_norm_linear_normalises_with_the_producers_statistic():
     proj.fold_norm(norm)
     # A wrong statistic must show: half the true sum scales the output by sqrt(2).
     true_sum = residual.pow(2).sum(-1)
-    out, stream = norm_linear(AddedToResidual(true_sum), residual, norm, proj.weight, None)
-    assert stream is residual
+    out, stream, scale = norm_linear(AddedToResidual(true_sum), residual, norm, proj.weight,
+                                     None)
+    assert stream is residual and scale is None
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
-    halved, _ = norm_linear(AddedToResidual(true_sum / 2), residual, norm, proj.weight, None)
+    halved, _, _ = norm_linear(AddedToResidual(true_sum / 2), residual, norm, proj.weight,
+                               None)
     torch.testing.assert_close(halved, expected * 2 ** 0.5, **TOLERANCE[torch.float32])

@@ -8,7 +8,7 @@ import torch
 from nanoserve.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.norm import RMSNorm, RowScale
     from nanoserve.layers.rotary import RotaryEmbedding
 
 
@@ -34,12 +34,14 @@ class AttentionBackend(Protocol):
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                  partials_ok: bool = False) -> torch.Tensor | SplitPartials:
+                  partials_ok: bool = False, row_scale: RowScale | None = None
+                  ) -> torch.Tensor | SplitPartials:
         """Per-head q/k norms (when given) and RoPE on the projection's q and k; the rotated k
         and v into the caches at ``meta.slot_mapping``; then causal attention of q over the
         cache. ``q``, ``k`` and ``v`` may be modified in place: do not use them afterwards.
         With ``partials_ok`` (the caller's projection merges them) the result may instead be
-        ``SplitPartials``.
+        ``SplitPartials``. With ``row_scale`` (the input norm the qkv projection left out)
+        each token's q, k and v are first scaled by its factor.
         """
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:

@@ -14,7 +14,7 @@ from nanoserve.kernels.prefill_attention import prefill_attention, query_tile
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
 if TYPE_CHECKING:
-    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.norm import RMSNorm, RowScale
     from nanoserve.layers.rotary import RotaryEmbedding
 
 
@@ -60,17 +60,19 @@ class TritonAttentionBackend:
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
-                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
-                       ) -> torch.Tensor:
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                       row_scale: RowScale | None = None) -> torch.Tensor:
         # One fused launch instead of q norm, k norm, RoPE and the store (batch-1 decode latency).
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
-                                  slot_mapping, *_norm_args(q_norm, k_norm))
+                                  slot_mapping, *_norm_args(q_norm, k_norm),
+                                  row_scale=row_scale)
 
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                  partials_ok: bool = False) -> torch.Tensor | SplitPartials:
+                  partials_ok: bool = False, row_scale: RowScale | None = None
+                  ) -> torch.Tensor | SplitPartials:
         if meta.decode_only:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
@@ -79,8 +81,9 @@ class TritonAttentionBackend:
             # finishes the new tokens itself, one launch fewer. Larger ones, split or not,
             # fill the GPU and their K/V loop runs better without that work's registers
             # (docs/kernels.md). 64-bit K/V offsets measured faster here, 32-bit ones (more
-            # programs per SM) in large batches.
-            if splits > 1 and meta.num_seqs <= LATENCY_MAX_SEQS:
+            # programs per SM) in large batches. A row scale goes to the separate launch,
+            # which replaces the norm launch it spared.
+            if splits > 1 and meta.num_seqs <= LATENCY_MAX_SEQS and row_scale is None:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
                 tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,
@@ -92,7 +95,7 @@ class TritonAttentionBackend:
                                        new_tokens=new, tuning=tuning, keep_partials=keep)
                 return SplitPartials(*out) if keep else out
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
-                                q_norm, k_norm)
+                                q_norm, k_norm, row_scale)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

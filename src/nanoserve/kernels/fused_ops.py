@@ -9,12 +9,17 @@ no value-dependent allocation), so every op is CUDA-graph capturable.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
+
+if TYPE_CHECKING:
+    from nanoserve.layers.norm import RowScale
 
 # SiLU*mul works on column tiles rather than whole rows: MLP widths reach tens of thousands.
 SILU_BLOCK_N = 1024
@@ -155,8 +160,9 @@ def add_rms_norm_parts(parts: torch.Tensor, residual: torch.Tensor, weight: torc
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_xt, stride_ot,
+    x_ptr, out_ptr, scale_rows_ptr, eps, stride_xt, stride_ot, stride_st,
     N: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1, BLOCK_H: tl.constexpr = 1,
 ):
     if PDL:  # in the MoE chain between two Triton GEMMs (fused_moe.py)
         gdc_launch_dependents()
@@ -167,6 +173,13 @@ def _silu_and_mul_kernel(
     row = x_ptr + token * stride_xt
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + N + cols, mask=mask, other=0.0)
+    if ROW_SCALE:  # gate/up projected the un-normalised row: apply its norm's 1/rms here
+        h = tl.arange(0, BLOCK_H)
+        r = tl.load(scale_rows_ptr + token * stride_st + h, mask=h < HIDDEN,
+                    other=0.0).to(tl.float32)
+        factor = tl.rsqrt(tl.sum(r * r, 0) / HIDDEN + eps)
+        gate = (gate.to(tl.float32) * factor).to(gate.dtype)
+        up = (up.to(tl.float32) * factor).to(up.dtype)
     tl.store(out_ptr + token * stride_ot + cols, silu_times(gate, up), mask=mask)
 
 
@@ -179,13 +192,16 @@ def silu_times(gate, up):
     return (act * up.to(tl.float32)).to(gate.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, row_scale: RowScale | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[..., 2N]``; returns ``[..., N]``.
 
     Computed in fp32 with silu's result rounded to ``x.dtype`` before the multiply, as
     ``F.silu(gate) * up`` does; the only difference from PyTorch is Triton's ``exp``, within an
     ulp in fp32, so 16-bit outputs match except for rare one-ulp ties. ``x``'s last dimension
     must be contiguous; rows may be strided. The output is a new contiguous tensor.
+
+    With ``row_scale`` each row of ``x`` is first multiplied by its norm factor and rounded to
+    ``x.dtype`` (``layers.norm.row_scale_torch``): the norm the gate/up GEMM before it left out.
     """
     width = x.shape[-1]
     assert width % 2 == 0 and x.stride(-1) == 1, "x is [..., 2N] with a contiguous last dimension"
@@ -194,10 +210,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     x2, o2 = x.view(-1, width), out.view(-1, n)
+    scale_rows = o2  # typed placeholder, never read without a row scale
+    scale_args = {}
+    if row_scale is not None:
+        scale_rows = row_scale.rows
+        assert scale_rows.dim() == 2 and scale_rows.shape[0] == x2.shape[0] \
+            and scale_rows.stride(-1) == 1, "the row scale's rows are [T, H], one per row of x"
+        hidden = scale_rows.shape[1]
+        scale_args = dict(ROW_SCALE=True, HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden))
     block_n = min(triton.next_power_of_2(n), SILU_BLOCK_N)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block_n))](
-        x2, o2, x2.stride(0), o2.stride(0),
-        N=n, BLOCK_N=block_n, PDL=programmatic_launch(x.device),
+        x2, o2, scale_rows, row_scale.eps if row_scale is not None else 0.0,
+        x2.stride(0), o2.stride(0), scale_rows.stride(0),
+        N=n, BLOCK_N=block_n, PDL=programmatic_launch(x.device), **scale_args,
         num_warps=num_warps_for(block_n), launch_pdl=programmatic_launch(x.device),
     )
     return out

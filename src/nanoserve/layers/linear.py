@@ -17,7 +17,7 @@ from torch import nn
 
 from nanoserve.attention.backend import SplitPartials
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm
+from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm, RowScale
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 from nanoserve.layers.split_k import split_k_partial_sums
 
@@ -49,23 +49,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
                 weight: torch.Tensor, bias: torch.Tensor | None, activate: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear(norm(x + residual)), x + residual)``; without a residual, ``(.. norm(x) .., x)``.
+                ) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
+    """``(linear(norm(x + residual)), x + residual, None)``; without a residual,
+    ``(.. norm(x) .., x, None)``.
 
-    At batch 1 on CUDA, where the norm's weight is folded into ``weight`` and the projection
-    before added its output into the residual and summed the squares of each updated row
-    (``AddedToResidual.sum_squares``), the skinny GEMV applies the norm itself: one launch,
-    no norm kernel. Elsewhere this is the norm module (which takes every form of ``x``),
-    then :func:`linear`.
+    Where the norm's weight is folded into ``weight`` (the GPU path) and the projection before
+    already added its output into the residual (``AddedToResidual``), the norm needs no launch:
+    at batch 1, with the sums of squares that projection left (``sum_squares``), the skinny
+    GEMV applies it; at larger batches the projection runs on the residual as it is and the
+    norm's factor per row is left to the kernel that reads the product (the third item, a
+    ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
+    None). Elsewhere this is the norm module (which takes every form of ``x``), then
+    :func:`linear`.
     """
-    if norm.folded and isinstance(x, AddedToResidual) and x.sum_squares is not None:
-        from nanoserve.kernels.skinny_gemm import skinny_rms_linear
-        return skinny_rms_linear(residual, x.sum_squares, norm.eps, weight, bias,
-                                 activate=activate), residual
+    if norm.folded and isinstance(x, AddedToResidual):
+        if x.sum_squares is not None:
+            from nanoserve.kernels.skinny_gemm import skinny_rms_linear
+            return skinny_rms_linear(residual, x.sum_squares, norm.eps, weight, bias,
+                                     activate=activate), residual, None
+        if bias is None:
+            scale = RowScale(residual, norm.eps)
+            out = linear(residual, weight, None)
+            if activate:
+                return silu_and_mul(out, scale), residual, None
+            return out, residual, scale
     if residual is None:
-        return linear(norm(x), weight, bias, activate=activate), x
+        return linear(norm(x), weight, bias, activate=activate), x, None
     normed, residual = norm(x, residual)
-    return linear(normed, weight, bias, activate=activate), residual
+    return linear(normed, weight, bias, activate=activate), residual, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -92,9 +103,11 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def forward_normed(self, x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
-                       activate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x + residual))`` and the summed residual (:func:`norm_linear`);
-        with ``activate`` (a merged ``[gate; up]`` projection), ``silu_and_mul`` of it."""
+                       activate: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
+        """``forward(norm(x + residual))``, the summed residual, and the row scale the output
+        still needs, if any (:func:`norm_linear`); with ``activate`` (a merged ``[gate; up]``
+        projection), ``silu_and_mul`` of it."""
         return norm_linear(x, residual, norm, self.weight, self.bias, activate)
 
     @torch.no_grad()
@@ -184,6 +197,10 @@ class RowParallelLinear(nn.Module):
         # float32 [1], zeroed before each forward, where the batch-1 GEMV sums the squares of
         # the residual rows it updates, for the norm after it (``DecoderModel.track_sum_squares``).
         self.sum_squares: torch.Tensor | None = None
+        # Set where the projection after the next norm carries that norm's weight and takes its
+        # row scale (``DecoderForCausalLM.fold_norm_weights``): then the GEMM adds its output
+        # into the residual itself (above one row on CUDA) and the norm has nothing to do.
+        self.adds_into_residual = False
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
         if param.dim() == 1:  # the bias is whole on every rank
@@ -218,9 +235,11 @@ class RowParallelLinear(nn.Module):
         RMSNorm: on one rank the result may instead be split-K partial sums
         (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
         into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
-        updated rows' sums of squares where ``sum_squares`` is set). ``x`` may be attention's
-        split partials where :attr:`merges_split_partials` allows them; they are merged as
-        they are read (``kernels/merged_o_proj.py``)."""
+        updated rows' sums of squares where ``sum_squares`` is set), and likewise at larger
+        batches where :attr:`adds_into_residual` is set (cuBLAS's ``beta = 1``: one launch
+        in place of the GEMM and the norm's add). ``x`` may be attention's split partials
+        where :attr:`merges_split_partials` allows them; they are merged as they are read
+        (``kernels/merged_o_proj.py``)."""
         if isinstance(x, SplitPartials):
             from nanoserve.kernels.merged_o_proj import merged_o_proj
             merged_o_proj(x.lse, x.out, self.weight, residual, self.sum_squares)
@@ -232,5 +251,8 @@ class RowParallelLinear(nn.Module):
             from nanoserve.kernels.skinny_gemm import skinny_linear
             skinny_linear(x, self.weight, residual=residual, sum_squares=self.sum_squares)
             return AddedToResidual(self.sum_squares), residual
+        if self.adds_into_residual and self.bias is None and x.dim() == 2:
+            residual.addmm_(x, self.weight.t())
+            return AddedToResidual(), residual
         parts = split_k_partial_sums(x, self.weight, self.bias)
         return (parts if parts is not None else linear(x, self.weight, self.bias)), residual

@@ -18,11 +18,30 @@ class PartialSums(NamedTuple):
 
 class AddedToResidual(NamedTuple):
     """Stands for a projection's output that its kernel already added into the residual, in
-    place (the batch-1 GEMV's epilogue): the norm after it normalises the residual alone.
-    ``sum_squares`` (float32 ``[rows]``), where the kernel also summed the updated residual's
-    squares, spares the norm that pass."""
+    place (the batch-1 GEMV's epilogue, or cuBLAS's ``C`` at larger batches): the norm after it
+    normalises the residual alone. ``sum_squares`` (float32 ``[rows]``), where the kernel also
+    summed the updated residual's squares, spares the norm that pass."""
 
     sum_squares: torch.Tensor | None = None
+
+
+class RowScale(NamedTuple):
+    """The RMSNorm a projection left out of its product: row ``t`` of its output still needs
+    multiplying by ``1 / sqrt(mean(rows[t]^2) + eps)``, the norm's statistic of the row it
+    projected (``rows``: ``[T, H]``, the residual stream). The projection carries the norm's
+    weight in its columns (``ColumnParallelLinear.fold_norm``), so that scale is all that is
+    left of the norm; the kernel that reads the output applies it, one launch fewer."""
+
+    rows: torch.Tensor
+    eps: float
+
+
+def row_scale_torch(x: torch.Tensor, scale: RowScale) -> torch.Tensor:
+    """``x [T, ...]`` with each row multiplied by ``scale``'s factor in float32, rounded to
+    ``x``'s dtype (the reference for the kernels that take a ``RowScale``)."""
+    rows = scale.rows.float()
+    factor = torch.rsqrt(rows.pow(2).mean(-1) + scale.eps)
+    return (x.float() * factor.view(-1, *[1] * (x.dim() - 1))).to(x.dtype)
 
 
 # What a projection hands the add + RMSNorm after it: its output, split-K partial sums, or the

@@ -54,7 +54,7 @@ class Attention(nn.Module):
         of the forms the next norm takes (``RowParallelLinear.forward_for_norm``)."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
+        qkv, residual, row_scale = self.qkv_proj.forward_normed(x, residual, norm)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -62,7 +62,8 @@ class Attention(nn.Module):
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
                                      self.q_norm, self.k_norm,
-                                     partials_ok=self.o_proj.merges_split_partials)
+                                     partials_ok=self.o_proj.merges_split_partials,
+                                     row_scale=row_scale)
         if not isinstance(out, SplitPartials):
             out = out.reshape(-1, q_size)
         return self.o_proj.forward_for_norm(out, residual)
@@ -82,7 +83,7 @@ class MLP(nn.Module):
     def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
                 ) -> tuple[NormInput, torch.Tensor]:
         """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
-        act, residual = self.gate_up_proj.forward_normed(x, residual, norm, activate=True)
+        act, residual, _ = self.gate_up_proj.forward_normed(x, residual, norm, activate=True)
         return self.down_proj.forward_for_norm(act, residual)
 
 
@@ -182,14 +183,21 @@ class DecoderForCausalLM(nn.Module):
 
     def fold_norm_weights(self) -> None:
         """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have
-        the projections before them sum the squares of the residual they update (the GPU
-        path: at batch 1 the qkv and gate/up GEMVs then apply those norms themselves, with no
-        launch of their own). The final norm stays, since the LM head may share the
-        embedding's weights."""
-        for layer in self.model.layers:
-            layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
+        the projections before them add into the residual themselves (the GPU path). At batch
+        1 they also sum the squares of the rows they update and the qkv and gate/up GEMVs
+        apply the norms; at larger batches the norms' factors go to the kernels after qkv and
+        gate/up (``norm_linear``). Either way the norms need no launch of their own. The final
+        norm stays, since the LM head may share the embedding's weights."""
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            attn.qkv_proj.fold_norm(layer.input_layernorm)
             if isinstance(layer.mlp, MLP):  # a router reads the normalised row too: no fold
                 layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
+                attn.o_proj.adds_into_residual = layer.mlp.gate_up_proj.bias is None
+                if i + 1 < len(layers):
+                    layer.mlp.down_proj.adds_into_residual = \
+                        layers[i + 1].self_attn.qkv_proj.bias is None
         self.model.track_sum_squares()
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
