@@ -76,7 +76,7 @@ def parse_tile(spec: str) -> tuple[tuple[int, int], skinny_gemm.SkinnyConfig]:
                                                       defer_sum="defer" in options)
 
 
-def apply_variant(spec: str, model: torch.nn.Module) -> dict:
+def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
     """Patch the backend (and the graphs' context caps, ``model``'s projections) for ``spec``;
     returns what to restore. Tuning fields replace those of both split-decode tunings."""
     saved = {(triton_backend, name): getattr(triton_backend, name)
@@ -109,6 +109,7 @@ def apply_variant(spec: str, model: torch.nn.Module) -> dict:
             shape, config = parse_tile(value)
             skinny_gemm.TUNED_ONE_ROW = {**skinny_gemm.TUNED_ONE_ROW, shape: config}
         elif name == "epilogue" and value == "0":
+            assert model is not None, "epilogue=0 changes a built model's projections"
             for module in model.modules():
                 if isinstance(module, RowParallelLinear) and module.adds_into_residual:
                     saved[module, "adds_into_residual"] = True

@@ -52,6 +52,7 @@ from nanoserve.layers.split_k import split_k_partial_sums, split_k_parts  # noqa
 
 MAX_POSITIONS = 40960  # Qwen3's: the split count the decode graphs are captured with
 BF16 = dict(atol=2e-2, rtol=2e-2)
+BF16_ROTATED = dict(atol=5e-2, rtol=2e-2)
 FP8_STEP = dict(atol=2e-2, rtol=0.13)
 
 
@@ -292,6 +293,10 @@ def test_norm_left_to_the_kernels_after_the_projections(rows, hidden, inner):
     h = residual.double() + attn_out.double() @ o_proj.weight.double().T
     expected = silu_and_mul_torch(rms_norm_torch(h, norm.weight.double(), 1e-6)
                                   @ gate_up.weight.double().T)
+    # The launches this replaces, in bf16: the GEMM, add + RMSNorm, the GEMM, SiLU-and-mul.
+    normed, _ = add_rms_norm_torch(linear(attn_out, o_proj.weight, None), residual.clone(),
+                                   norm.weight, 1e-6)
+    unfused = silu_and_mul_torch(linear(normed, gate_up.weight, None))
 
     gate_up.fold_norm(norm)
     o_proj.adds_into_residual = True
@@ -301,7 +306,12 @@ def test_norm_left_to_the_kernels_after_the_projections(rows, hidden, inner):
     torch.testing.assert_close(stream.double(), h, **BF16)
     act, _, scale = gate_up.forward_normed(marker, stream, norm, activate=True)
     assert scale is None
-    torch.testing.assert_close(act.double(), expected, **BF16)
+    # As close to float64 as the unfused launches. Across millions of outputs either path has
+    # a few past any fixed bf16 tolerance, and which few is chance: the mean error decides,
+    # the worst one only bounds the outliers (a lost or wrong factor moves both by far more).
+    error, unfused_error = (act.double() - expected).abs(), (unfused.double() - expected).abs()
+    assert error.mean() <= 1.1 * unfused_error.mean()
+    assert error.max() <= 2 * unfused_error.max()
 
     heads, kv_heads, head_dim = hidden // 128, 8, 128
     qkv = rand(rows, (heads + 2 * kv_heads) * head_dim)
@@ -321,8 +331,9 @@ def test_norm_left_to_the_kernels_after_the_projections(rows, hidden, inner):
         q_norm, k_norm, row_scale)
     out_q = TritonAttentionBackend().rope_and_store(
         positions, q, k, v, caches[2], caches[3], slots, rotary, q_norm, k_norm, row_scale)
-    torch.testing.assert_close(out_q.float(), expected_q.float(), **BF16)
-    torch.testing.assert_close(caches[2].float(), caches[0].float(), **BF16)
+    # RoPE's sums cancel: a near-zero output may differ by an ulp of its terms (~1-4 here).
+    torch.testing.assert_close(out_q.float(), expected_q.float(), **BF16_ROTATED)
+    torch.testing.assert_close(caches[2].float(), caches[0].float(), **BF16_ROTATED)
     torch.testing.assert_close(caches[3].float(), caches[1].float(), **BF16)
     factor = torch.rsqrt(residual.double().pow(2).mean(-1) + 1e-6)
     stored_v = caches[3].view(-1, kv_heads, head_dim)[slots].double()

@@ -19,7 +19,7 @@ from nanoserve.attention.backend import SplitPartials
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm, RowScale
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
-from nanoserve.layers.split_k import split_k_partial_sums
+from nanoserve.layers.split_k import adds_into_residual_at, split_k_partial_sums
 
 ShardId = str | int | None
 
@@ -198,8 +198,9 @@ class RowParallelLinear(nn.Module):
         # the residual rows it updates, for the norm after it (``DecoderModel.track_sum_squares``).
         self.sum_squares: torch.Tensor | None = None
         # Set where the projection after the next norm carries that norm's weight and takes its
-        # row scale (``DecoderForCausalLM.fold_norm_weights``): then the GEMM adds its output
-        # into the residual itself (above one row on CUDA) and the norm has nothing to do.
+        # row scale (``DecoderForCausalLM.fold_norm_weights``): then, at the row counts where
+        # that measured faster (``split_k.adds_into_residual_at``), the GEMM adds its output
+        # into the residual itself and the norm has nothing to do.
         self.adds_into_residual = False
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
@@ -236,8 +237,8 @@ class RowParallelLinear(nn.Module):
         (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
         into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
         updated rows' sums of squares where ``sum_squares`` is set), and likewise at larger
-        batches where :attr:`adds_into_residual` is set (cuBLAS's ``beta = 1``: one launch
-        in place of the GEMM and the norm's add). ``x`` may be attention's split partials
+        batches where :attr:`adds_into_residual` is set and ``split_k.adds_into_residual_at``
+        says so (cuBLAS's ``beta = 1``: one launch in place of the GEMM and the norm). ``x`` may be attention's split partials
         where :attr:`merges_split_partials` allows them; they are merged as they are read
         (``kernels/merged_o_proj.py``)."""
         if isinstance(x, SplitPartials):
@@ -251,7 +252,8 @@ class RowParallelLinear(nn.Module):
             from nanoserve.kernels.skinny_gemm import skinny_linear
             skinny_linear(x, self.weight, residual=residual, sum_squares=self.sum_squares)
             return AddedToResidual(self.sum_squares), residual
-        if self.adds_into_residual and self.bias is None and x.dim() == 2:
+        if (self.adds_into_residual and self.bias is None and x.dim() == 2
+                and adds_into_residual_at(x.shape[0], *self.weight.shape)):
             residual.addmm_(x, self.weight.t())
             return AddedToResidual(), residual
         parts = split_k_partial_sums(x, self.weight, self.bias)
