@@ -33,6 +33,7 @@ from nanoserve import LLM
 from nanoserve.attention import triton_backend
 from nanoserve.kernels import merged_o_proj, skinny_gemm
 from nanoserve.kernels.decode_attention import DecodeTuning, NewTokens, decode_attention
+from nanoserve.layers import linear
 from nanoserve.layers.linear import RowParallelLinear
 from nanoserve.runner import cuda_graph
 from nanoserve.runner.cuda_graph import DecodeGraphs
@@ -114,6 +115,9 @@ def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
                 if isinstance(module, RowParallelLinear) and module.adds_into_residual:
                     saved[module, "adds_into_residual"] = True
                     module.adds_into_residual = False
+        elif name == "epilogue_min":
+            saved[linear, "EPILOGUE_MIN_ROWS"] = linear.EPILOGUE_MIN_ROWS
+            linear.EPILOGUE_MIN_ROWS = int(value)
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:

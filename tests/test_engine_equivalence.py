@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import LLM
 from nanoserve.layers.norm import RMSNorm
-from nanoserve.layers.split_k import EPILOGUE_MIN_ROWS
+from nanoserve.layers.linear import EPILOGUE_MIN_ROWS
 
 NEW_TOKENS = 32
 

@@ -36,16 +36,3 @@ def test_split_rule():
 def test_cpu_is_never_split():
     assert split_k_partial_sums(torch.randn(8, 64), torch.randn(32, 64), None) is None
 
-
-def test_residual_epilogue_where_it_measured_faster():
-    """Projections before a folded norm add into the residual from 8 rows, except where
-    split-K runs two slices (narrow outputs at 129-256 rows): there split-K and the norm's
-    launch measured faster (``split_k.adds_into_residual_at``)."""
-    from nanoserve.layers.split_k import adds_into_residual_at
-    narrow, wide = (1024, 2048), (4096, 4096)
-    assert [adds_into_residual_at(rows, *narrow) for rows in (1, 2, 7, 8, 64, 128)] == \
-        [False, False, False, True, True, True]
-    assert not any(adds_into_residual_at(rows, *narrow) for rows in (129, 200, 256))
-    assert all(adds_into_residual_at(rows, *shape) for rows in (257, 16384)
-               for shape in (narrow, wide))
-    assert all(adds_into_residual_at(rows, *wide) for rows in (8, 200, 256))

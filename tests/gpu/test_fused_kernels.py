@@ -271,7 +271,7 @@ def test_split_k_projection_and_norm_match_unsplit(rows, k):
 @pytest.mark.parametrize("rows", [8, 64, 300])
 @pytest.mark.parametrize("hidden,inner", [(1024, 3072), (4096, 12288)], ids=["0.6b", "8b"])
 def test_norm_left_to_the_kernels_after_the_projections(rows, hidden, inner):
-    """Where ``split_k.adds_into_residual_at`` says so (all three row counts here), o_proj
+    """From ``linear.EPILOGUE_MIN_ROWS`` rows (all three row counts here), o_proj
     adds into the residual (cuBLAS's C), gate/up projects that residual with the norm's
     weight folded in and SiLU-and-mul applies the norm's 1/rms; the qkv side hands its
     factor to q/k-norm + RoPE + store. Against float64, and the two backends against each

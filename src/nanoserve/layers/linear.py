@@ -19,9 +19,15 @@ from nanoserve.attention.backend import SplitPartials
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm, RowScale
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
-from nanoserve.layers.split_k import adds_into_residual_at, split_k_partial_sums
+from nanoserve.layers.split_k import split_k_partial_sums
 
 ShardId = str | int | None
+
+# From this many rows a projection before a folded norm adds into the residual itself
+# (``RowParallelLinear.adds_into_residual``). Fewer keep the norm's launch: a decode batch of
+# 2-7 then finishes its new tokens inside split decode, which a row scale would forgo, and that
+# measured faster (docs/kernels.md, "The pre-norms left to the kernels after the projections").
+EPILOGUE_MIN_ROWS = 8
 
 
 def _one_row_on_cuda(x: torch.Tensor) -> bool:
@@ -198,9 +204,8 @@ class RowParallelLinear(nn.Module):
         # the residual rows it updates, for the norm after it (``DecoderModel.track_sum_squares``).
         self.sum_squares: torch.Tensor | None = None
         # Set where the projection after the next norm carries that norm's weight and takes its
-        # row scale (``DecoderForCausalLM.fold_norm_weights``): then, at the row counts where
-        # that measured faster (``split_k.adds_into_residual_at``), the GEMM adds its output
-        # into the residual itself and the norm has nothing to do.
+        # row scale (``DecoderForCausalLM.fold_norm_weights``): then, from EPILOGUE_MIN_ROWS
+        # rows, the GEMM adds its output into the residual itself and the norm has nothing to do.
         self.adds_into_residual = False
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
@@ -237,8 +242,8 @@ class RowParallelLinear(nn.Module):
         (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
         into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
         updated rows' sums of squares where ``sum_squares`` is set), and likewise at larger
-        batches where :attr:`adds_into_residual` is set and ``split_k.adds_into_residual_at``
-        says so (cuBLAS's ``beta = 1``: one launch in place of the GEMM and the norm). ``x`` may be attention's split partials
+        batches (from ``EPILOGUE_MIN_ROWS`` rows) where :attr:`adds_into_residual` is set
+        (cuBLAS's ``beta = 1``: one launch in place of the GEMM and the norm). ``x`` may be attention's split partials
         where :attr:`merges_split_partials` allows them; they are merged as they are read
         (``kernels/merged_o_proj.py``)."""
         if isinstance(x, SplitPartials):
@@ -253,7 +258,7 @@ class RowParallelLinear(nn.Module):
             skinny_linear(x, self.weight, residual=residual, sum_squares=self.sum_squares)
             return AddedToResidual(self.sum_squares), residual
         if (self.adds_into_residual and self.bias is None and x.dim() == 2
-                and adds_into_residual_at(x.shape[0], *self.weight.shape)):
+                and x.shape[0] >= EPILOGUE_MIN_ROWS):
             residual.addmm_(x, self.weight.t())
             return AddedToResidual(), residual
         parts = split_k_partial_sums(x, self.weight, self.bias)

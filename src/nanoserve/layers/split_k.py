@@ -35,25 +35,6 @@ def split_k_parts(rows: int, out_features: int, in_features: int) -> int:
     return parts if in_features % (8 * parts) == 0 else 1
 
 
-# Fewer rows than this keep the norm's launch: a decode batch of 2-7 finishes its new tokens
-# inside split decode (``TritonAttentionBackend``), which a row scale would forgo.
-EPILOGUE_MIN_ROWS = 8
-
-
-def adds_into_residual_at(rows: int, out_features: int, in_features: int) -> bool:
-    """Whether a projection before a norm that the next projection folded in should add its
-    output into the residual itself at ``rows`` rows (cuBLAS's ``beta = 1``; the norm then
-    needs no launch), rather than hand the norm its output or split-K partial sums.
-
-    Measured on the H200 (run 180, ``split_decode_chain.py --variants default epilogue=0``,
-    Qwen3-0.6B decode forwards at 512 and 1536 keys): at 2 rows the epilogue lost 8-17%, at 8
-    rows it won 2-9%, at 32-128 rows the two were within 0.7%, and at 200-256 rows, where
-    split-K runs in two slices, split-K and the norm won by 0.1-0.4%. Prefill-size steps have
-    no split-K and the norm launch over thousands of rows is pure cost.
-    """
-    return rows >= EPILOGUE_MIN_ROWS and split_k_parts(rows, out_features, in_features) != 2
-
-
 def split_k_views(x: torch.Tensor, weight: torch.Tensor, parts: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` and ``weight [N, K]`` as ``[S, M, K/S]`` and ``[S, K/S, N]`` views (no
