@@ -174,13 +174,33 @@ def _silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + N + cols, mask=mask, other=0.0)
     if ROW_SCALE:  # gate/up projected the un-normalised row: apply its norm's 1/rms here
-        h = tl.arange(0, BLOCK_H)
-        r = tl.load(scale_rows_ptr + token * stride_st + h, mask=h < HIDDEN,
-                    other=0.0).to(tl.float32)
-        factor = tl.rsqrt(tl.sum(r * r, 0) / HIDDEN + eps)
+        factor = row_factor(scale_rows_ptr, token, stride_st, eps, HIDDEN, BLOCK_H)
         gate = (gate.to(tl.float32) * factor).to(gate.dtype)
         up = (up.to(tl.float32) * factor).to(up.dtype)
     tl.store(out_ptr + token * stride_ot + cols, silu_times(gate, up), mask=mask)
+
+
+@triton.jit
+def row_factor(rows_ptr, row, stride_row, eps, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``1 / sqrt(mean(r^2) + eps)`` of row ``row`` of ``rows_ptr`` (a ``layers.norm.RowScale``'s
+    rows, ``HIDDEN`` wide), in fp32."""
+    h = tl.arange(0, BLOCK_H)
+    r = tl.load(rows_ptr + row * stride_row + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(r * r, 0) / HIDDEN + eps)
+
+
+def row_scale_args(row_scale: RowScale | None, num_rows: int, placeholder: torch.Tensor
+                   ) -> tuple[torch.Tensor, float, dict]:
+    """A kernel's arguments for an optional row scale: its rows (``placeholder``, never read,
+    without one), its eps, and the constexprs (ROW_SCALE, HIDDEN, BLOCK_H) to pass."""
+    if row_scale is None:
+        return placeholder, 0.0, {}
+    rows = row_scale.rows
+    assert rows.dim() == 2 and rows.shape[0] == num_rows and rows.stride(-1) == 1, \
+        "the row scale's rows are [T, H], one per row of the scaled input"
+    hidden = rows.shape[1]
+    return rows, row_scale.eps, dict(ROW_SCALE=True, HIDDEN=hidden,
+                                     BLOCK_H=triton.next_power_of_2(hidden))
 
 
 @triton.jit
@@ -210,18 +230,10 @@ def silu_and_mul(x: torch.Tensor, row_scale: RowScale | None = None) -> torch.Te
     if out.numel() == 0:
         return out
     x2, o2 = x.view(-1, width), out.view(-1, n)
-    scale_rows = o2  # typed placeholder, never read without a row scale
-    scale_args = {}
-    if row_scale is not None:
-        scale_rows = row_scale.rows
-        assert scale_rows.dim() == 2 and scale_rows.shape[0] == x2.shape[0] \
-            and scale_rows.stride(-1) == 1, "the row scale's rows are [T, H], one per row of x"
-        hidden = scale_rows.shape[1]
-        scale_args = dict(ROW_SCALE=True, HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden))
+    scale_rows, scale_eps, scale_args = row_scale_args(row_scale, x2.shape[0], o2)
     block_n = min(triton.next_power_of_2(n), SILU_BLOCK_N)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block_n))](
-        x2, o2, scale_rows, row_scale.eps if row_scale is not None else 0.0,
-        x2.stride(0), o2.stride(0), scale_rows.stride(0),
+        x2, o2, scale_rows, scale_eps, x2.stride(0), o2.stride(0), scale_rows.stride(0),
         N=n, BLOCK_N=block_n, PDL=programmatic_launch(x.device), **scale_args,
         num_warps=num_warps_for(block_n), launch_pdl=programmatic_launch(x.device),
     )

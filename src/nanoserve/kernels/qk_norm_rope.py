@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
-from nanoserve.kernels.fused_ops import num_warps_for
+from nanoserve.kernels.fused_ops import num_warps_for, row_factor, row_scale_args
 
 if TYPE_CHECKING:
     from nanoserve.layers.norm import RowScale
@@ -33,14 +33,6 @@ def _load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs,
     cos = tl.load(row, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(row + HALF, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     return cos, sin
-
-
-@triton.jit
-def _row_factor(rows_ptr, token, stride_rt, eps, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``1 / sqrt(mean(row^2) + eps)`` of ``token``'s row (``layers.norm.RowScale``), fp32."""
-    h = tl.arange(0, BLOCK_H)
-    r = tl.load(rows_ptr + token * stride_rt + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(r * r, 0) / HIDDEN + eps)
 
 
 @triton.jit
@@ -118,7 +110,7 @@ def _qk_norm_rope_store_kernel(
     j = tl.arange(0, BLOCK_HALF)
     factor = 1.0
     if ROW_SCALE:
-        factor = _row_factor(scale_rows_ptr, token, stride_st, scale_eps, HIDDEN, BLOCK_H)
+        factor = row_factor(scale_rows_ptr, token, stride_st, scale_eps, HIDDEN, BLOCK_H)
     if tl.program_id(1) == 0:
         hq = tl.arange(0, BLOCK_HQ)
         q_mask = (hq < NUM_Q_HEADS)[:, None] & (j < HALF)[None, :]
@@ -189,13 +181,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         # The reference would promote a wider weight's product; in place into q it cannot.
         for w in (q_weight, k_weight):
             assert w.shape == (head_dim,) and w.is_contiguous() and w.dtype == q.dtype == k.dtype
-    scale_rows, scale_args = cos_sin, {}  # a typed placeholder, never read without a row scale
-    if row_scale is not None:
-        scale_rows = row_scale.rows
-        assert scale_rows.dim() == 2 and scale_rows.shape[0] == num_tokens \
-            and scale_rows.stride(-1) == 1, "the row scale's rows are [T, H], one per token"
-        hidden = scale_rows.shape[1]
-        scale_args = dict(ROW_SCALE=True, HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden))
+    scale_rows, scale_eps, scale_args = row_scale_args(row_scale, num_tokens, cos_sin)
     if num_tokens == 0:
         return q
     half = head_dim // 2
@@ -206,7 +192,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         positions, slot_mapping, q, k, v, cos_sin,
         q_weight if has_qk_norm else cos_sin, k_weight if has_qk_norm else cos_sin,  # unread
         k_cache, v_cache, scale_rows,
-        eps, row_scale.eps if row_scale is not None else 0.0,
+        eps, scale_eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
