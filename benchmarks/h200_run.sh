@@ -7,7 +7,7 @@
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
-#   [samplingab] [samplingwidths]
+#   [samplingab] [samplingwidths] [epiloguechain]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -261,6 +261,11 @@ for step in "$@"; do
     abthroughput) ab ab_throughput.log benchmarks/throughput.py ;;
     samplingab) ab sampling_ab.log benchmarks/sampling.py ;;
     samplingwidths) ab sampling_widths.log benchmarks/sampling.py --widths 2 4 8 16 ;;
+    epiloguechain)  # decode forwards with and without the residual epilogue, per batch (runs 180, 184)
+      for b in 2 3 4 5 6 7 8 32 64 128 200 256; do
+        python3 benchmarks/split_decode_chain.py --batch $b --contexts 512 1536 --replays 200 \
+          --variants default epilogue=0 epilogue_min=2 2>&1 | grep '^{' | tee -a "$OUT/epilogue_chain.log"
+      done ;;
   esac
 done
 grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null
