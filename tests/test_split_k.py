@@ -35,4 +35,3 @@ def test_split_rule():
 
 def test_cpu_is_never_split():
     assert split_k_partial_sums(torch.randn(8, 64), torch.randn(32, 64), None) is None
-
