@@ -7,7 +7,7 @@
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
-#   [samplingab] [samplingwidths] [epiloguechain]
+#   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -265,6 +265,12 @@ for step in "$@"; do
       for b in 2 3 4 5 6 7 8 32 64 128 200 256; do
         python3 benchmarks/split_decode_chain.py --batch $b --contexts 512 1536 --replays 200 \
           --variants default epilogue=0 epilogue_min=2 2>&1 | grep '^{' | tee -a "$OUT/epilogue_chain.log"
+      done ;;
+    epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
+      python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
+        | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"
+      for pair in 1 2; do
+        ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384
       done ;;
   esac
 done
