@@ -57,7 +57,7 @@ def test_temperature_sampling_follows_softmax():
                            0.1, NEG_INF, 1.5, -0.5, 0.3, 0.9, NEG_INF, NEG_INF])
     temperature, draws = 1.0, 800
     ids = sample_tokens(logits.expand(draws, -1), torch.full((draws,), temperature),
-                            seed=1234)
+                        seed=1234)
     # 11 degrees of freedom (12 finite logits): P(chi2 > 31.26) = 0.001 for a correct sampler.
     assert chi_square(ids, (logits / temperature).softmax(-1)) < 31.26  # also: -inf never drawn
     assert chi_square(ids, (logits / (2 * temperature)).softmax(-1)) > 31.26

@@ -174,6 +174,7 @@ def _silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + N + cols, mask=mask, other=0.0)
     if ROW_SCALE:  # gate/up projected the un-normalised row: apply its norm's 1/rms here
+        # Each column tile of a row sums the row again: a few KB from L2, against a launch.
         factor = row_factor(scale_rows_ptr, token, stride_st, eps, HIDDEN, BLOCK_H)
         gate = (gate.to(tl.float32) * factor).to(gate.dtype)
         up = (up.to(tl.float32) * factor).to(up.dtype)

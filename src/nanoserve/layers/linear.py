@@ -243,9 +243,9 @@ class RowParallelLinear(nn.Module):
         into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
         updated rows' sums of squares where ``sum_squares`` is set), and likewise at larger
         batches (from ``EPILOGUE_MIN_ROWS`` rows) where :attr:`adds_into_residual` is set
-        (cuBLAS's ``beta = 1``: one launch in place of the GEMM and the norm). ``x`` may be attention's split partials
-        where :attr:`merges_split_partials` allows them; they are merged as they are read
-        (``kernels/merged_o_proj.py``)."""
+        (cuBLAS's ``beta = 1``: one launch in place of the GEMM and the norm). ``x`` may be
+        attention's split partials where :attr:`merges_split_partials` allows them; they are
+        merged as they are read (``kernels/merged_o_proj.py``)."""
         if isinstance(x, SplitPartials):
             from nanoserve.kernels.merged_o_proj import merged_o_proj
             merged_o_proj(x.lse, x.out, self.weight, residual, self.sum_squares)
