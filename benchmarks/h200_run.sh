@@ -7,7 +7,7 @@
 #   [mergetests] [mergechain] [mergelatency] [mergeab] [mergetiles] [readbw] [throughputtwice]
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
-#   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck]
+#   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -266,6 +266,26 @@ for step in "$@"; do
         python3 benchmarks/split_decode_chain.py --batch $b --contexts 512 1536 --replays 200 \
           --variants default epilogue=0 epilogue_min=2 2>&1 | grep '^{' | tee -a "$OUT/epilogue_chain.log"
       done ;;
+    tworows)  # batch 2 through the skinny GEMVs (Qwen3-0.6B's shapes): tests, chain, latency, BASE
+      python3 -m pytest tests/gpu/test_gpu_parity.py tests/gpu/test_fused_kernels.py -q -s \
+        -p no:cacheprovider -k "small_batches or one_sequence or norm_in_gemv or skinny" 2>&1 \
+        | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/tworows_tests.log"
+      python3 benchmarks/split_decode_chain.py --batch 2 --contexts 512 1536 --replays 200 \
+        --variants default two_rows=0 2>&1 | grep '^{' | tee -a "$OUT/tworows_chain.log"
+      python3 benchmarks/latency.py --shape qwen3-0.6b 2>&1 | tee "$OUT/latency.log"
+      ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384 ;;
+    tworowtiles)  # two-row skinny tiles: Qwen3-8B's shapes (one-row tiles lost), Qwen3-0.6B's
+      t8() { echo "tile2=6144:4096:$1,tile2=4096:4096:$2,tile2=24576:4096:$3,tile2=4096:12288:$4"; }
+      python3 benchmarks/split_decode_chain.py --shape qwen3-8b --batch 2 --contexts 512 \
+        --replays 100 --variants default "$(t8 4:2048 4:4096 4:4096 4:4096)" \
+        "$(t8 4:1024 4:2048 4:2048 4:2048)" "$(t8 4:1024 4:1024 4:1024 4:1024)" \
+        "$(t8 4:2048:w8 4:4096:w8 4:4096:w8 4:4096:w8)" "$(t8 2:2048 2:4096 2:4096 2:4096)" \
+        2>&1 | grep '^{' | tee -a "$OUT/tworowtiles.log"
+      t6() { echo "tile2=4096:1024:$1,tile2=1024:2048:$2,tile2=6144:1024:$3,tile2=1024:3072:$4"; }
+      python3 benchmarks/split_decode_chain.py --batch 2 --contexts 512 --replays 200 \
+        --variants default "$(t6 16:512 4:1024:defer 8:512 2:1024:defer)" \
+        "$(t6 16:1024:w8 4:2048:defer:w8 8:1024:w8 2:2048:defer:w8)" \
+        "$(t6 8:1024 2:2048:defer 4:1024 2:2048)" 2>&1 | grep '^{' | tee -a "$OUT/tworowtiles.log" ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"

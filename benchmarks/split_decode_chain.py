@@ -4,12 +4,17 @@ One engine per shape (random bf16 weights); for each variant a decode graph of t
 alone is captured for ``--batch`` sequences (1: ``latency.py``'s ``forward_graph_ms``) and
 replayed back to back with every sequence at each context length. A variant is ``default``,
 ``none`` (attention returns q as it came, so o_proj follows the qkv projection at once: a
-profile of attention's share, whose tokens mean nothing) or ``FIELD=VALUE,...`` where ``splits`` fixes the split count,
+profile of attention's share, whose tokens mean nothing) or ``FIELD=VALUE,...`` where
+``splits`` fixes the split count,
 ``unsplit=1`` runs the kernel that finishes the new tokens unsplit (one launch, no reduce),
 ``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), ``merge=S`` merges
 batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel does),
 ``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
-per chunk and warps, ``w_load=CACHE/EVICT`` sets how the batch-1 GEMVs load W
+per chunk and warps, ``epilogue=0`` keeps the norm launches after o_proj and down_proj at
+every batch and ``epilogue_min=N`` adds their output into the residual from N rows
+(``linear.EPILOGUE_MIN_ROWS``), ``two_rows=0`` keeps batches of two off the skinny GEMVs
+(``skinny_gemm.TUNED_TWO_ROWS``), ``tile2=N:K:BN:BK[:defer][:wW]`` sends two rows of one shape
+through them with these tiles (repeatable), ``w_load=CACHE/EVICT`` sets how the batch-1 GEMVs load W
 (``skinny_gemm.W_LOAD``; ``w_load=/``: Triton's default caching), ``tile=N:K:BN:BK[:defer][:wW]``
 replaces the batch-1 GEMV tiles of one (N, K) shape (``skinny_gemm.TUNED_ONE_ROW``; ``wW``: W
 warps, 4 unless given; repeatable), and the other fields replace split
@@ -85,6 +90,7 @@ def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
     saved[skinny_gemm, "W_LOAD"] = skinny_gemm.W_LOAD
     saved[skinny_gemm, "TUNED_ONE_ROW"] = skinny_gemm.TUNED_ONE_ROW
+    saved[skinny_gemm, "TUNED_TWO_ROWS"] = skinny_gemm.TUNED_TWO_ROWS
     saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
     saved[triton_backend.TritonAttentionBackend, "attention"] = \
         triton_backend.TritonAttentionBackend.attention
@@ -118,6 +124,11 @@ def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
         elif name == "epilogue_min":
             saved[linear, "EPILOGUE_MIN_ROWS"] = linear.EPILOGUE_MIN_ROWS
             linear.EPILOGUE_MIN_ROWS = int(value)
+        elif name == "two_rows" and value == "0":
+            skinny_gemm.TUNED_TWO_ROWS = {}
+        elif name == "tile2":
+            shape, config = parse_tile(value)
+            skinny_gemm.TUNED_TWO_ROWS = {**skinny_gemm.TUNED_TWO_ROWS, shape: config}
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:

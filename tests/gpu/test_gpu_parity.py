@@ -111,6 +111,14 @@ def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
                                         max_num_seqs=1)
 
 
+def test_bf16_greedy_in_small_batches(tmp_path_factory):
+    """Decode batches of 1-4 rows (``max_num_seqs=4``): the skinny GEMVs at one and two rows
+    (Qwen3-0.6B's shapes take two), cuBLAS and split-K with the norm launches at three and
+    four, the split kernel finishing the new tokens at all of them."""
+    assert_greedy_close_to_transformers(random_model_dir("qwen3-0.6b", tmp_path_factory),
+                                        "qwen3-0.6b 4 at a time", max_num_seqs=4)
+
+
 def test_bf16_greedy_of_a_larger_batch_close_to_transformers(tmp_path_factory):
     """24 sequences at once (a 32-row decode graph): split decode without the new tokens
     fused, split to even out ragged contexts (num_decode_splits' balance regime)."""

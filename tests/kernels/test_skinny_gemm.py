@@ -218,3 +218,14 @@ def test_norm_linear_normalises_with_the_producers_statistic():
     halved, _, _ = norm_linear(AddedToResidual(true_sum / 2), residual, norm, proj.weight,
                                None)
     torch.testing.assert_close(halved, expected * 2 ** 0.5, **TOLERANCE[torch.float32])
+
+
+def test_two_rows_only_for_the_shapes_measured_faster():
+    """Batch 1 always takes the kernel; batch 2 only Qwen3-0.6B's projections (run 187), not
+    Qwen3-8B's, which lost with these tiles; three rows and more go to cuBLAS."""
+    from nanoserve.kernels.skinny_gemm import serves
+    assert serves(1, 151936, 1024) and serves(1, 4096, 4096)
+    assert all(serves(2, n, k) for n, k in [(4096, 1024), (1024, 2048), (6144, 1024),
+                                            (1024, 3072)])
+    assert not serves(2, 4096, 4096) and not serves(2, 24576, 4096)
+    assert not serves(3, 4096, 1024) and not serves(0, 4096, 1024)

@@ -24,16 +24,20 @@ from nanoserve.layers.split_k import split_k_partial_sums
 ShardId = str | int | None
 
 # From this many rows a projection before a folded norm adds into the residual itself
-# (``RowParallelLinear.adds_into_residual``). Fewer keep the norm's launch: a decode batch of
-# 2-7 then finishes its new tokens inside split decode, which a row scale would forgo, and that
-# measured faster (docs/kernels.md, "The pre-norms left to the kernels after the projections").
+# (``RowParallelLinear.adds_into_residual``). Fewer keep split-K and the norm's launch: at 2-7
+# rows cuBLAS's GEMM with beta = 1 lost to them by 4-25%, whether split decode then applied the
+# row scale itself (run 187) or left the new tokens to a launch of their own (runs 180, 184;
+# docs/kernels.md, "The pre-norms left to the kernels after the projections").
 EPILOGUE_MIN_ROWS = 8
 
 
-def _one_row_on_cuda(x: torch.Tensor) -> bool:
-    """Batch-1 decode on CUDA in 16 bits: the skinny-GEMM kernel's case."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1
-            and x.dtype in (torch.bfloat16, torch.float16))
+def _skinny_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Decode at batch 1 (or 2, for some shapes) on CUDA in 16 bits: the skinny-GEMM kernel's
+    case, with the norms, the residual adds and SiLU-and-mul inside it."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    from nanoserve.kernels.skinny_gemm import serves
+    return serves(x.shape[0], *weight.shape)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -44,9 +48,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     One 16-bit row on CUDA (batch-1 decode) goes through the skinny-GEMM Triton kernel: as fast
     as cuBLAS or faster on every projection shape measured there, up to 3x on some
     (docs/kernels.md), and with ``activate`` it applies SiLU-and-mul as it stores, one launch
-    less.
+    less. So do two rows, for the shapes where that measured faster
+    (``skinny_gemm.TUNED_TWO_ROWS``).
     """
-    if _one_row_on_cuda(x):
+    if _skinny_on_cuda(x, weight):
         from nanoserve.kernels.skinny_gemm import skinny_linear
         return skinny_linear(x, weight, bias, activate=activate)
     out = F.linear(x, weight, bias)
@@ -61,7 +66,7 @@ def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
 
     Where the norm's weight is folded into ``weight`` (the GPU path) and the projection before
     already added its output into the residual (``AddedToResidual``), the norm needs no launch:
-    at batch 1, with the sums of squares that projection left (``sum_squares``), the skinny
+    at batch 1 (or 2), with the sums of squares that projection left (``sum_squares``), the skinny
     GEMV applies it; at larger batches the projection runs on the residual as it is and the
     norm's factor per row is left to the kernel that reads the product (the third item, a
     ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
@@ -200,8 +205,9 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
             if bias else None
-        # float32 [1], zeroed before each forward, where the batch-1 GEMV sums the squares of
-        # the residual rows it updates, for the norm after it (``DecoderModel.track_sum_squares``).
+        # float32 [skinny_gemm.MAX_ROWS], zeroed before each forward, where the skinny GEMV sums
+        # the squares of the residual rows it updates, for the norm after it
+        # (``DecoderModel.track_sum_squares``).
         self.sum_squares: torch.Tensor | None = None
         # Set where the projection after the next norm carries that norm's weight and takes its
         # row scale (``DecoderForCausalLM.fold_norm_weights``): then, from EPILOGUE_MIN_ROWS
@@ -224,6 +230,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight, self.bias))
 
+    def _sum_squares(self, rows: int) -> torch.Tensor | None:
+        """The slots of :attr:`sum_squares` for a batch of ``rows`` rows, if it is tracked."""
+        return None if self.sum_squares is None else self.sum_squares[:rows]
+
     @property
     def merges_split_partials(self) -> bool:
         """Whether :meth:`forward_for_norm` takes a batch-1 attention output still split
@@ -239,24 +249,27 @@ class RowParallelLinear(nn.Module):
                          ) -> tuple[NormInput, torch.Tensor]:
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
-        (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA, already added
-        into ``residual`` in place by the GEMV's epilogue (``AddedToResidual``, with the
-        updated rows' sums of squares where ``sum_squares`` is set), and likewise at larger
-        batches (from ``EPILOGUE_MIN_ROWS`` rows) where :attr:`adds_into_residual` is set
-        (cuBLAS's ``beta = 1``: one launch in place of the GEMM and the norm). ``x`` may be
-        attention's split partials where :attr:`merges_split_partials` allows them; they are
-        merged as they are read (``kernels/merged_o_proj.py``)."""
+        (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA (2 for some
+        shapes), already added into ``residual`` in place by the GEMV's epilogue
+        (``AddedToResidual``, with the updated rows' sums of squares where ``sum_squares`` is
+        set), and likewise at larger batches (from ``EPILOGUE_MIN_ROWS`` rows) where
+        :attr:`adds_into_residual` is set (cuBLAS's ``beta = 1``: one launch in place of the
+        GEMM and the norm). ``x`` may be attention's split partials where
+        :attr:`merges_split_partials` allows them; they are merged as they are read
+        (``kernels/merged_o_proj.py``)."""
         if isinstance(x, SplitPartials):
             from nanoserve.kernels.merged_o_proj import merged_o_proj
-            merged_o_proj(x.lse, x.out, self.weight, residual, self.sum_squares)
-            return AddedToResidual(self.sum_squares), residual
+            sums = self._sum_squares(1)
+            merged_o_proj(x.lse, x.out, self.weight, residual, sums)
+            return AddedToResidual(sums), residual
         if self.tp.size > 1:
             return self.forward(x), residual
-        if (self.bias is None and _one_row_on_cuda(x) and residual.dtype == x.dtype
-                and residual.is_contiguous()):
+        if (self.bias is None and _skinny_on_cuda(x, self.weight)
+                and residual.dtype == x.dtype and residual.is_contiguous()):
             from nanoserve.kernels.skinny_gemm import skinny_linear
-            skinny_linear(x, self.weight, residual=residual, sum_squares=self.sum_squares)
-            return AddedToResidual(self.sum_squares), residual
+            sums = self._sum_squares(x.shape[0])
+            skinny_linear(x, self.weight, residual=residual, sum_squares=sums)
+            return AddedToResidual(sums), residual
         if (self.adds_into_residual and self.bias is None and x.dim() == 2
                 and x.shape[0] >= EPILOGUE_MIN_ROWS):
             residual.addmm_(x, self.weight.t())
