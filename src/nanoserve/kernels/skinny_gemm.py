@@ -182,11 +182,11 @@ TUNED_ONE_ROW = {
 
 
 # The projections that take two rows here too, with their tiles there: Qwen3-0.6B's, at half
-# the one-row tiles' rows per program (the [2, BLOCK_N, BLOCK_K] product fits the registers).
-# Its batch-2 decode forward took 0.671 ms at 512 keys this way, 0.693 with the one-row tiles,
-# against 0.883-0.889 with cuBLAS, split-K and the norm launches (runs 187-189,
-# split_decode_chain.py; docs/kernels.md). No two-row tiling of Qwen3-8B's shapes beat cuBLAS
-# (run 189: 4.32-5.01 ms against 4.24).
+# the one-row tiles' rows per program (down_proj's stays at 2, summed per chunk). Its batch-2
+# decode forward took 0.671 ms at 512 keys this way, 0.693 with the one-row tiles, against
+# 0.882-0.889 with cuBLAS, split-K and the norm launches (runs 187-190, split_decode_chain.py;
+# docs/kernels.md). No two-row tiling of Qwen3-8B's shapes beat cuBLAS (run 189: 4.32-5.01 ms
+# against 4.24).
 TUNED_TWO_ROWS = {
     (4096, 1024): SkinnyConfig(8, 1024, 4, 4),
     (1024, 2048): SkinnyConfig(2, 2048, 4, 4, defer_sum=True),
