@@ -35,6 +35,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
 from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
 from nanoserve.kernels.merged_o_proj import merged_o_proj  # noqa: E402
 from nanoserve.kernels.skinny_gemm import (  # noqa: E402
+    serves,
     skinny_linear,
     skinny_rms_linear,
 )
@@ -230,6 +231,46 @@ def test_prefill_stores_and_reads_an_fp8_cache():
                          ids=["qkv", "gate_up", "qkv-8b", "gate_up-8b"])
 def test_norm_in_gemv_matches_torch_path(n, k):
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
+
+
+def test_two_rows_through_the_skinny_chain_match_torch_path():
+    """Batch 2 at Qwen3-0.6B's shapes, with their two-row tiles: o_proj adds into the residual
+    and sums each row's squares, gate/up normalises with them and writes the activation, down
+    adds in, qkv normalises; each against the torch path in float64 from the same inputs."""
+    gen = torch.Generator().manual_seed(2)
+
+    def rand(*shape, std=1.0):
+        return (std * torch.randn(*shape, generator=gen)).to("cuda", torch.bfloat16)
+
+    hidden, heads_dim, inter, qkv_out = 1024, 2048, 3072, 4096
+    o_w, down_w = rand(hidden, heads_dim, std=heads_dim ** -0.5), rand(hidden, inter,
+                                                                        std=inter ** -0.5)
+    gate_up_w, qkv_w = rand(2 * inter, hidden, std=hidden ** -0.5), rand(qkv_out, hidden,
+                                                                          std=hidden ** -0.5)
+    for w in (o_w, down_w, gate_up_w, qkv_w):
+        assert serves(2, *w.shape) and not serves(3, *w.shape)
+    ones = torch.ones(hidden, dtype=torch.float64, device="cuda")
+    residual = rand(2, hidden) * torch.tensor([[0.5], [8.0]], device="cuda",
+                                              dtype=torch.bfloat16)
+    attn = rand(2, heads_dim)
+
+    before, sums = residual.clone(), torch.zeros(2, device="cuda")
+    skinny_linear(attn, o_w, residual=residual, sum_squares=sums)
+    expected = before.double() + attn.double() @ o_w.double().T
+    torch.testing.assert_close(residual.double(), expected, **BF16)
+    torch.testing.assert_close(sums, residual.float().pow(2).sum(-1), rtol=1e-5, atol=0)
+    act = skinny_rms_linear(residual, sums, 1e-6, gate_up_w, activate=True)
+    expected = silu_and_mul_torch(rms_norm_torch(residual.double(), ones, 1e-6)
+                                  @ gate_up_w.double().T)
+    torch.testing.assert_close(act.double(), expected, **BF16)
+
+    before, sums = residual.clone(), torch.zeros(2, device="cuda")
+    skinny_linear(act, down_w, residual=residual, sum_squares=sums)
+    expected = before.double() + act.double() @ down_w.double().T
+    torch.testing.assert_close(residual.double(), expected, **BF16)
+    qkv = skinny_rms_linear(residual, sums, 1e-6, qkv_w)
+    expected = rms_norm_torch(residual.double(), ones, 1e-6) @ qkv_w.double().T
+    torch.testing.assert_close(qkv.double(), expected, **BF16)
 
 
 @pytest.mark.parametrize("n,k", [(6144, 1024), (24576, 4096)], ids=["qwen3-0.6b", "qwen3-8b"])
