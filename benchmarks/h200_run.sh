@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, batch-1 latency, the throughput workload; logs under $OUT.
 # Usage (on the H200, repo root): bash benchmarks/h200_run.sh [parity] [latency] [throughput]
+#   [throughputonly]
 #   [latency8b] [throughputfp8] [latencyfp8] [latency8bfp8] [kernels] [fusedops] [skinny] [skinnysweep] [decodeworkload] [sampling] [profile]
 #   [hostprofile] [tputprofile] [serve] [ablatency] [ablatency8b] [abthroughput]
 #   [registers] [splittests] [splitab] [splitab8b] [splitsweep] [splitchain] [capsab] [prefetchchain] [smallbatch] [firstrun]
@@ -8,6 +9,7 @@
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
+#   [fourrowtiles]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -271,7 +273,7 @@ for step in "$@"; do
         -p no:cacheprovider -k "small_batches or one_sequence or norm_in_gemv or skinny" 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/tworows_tests.log"
       python3 benchmarks/split_decode_chain.py --batch 2 --contexts 512 1536 --replays 200 \
-        --variants default two_rows=0 2>&1 | grep '^{' | tee -a "$OUT/tworows_chain.log"
+        --variants default few_rows=0 2>&1 | grep '^{' | tee -a "$OUT/tworows_chain.log"
       python3 benchmarks/latency.py --shape qwen3-0.6b 2>&1 | tee "$OUT/latency.log"
       ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384 ;;
     tworowtiles)  # two-row skinny tiles: Qwen3-8B's shapes (one-row tiles lost), Qwen3-0.6B's
@@ -286,6 +288,15 @@ for step in "$@"; do
         --variants default "$(t6 16:512 4:1024:defer 8:512 2:1024:defer)" \
         "$(t6 16:1024:w8 4:2048:defer:w8 8:1024:w8 2:2048:defer:w8)" \
         "$(t6 8:1024 2:2048:defer 4:1024 2:2048)" 2>&1 | grep '^{' | tee -a "$OUT/tworowtiles.log" ;;
+    fourrowtiles)  # batches of 3-4 (the graph of 4 rows) through the skinny GEMVs: 0.6B tiles
+      t4() { echo "tile4=4096:1024:$1,tile4=1024:2048:$2,tile4=6144:1024:$3,tile4=1024:3072:$4"; }
+      for b in 4 3; do
+        python3 benchmarks/split_decode_chain.py --batch $b --contexts 512 1536 --replays 200 \
+          --variants default "$(t4 8:1024 2:2048:defer 4:1024 2:2048)" \
+          "$(t4 4:1024 2:1024:defer 2:1024 2:1024)" "$(t4 4:512 2:1024:defer 2:512 2:1024)" \
+          "$(t4 2:1024 1:2048 2:1024 1:2048)" "$(t4 4:1024:w8 2:2048:defer:w8 2:1024:w8 2:2048:w8)" \
+          2>&1 | grep '^{' | tee -a "$OUT/fourrowtiles.log"
+      done ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"

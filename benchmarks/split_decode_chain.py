@@ -12,13 +12,13 @@ batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel d
 ``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
 per chunk and warps, ``epilogue=0`` keeps the norm launches after o_proj and down_proj at
 every batch and ``epilogue_min=N`` adds their output into the residual from N rows
-(``linear.EPILOGUE_MIN_ROWS``), ``two_rows=0`` keeps batches of two off the skinny GEMVs
-(``skinny_gemm.TUNED_TWO_ROWS``), ``tile2=N:K:BN:BK[:defer][:wW]`` sends two rows of one shape
-through them with these tiles (repeatable), ``w_load=CACHE/EVICT`` sets how the batch-1 GEMVs load W
-(``skinny_gemm.W_LOAD``; ``w_load=/``: Triton's default caching), ``tile=N:K:BN:BK[:defer][:wW]``
-replaces the batch-1 GEMV tiles of one (N, K) shape (``skinny_gemm.TUNED_ONE_ROW``; ``wW``: W
-warps, 4 unless given; repeatable), and the other fields replace split
-decode's ``DecodeTuning``s (booleans as 0/1). The build before context caps is
+(``linear.EPILOGUE_MIN_ROWS``), ``few_rows=0`` keeps batches of 2-4 off the skinny GEMVs
+(``skinny_gemm.TUNED_FEW_ROWS``), ``tileR=N:K:BN:BK[:defer][:wW]`` (R of 2-4) sends R rows of
+one shape through them with these tiles (repeatable), ``w_load=CACHE/EVICT`` sets how the
+batch-1 GEMVs load W (``skinny_gemm.W_LOAD``; ``w_load=/``: Triton's default caching),
+``tile=N:K:BN:BK[:defer][:wW]`` replaces the batch-1 GEMV tiles of one (N, K) shape
+(``skinny_gemm.TUNED_ONE_ROW``; ``wW``: W warps, 4 unless given; repeatable), and the other
+fields replace split decode's ``DecodeTuning``s (booleans as 0/1). The build before context caps is
 ``caps=0,num_stages=3``. One JSON line per variant and context:
 
     python benchmarks/split_decode_chain.py --shape qwen3-0.6b --contexts 384 2048 \\
@@ -90,7 +90,7 @@ def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
     saved[skinny_gemm, "W_LOAD"] = skinny_gemm.W_LOAD
     saved[skinny_gemm, "TUNED_ONE_ROW"] = skinny_gemm.TUNED_ONE_ROW
-    saved[skinny_gemm, "TUNED_TWO_ROWS"] = skinny_gemm.TUNED_TWO_ROWS
+    saved[skinny_gemm, "TUNED_FEW_ROWS"] = skinny_gemm.TUNED_FEW_ROWS
     saved[cuda_graph, "SHORT_CONTEXT_CAPS"] = cuda_graph.SHORT_CONTEXT_CAPS
     saved[triton_backend.TritonAttentionBackend, "attention"] = \
         triton_backend.TritonAttentionBackend.attention
@@ -124,11 +124,12 @@ def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
         elif name == "epilogue_min":
             saved[linear, "EPILOGUE_MIN_ROWS"] = linear.EPILOGUE_MIN_ROWS
             linear.EPILOGUE_MIN_ROWS = int(value)
-        elif name == "two_rows" and value == "0":
-            skinny_gemm.TUNED_TWO_ROWS = {}
-        elif name == "tile2":
-            shape, config = parse_tile(value)
-            skinny_gemm.TUNED_TWO_ROWS = {**skinny_gemm.TUNED_TWO_ROWS, shape: config}
+        elif name == "few_rows" and value == "0":
+            skinny_gemm.TUNED_FEW_ROWS = {}
+        elif name[:4] == "tile" and name[4:].isdigit():  # tile2=..., tile4=...: R rows
+            rows, (shape, config) = int(name[4:]), parse_tile(value)
+            tiles = skinny_gemm.TUNED_FEW_ROWS
+            skinny_gemm.TUNED_FEW_ROWS = {**tiles, rows: {**tiles.get(rows, {}), shape: config}}
         elif name == "caps":  # the graphs' short-context caps, "/"-separated; 0: none
             cuda_graph.SHORT_CONTEXT_CAPS = tuple(int(c) for c in value.split("/") if c != "0")
         else:

@@ -48,15 +48,15 @@ from nanoserve.kernels.fused_ops import silu_times
 W_LOAD = ("", "evict_first")
 
 # Largest batch the kernel serves: its x tile is a broadcast [rows, BLOCK_N, BLOCK_K] product in
-# registers. Already at 4 rows cuBLAS is faster on most shapes, so layers use it for one row,
-# and for two where the shape is in TUNED_TWO_ROWS.
+# registers. Layers use it for one row, and for more where TUNED_FEW_ROWS has tiles for the
+# row count and shape (cuBLAS was faster at 3-4 rows with generic tiles, docs/kernels.md).
 MAX_ROWS = 4
 
 
 def serves(rows: int, n: int, k: int) -> bool:
     """Whether a decode projection of ``rows`` rows and weight ``[n, k]`` takes this kernel:
-    one row always, two where ``TUNED_TWO_ROWS`` has tiles for the shape."""
-    return rows == 1 or (rows == 2 and (n, k) in TUNED_TWO_ROWS)
+    one row always, more where ``TUNED_FEW_ROWS`` has tiles for them."""
+    return rows == 1 or (n, k) in TUNED_FEW_ROWS.get(rows, {})
 
 
 class SkinnyConfig(NamedTuple):
@@ -181,18 +181,18 @@ TUNED_ONE_ROW = {
 }
 
 
-# The projections that take two rows here too, with their tiles there: Qwen3-0.6B's, at half
-# the one-row tiles' rows per program (down_proj's stays at 2, summed per chunk). Its batch-2
-# decode forward took 0.671 ms at 512 keys this way, 0.693 with the one-row tiles, against
-# 0.882-0.889 with cuBLAS, split-K and the norm launches (runs 187-190, split_decode_chain.py;
-# docs/kernels.md). No two-row tiling of Qwen3-8B's shapes beat cuBLAS (run 189: 4.32-5.01 ms
-# against 4.24).
-TUNED_TWO_ROWS = {
+# Row counts above one that take this kernel, and for each the projections that do, with their
+# tiles. Two rows: Qwen3-0.6B's projections, at half the one-row tiles' rows per program
+# (down_proj's stays at 2, summed per chunk). Its batch-2 decode forward took 0.671 ms at 512
+# keys this way, 0.693 with the one-row tiles, against 0.882-0.889 with cuBLAS, split-K and the
+# norm launches (runs 187-190, split_decode_chain.py; docs/kernels.md). No two-row tiling of
+# Qwen3-8B's shapes beat cuBLAS (run 189: 4.32-5.01 ms against 4.24).
+TUNED_FEW_ROWS: dict[int, dict[tuple[int, int], SkinnyConfig]] = {2: {
     (4096, 1024): SkinnyConfig(8, 1024, 4, 4),
     (1024, 2048): SkinnyConfig(2, 2048, 4, 4, defer_sum=True),
     (6144, 1024): SkinnyConfig(4, 1024, 4, 4),
     (1024, 3072): SkinnyConfig(2, 2048, 4, 4),
-}
+}}
 
 
 def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyConfig:
@@ -200,13 +200,13 @@ def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyCon
 
     One row: the sweep's best where it measured the shape; otherwise K chunks as long as
     possible (up to 4096) with 16 KB of W per chunk, the shape of most winners: few loop
-    trips, so each program has its whole share of W requested before the first sum. Two
-    rows: ``TUNED_TWO_ROWS`` where it has the shape.
+    trips, so each program has its whole share of W requested before the first sum. More
+    rows: ``TUNED_FEW_ROWS`` where it has the row count and shape.
     """
     if interpreted(device):
         return SkinnyConfig(block_n=16, block_k=32, num_warps=1, num_stages=1)
-    if rows == 2 and (n, k) in TUNED_TWO_ROWS:
-        return TUNED_TWO_ROWS[(n, k)]
+    if (n, k) in TUNED_FEW_ROWS.get(rows, {}):
+        return TUNED_FEW_ROWS[rows][(n, k)]
     if rows == 1:
         block_k = min(triton.next_power_of_2(k), 4096)
         return TUNED_ONE_ROW.get((n, k), SkinnyConfig(max(1, 8192 // block_k), block_k, 4, 4))

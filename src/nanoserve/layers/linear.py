@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     as cuBLAS or faster on every projection shape measured there, up to 3x on some
     (docs/kernels.md), and with ``activate`` it applies SiLU-and-mul as it stores, one launch
     less. So do two rows, for the shapes where that measured faster
-    (``skinny_gemm.TUNED_TWO_ROWS``).
+    (``skinny_gemm.TUNED_FEW_ROWS``).
     """
     if _skinny_on_cuda(x, weight):
         from nanoserve.kernels.skinny_gemm import skinny_linear
