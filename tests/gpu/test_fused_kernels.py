@@ -35,6 +35,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
 from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
 from nanoserve.kernels.merged_o_proj import merged_o_proj  # noqa: E402
 from nanoserve.kernels.skinny_gemm import (  # noqa: E402
+    TUNED_FEW_ROWS,
     serves,
     skinny_linear,
     skinny_rms_linear,
@@ -233,11 +234,13 @@ def test_norm_in_gemv_matches_torch_path(n, k):
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
 
 
-def test_two_rows_through_the_skinny_chain_match_torch_path():
-    """Batch 2 at Qwen3-0.6B's shapes, with their two-row tiles: o_proj adds into the residual
-    and sums each row's squares, gate/up normalises with them and writes the activation, down
-    adds in, qkv normalises; each against the torch path in float64 from the same inputs."""
-    gen = torch.Generator().manual_seed(2)
+@pytest.mark.parametrize("rows", sorted(TUNED_FEW_ROWS))
+def test_few_rows_through_the_skinny_chain_match_torch_path(rows):
+    """Batches of 2 (and every row count ``TUNED_FEW_ROWS`` has) at Qwen3-0.6B's shapes, with
+    their tiles: o_proj adds into the residual and sums each row's squares, gate/up normalises
+    with them and writes the activation, down adds in, qkv normalises; each against the torch
+    path in float64 from the same inputs."""
+    gen = torch.Generator().manual_seed(rows)
 
     def rand(*shape, std=1.0):
         return (std * torch.randn(*shape, generator=gen)).to("cuda", torch.bfloat16)
@@ -248,13 +251,13 @@ def test_two_rows_through_the_skinny_chain_match_torch_path():
     gate_up_w, qkv_w = rand(2 * inter, hidden, std=hidden ** -0.5), rand(qkv_out, hidden,
                                                                           std=hidden ** -0.5)
     for w in (o_w, down_w, gate_up_w, qkv_w):
-        assert serves(2, *w.shape) and not serves(3, *w.shape)
+        assert serves(rows, *w.shape)
     ones = torch.ones(hidden, dtype=torch.float64, device="cuda")
-    residual = rand(2, hidden) * torch.tensor([[0.5], [8.0]], device="cuda",
-                                              dtype=torch.bfloat16)
-    attn = rand(2, heads_dim)
+    sizes = torch.logspace(math.log10(0.5), math.log10(8), rows)[:, None]
+    residual = rand(rows, hidden) * sizes.to("cuda", torch.bfloat16)
+    attn = rand(rows, heads_dim)
 
-    before, sums = residual.clone(), torch.zeros(2, device="cuda")
+    before, sums = residual.clone(), torch.zeros(rows, device="cuda")
     skinny_linear(attn, o_w, residual=residual, sum_squares=sums)
     expected = before.double() + attn.double() @ o_w.double().T
     torch.testing.assert_close(residual.double(), expected, **BF16)
@@ -264,7 +267,7 @@ def test_two_rows_through_the_skinny_chain_match_torch_path():
                                   @ gate_up_w.double().T)
     torch.testing.assert_close(act.double(), expected, **BF16)
 
-    before, sums = residual.clone(), torch.zeros(2, device="cuda")
+    before, sums = residual.clone(), torch.zeros(rows, device="cuda")
     skinny_linear(act, down_w, residual=residual, sum_squares=sums)
     expected = before.double() + act.double() @ down_w.double().T
     torch.testing.assert_close(residual.double(), expected, **BF16)
