@@ -7,8 +7,8 @@ from reference import PROMPTS, greedy_params, hf_greedy, hf_model_and_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import LLM
-from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.linear import EPILOGUE_MIN_ROWS
+from nanoserve.layers.norm import RMSNorm
 
 NEW_TOKENS = 32
 

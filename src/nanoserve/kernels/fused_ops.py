@@ -176,8 +176,8 @@ def _silu_and_mul_kernel(
     if ROW_SCALE:  # gate/up projected the un-normalised row: apply its norm's 1/rms here
         # Each column tile of a row sums the row again: a few KB from L2, against a launch.
         factor = row_factor(scale_rows_ptr, token, stride_st, eps, HIDDEN, BLOCK_H)
-        gate = (gate.to(tl.float32) * factor).to(gate.dtype)
-        up = (up.to(tl.float32) * factor).to(up.dtype)
+        gate = scaled_by(gate, factor)
+        up = scaled_by(up, factor)
     tl.store(out_ptr + token * stride_ot + cols, silu_times(gate, up), mask=mask)
 
 
@@ -188,6 +188,13 @@ def row_factor(rows_ptr, row, stride_row, eps, HIDDEN: tl.constexpr, BLOCK_H: tl
     h = tl.arange(0, BLOCK_H)
     r = tl.load(rows_ptr + row * stride_row + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
     return tl.rsqrt(tl.sum(r * r, 0) / HIDDEN + eps)
+
+
+@triton.jit
+def scaled_by(x, factor):
+    """``x`` times a row's ``factor`` in fp32, rounded back to ``x``'s dtype: what the
+    normalised row's projection would have been (``layers.norm.row_scale_torch``)."""
+    return (x.to(tl.float32) * factor).to(x.dtype)
 
 
 def row_scale_args(row_scale: RowScale | None, num_rows: int, placeholder: torch.Tensor

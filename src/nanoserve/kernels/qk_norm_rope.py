@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
-from nanoserve.kernels.fused_ops import num_warps_for, row_factor, row_scale_args
+from nanoserve.kernels.fused_ops import num_warps_for, row_factor, row_scale_args, scaled_by
 
 if TYPE_CHECKING:
     from nanoserve.layers.norm import RowScale
@@ -43,14 +43,15 @@ def _norm_rope_heads(
 ):
     # One token's heads, addressed by `first` (pointers to each head's first half), normalised
     # and rotated in fp32; returns both rotated halves rounded to the heads' dtype. With
-    # ROW_SCALE the heads are first scaled by `factor` and rounded, as the normalised row's
-    # projection would be (``layers.norm.row_scale_torch``).
+    # ROW_SCALE the heads are first scaled by `factor` (``scaled_by``).
     dtype = first.dtype.element_ty
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
     if ROW_SCALE:
-        x1 = (x1 * factor).to(dtype).to(tl.float32)
-        x2 = (x2 * factor).to(dtype).to(tl.float32)
+        x1 = scaled_by(x1, factor)
+        x2 = scaled_by(x2, factor)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     if HAS_QK_NORM:
         # Masked lanes are 0 and add nothing to the sum of squares.
         mean_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
@@ -142,8 +143,8 @@ def _qk_norm_rope_store_kernel(
         v1 = tl.load(v_first, mask=kv_mask)
         v2 = tl.load(v_first + HALF, mask=kv_mask)
         if ROW_SCALE:
-            v1 = (v1.to(tl.float32) * factor).to(v_first.dtype.element_ty)
-            v2 = (v2.to(tl.float32) * factor).to(v_first.dtype.element_ty)
+            v1 = scaled_by(v1, factor)
+            v2 = scaled_by(v2, factor)
         tl.store(vc_first, v1.to(v_dtype), mask=kv_mask)
         tl.store(vc_first + HALF, v2.to(v_dtype), mask=kv_mask)
 
