@@ -186,13 +186,17 @@ TUNED_ONE_ROW = {
 # (down_proj's stays at 2, summed per chunk). Its batch-2 decode forward took 0.671 ms at 512
 # keys this way, 0.693 with the one-row tiles, against 0.882-0.889 with cuBLAS, split-K and the
 # norm launches (runs 187-190, split_decode_chain.py; docs/kernels.md). No two-row tiling of
-# Qwen3-8B's shapes beat cuBLAS (run 189: 4.32-5.01 ms against 4.24).
-TUNED_FEW_ROWS: dict[int, dict[tuple[int, int], SkinnyConfig]] = {2: {
+# Qwen3-8B's shapes beat cuBLAS (run 189: 4.32-5.01 ms against 4.24). Four rows (the decode
+# graph that batches of 3 and 4 replay): the same tiles, 0.902 / 1.122 ms at 512 / 1536 keys
+# against 0.934 / 1.191; four other tilings lost to cuBLAS (run 192).
+_FEW_ROW_TILES = {
     (4096, 1024): SkinnyConfig(8, 1024, 4, 4),
     (1024, 2048): SkinnyConfig(2, 2048, 4, 4, defer_sum=True),
     (6144, 1024): SkinnyConfig(4, 1024, 4, 4),
     (1024, 3072): SkinnyConfig(2, 2048, 4, 4),
-}}
+}
+TUNED_FEW_ROWS: dict[int, dict[tuple[int, int], SkinnyConfig]] = {2: _FEW_ROW_TILES,
+                                                                  4: _FEW_ROW_TILES}
 
 
 def default_config(n: int, k: int, rows: int, device: torch.device) -> SkinnyConfig:

@@ -32,7 +32,7 @@ EPILOGUE_MIN_ROWS = 8
 
 
 def _skinny_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Decode at batch 1 (or 2, for some shapes) on CUDA in 16 bits: the skinny-GEMM kernel's
+    """Decode at batch 1 (or 2-4, for some shapes) on CUDA in 16 bits: the skinny-GEMM kernel's
     case, with the norms, the residual adds and SiLU-and-mul inside it."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
@@ -48,7 +48,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     One 16-bit row on CUDA (batch-1 decode) goes through the skinny-GEMM Triton kernel: as fast
     as cuBLAS or faster on every projection shape measured there, up to 3x on some
     (docs/kernels.md), and with ``activate`` it applies SiLU-and-mul as it stores, one launch
-    less. So do two rows, for the shapes where that measured faster
+    less. So do two and four rows, for the shapes where that measured faster
     (``skinny_gemm.TUNED_FEW_ROWS``).
     """
     if _skinny_on_cuda(x, weight):
@@ -66,8 +66,8 @@ def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
 
     Where the norm's weight is folded into ``weight`` (the GPU path) and the projection before
     already added its output into the residual (``AddedToResidual``), the norm needs no launch:
-    at batch 1 (or 2), with the sums of squares that projection left (``sum_squares``), the skinny
-    GEMV applies it; at larger batches the projection runs on the residual as it is and the
+    at batch 1 (or 2 and 4), with the sums of squares that projection left (``sum_squares``),
+    the skinny GEMV applies it; at larger batches the projection runs on the residual as it is and the
     norm's factor per row is left to the kernel that reads the product (the third item, a
     ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
     None). Elsewhere this is the norm module (which takes every form of ``x``), then
