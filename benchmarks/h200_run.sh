@@ -9,7 +9,7 @@
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
-#   [fourrowtiles]
+#   [fourrowtiles] [fourrows] [splitmlp]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -296,6 +296,12 @@ for step in "$@"; do
         "$(t4 4:1024 2:1024:defer 2:1024 2:1024)" "$(t4 4:512 2:1024:defer 2:512 2:1024)" \
         "$(t4 2:1024 1:2048 2:1024 1:2048)" "$(t4 4:1024:w8 2:2048:defer:w8 2:1024:w8 2:2048:w8)" \
         2>&1 | grep '^{' | tee -a "$OUT/fourrowtiles.log" ;;
+    fourrows)  # the 4-row tiles (run 192's winner) in the engine: parity at 4 a time, kernels
+      python3 -m pytest tests/gpu/test_gpu_parity.py tests/gpu/test_fused_kernels.py -q -s \
+        -p no:cacheprovider -k "small_batches or skinny or few_rows" 2>&1 \
+        | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/fourrows_tests.log" ;;
+    splitmlp)  # batch-1 MLPs: gate/up + down GEMVs against one split launch with atomics
+      python3 benchmarks/split_mlp.py 2>&1 | grep '^{' | tee "$OUT/split_mlp.log" ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"
