@@ -1,6 +1,8 @@
-"""The split MLP (gate/up and down in one launch, atomics into float32) against float64, on the
-CPU interpreter."""
+"""The split MLP (gate/up and down in one launch, atomics into float32; an experiment in
+benchmarks/split_mlp.py) against float64, on the CPU interpreter."""
 import os
+import sys
+from pathlib import Path
 
 # Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
 os.environ["TRITON_INTERPRET"] = "1"
@@ -11,7 +13,9 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
-from nanoserve.kernels.split_mlp import split_mlp  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from split_mlp import split_mlp  # noqa: E402
 
 EPS = 1e-6
 
