@@ -9,7 +9,7 @@
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
-#   [fourrowtiles] [fourrows] [splitmlp] [headsplit]
+#   [fourrowtiles] [fourrows] [splitmlp] [finalcheck]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -302,15 +302,10 @@ for step in "$@"; do
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/fourrows_tests.log" ;;
     splitmlp)  # batch-1 MLPs: gate/up + down GEMVs against one split launch with atomics
       python3 benchmarks/split_mlp.py 2>&1 | grep '^{' | tee "$OUT/split_mlp.log" ;;
-    headsplit)  # batch-1 o_proj split by heads into a float32 delta (0.6B): tests, chain, A/B
-      python3 -m pytest tests/gpu/test_fused_kernels.py tests/gpu/test_gpu_parity.py -q -s \
-        -p no:cacheprovider -k "split_by_heads or merging or few_rows or one_sequence or \
-        small_batches or (close_to_transformers and qwen3-0.6b)" 2>&1 \
-        | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/headsplit_tests.log"
-      python3 benchmarks/split_decode_chain.py --batch 1 --contexts 136 384 511 --replays 300 \
-        --variants default head_split=0 head_split=64/1/4 head_split=256/1/4 head_split=128/2/4 \
-        head_split=128/1/8 default head_split=0 2>&1 | grep '^{' | tee -a "$OUT/headsplit_chain.log"
-      for pair in 1 2; do ab ab_latency.log benchmarks/latency.py --shape qwen3-0.6b; done ;;
+    finalcheck)  # a session's final tree: all GPU tests, then one throughput pair against BASE
+      python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
+        | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/final_gpu_tests.log"
+      ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384 ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"

@@ -10,9 +10,7 @@ profile of attention's share, whose tokens mean nothing) or ``FIELD=VALUE,...`` 
 ``caps=C1/C2`` replaces the graphs' short-context caps (``caps=0``: none), ``merge=S`` merges
 batch-1 splits in o_proj up to S splits (``merge=0``: never; the reduce kernel does),
 ``merge_tiles=N/H/W`` merges in o_proj at every shape with these features per program, heads
-per chunk and warps, ``head_split=0`` keeps batch-1 o_proj from splitting by heads
-(``merged_o_proj.TUNED_HEAD_SPLIT``) and ``head_split=N/H/W`` splits Qwen3-0.6B's with these
-features and heads per program and warps, ``epilogue=0`` keeps the norm launches after o_proj and down_proj at
+per chunk and warps, ``epilogue=0`` keeps the norm launches after o_proj and down_proj at
 every batch and ``epilogue_min=N`` adds their output into the residual from N rows
 (``linear.EPILOGUE_MIN_ROWS``), ``few_rows=0`` keeps batches of 2-4 off the skinny GEMVs
 (``skinny_gemm.TUNED_FEW_ROWS``), ``tileR=N:K:BN:BK[:defer][:wW]`` (R of 2-4) sends R rows of
@@ -90,7 +88,6 @@ def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
     saved = {(triton_backend, name): getattr(triton_backend, name)
              for name in (*TUNINGS, "num_decode_splits", "MERGE_IN_O_PROJ_MAX_SPLITS")}
     saved[merged_o_proj, "TUNED"] = merged_o_proj.TUNED
-    saved[merged_o_proj, "TUNED_HEAD_SPLIT"] = merged_o_proj.TUNED_HEAD_SPLIT
     saved[skinny_gemm, "W_LOAD"] = skinny_gemm.W_LOAD
     saved[skinny_gemm, "TUNED_ONE_ROW"] = skinny_gemm.TUNED_ONE_ROW
     saved[skinny_gemm, "TUNED_FEW_ROWS"] = skinny_gemm.TUNED_FEW_ROWS
@@ -113,9 +110,6 @@ def apply_variant(spec: str, model: torch.nn.Module | None = None) -> dict:
         elif name == "merge_tiles":
             merged_o_proj.TUNED = EveryShape(
                 merged_o_proj.MergedConfig(*(int(v) for v in value.split("/"))))
-        elif name == "head_split":
-            merged_o_proj.TUNED_HEAD_SPLIT = {} if value == "0" else {
-                (1024, 2048): merged_o_proj.HeadSplitConfig(*(int(v) for v in value.split("/")))}
         elif name == "w_load":  # the batch-1 GEMVs' W loads: CACHE/EVICT, e.g. .cg/evict_first
             skinny_gemm.W_LOAD = tuple(value.split("/"))
         elif name == "tile":  # a new table, so that restore() puts the engine's back

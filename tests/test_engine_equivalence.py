@@ -154,11 +154,11 @@ def test_norm_weights_folded_into_projections_keep_outputs_exact(tiny_model, exp
                      (name, next(a for a in args if torch.is_tensor(a)).shape[0])))
              for name, module in model.named_modules() if isinstance(module, RMSNorm)
              and module.weight.numel() == model.config.hidden_size]
-    model.model.scratch.fill_(7.0)  # the slots and the o_proj delta row, in one buffer
+    model.model.sum_squares.fill_(7.0)
     outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)
     for hook in hooks:
         hook.remove()
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert not model.model.scratch.any()
+    assert not model.model.sum_squares.any()
     # Below EPILOGUE_MIN_ROWS (a decode of a few sequences) the norms run as before.
     assert {name for name, rows in calls if rows >= EPILOGUE_MIN_ROWS} == expected_norms

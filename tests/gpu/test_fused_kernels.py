@@ -33,7 +33,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     num_decode_splits,
 )
 from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
-from nanoserve.kernels.merged_o_proj import head_split_o_proj, merged_o_proj  # noqa: E402
+from nanoserve.kernels.merged_o_proj import merged_o_proj  # noqa: E402
 from nanoserve.kernels.skinny_gemm import (  # noqa: E402
     TUNED_FEW_ROWS,
     serves,
@@ -232,44 +232,6 @@ def test_prefill_stores_and_reads_an_fp8_cache():
                          ids=["qkv", "gate_up", "qkv-8b", "gate_up-8b"])
 def test_norm_in_gemv_matches_torch_path(n, k):
     check_norm_in_gemv(n, k, torch.bfloat16, "cuda")
-
-
-@pytest.mark.parametrize("context", [1, 300, 511])
-def test_o_proj_split_by_heads_then_the_mlp_match_torch_path(context):
-    """Qwen3-0.6B at batch 1: split decode leaves its partials, o_proj splits by heads into
-    the float32 delta, gate/up reads residual + delta and normalises it, down folds the delta
-    and its product into the residual (zeroing the delta) and sums its squares: against
-    attention, F.linear, the adds and the norm in float64."""
-    q, k, v, positions, k_cache, v_cache, meta = decode_case(
-        [context], 16, 8, 128, 16, torch.bfloat16, "cuda", seed=context + 5)
-    rotary = RotaryEmbedding(128, MAX_POSITIONS, 1e6, None).to("cuda")
-    norms = [RMSNorm(128, 1e-6).to("cuda", torch.bfloat16) for _ in range(2)]
-    gen = torch.Generator().manual_seed(context)
-
-    def rand(*shape, std=1.0):
-        return (std * torch.randn(*shape, generator=gen)).to("cuda", torch.bfloat16)
-
-    o_w, gate_up_w, down_w = rand(1024, 2048, std=1 / 45), rand(6144, 1024, std=1 / 32), \
-        rand(1024, 3072, std=1 / 55)
-    residual = rand(1, 1024, std=2.0)
-    attention = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
-                                                  k_cache.clone(), v_cache.clone(), meta,
-                                                  rotary, 128 ** -0.5, *norms)
-    h = residual.double() + F.linear(attention.reshape(1, -1), o_w).double()
-    ones = torch.ones(1024, dtype=torch.float64, device="cuda")
-    expected_act = silu_and_mul_torch(rms_norm_torch(h, ones, 1e-6) @ gate_up_w.double().T)
-    graph_meta = dataclasses.replace(meta, max_seq_len=512)
-    parts = TritonAttentionBackend().attention(positions, q, k, v, k_cache, v_cache, graph_meta,
-                                               rotary, 128 ** -0.5, *norms, partials_ok=True)
-    delta = head_split_o_proj(parts.lse, parts.out, o_w, torch.zeros(1, 1024, device="cuda"))
-    torch.testing.assert_close(delta.double(), h - residual.double(), **BF16)
-    act = skinny_rms_linear(residual, None, 1e-6, gate_up_w, activate=True, delta=delta)
-    torch.testing.assert_close(act.double(), expected_act, **BF16)
-    sums = torch.zeros(1, device="cuda")
-    skinny_linear(act, down_w, residual=residual, sum_squares=sums, delta=delta)
-    torch.testing.assert_close(residual.double(), h + act.double() @ down_w.double().T, **BF16)
-    assert not delta.any()
-    torch.testing.assert_close(sums, residual.float().pow(2).sum(-1), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("rows", sorted(TUNED_FEW_ROWS))

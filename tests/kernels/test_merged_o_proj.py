@@ -14,16 +14,10 @@ pytest.importorskip("triton")
 from nanoserve.attention.backend import SplitPartials  # noqa: E402
 from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from nanoserve.kernels.decode_attention import NewTokens, decode_attention  # noqa: E402
-from nanoserve.kernels import merged_o_proj as merged_o_proj_module  # noqa: E402
-from nanoserve.kernels.merged_o_proj import (  # noqa: E402
-    HeadSplitConfig,
-    MergedConfig,
-    head_split_o_proj,
-    merged_o_proj,
-)
+from nanoserve.kernels.merged_o_proj import MergedConfig, merged_o_proj  # noqa: E402
 from nanoserve.kernels.skinny_gemm import skinny_linear  # noqa: E402
 from nanoserve.layers.linear import RowParallelLinear  # noqa: E402
-from nanoserve.layers.norm import AddedToResidual, PendingDelta, RMSNorm  # noqa: E402
+from nanoserve.layers.norm import AddedToResidual  # noqa: E402
 from test_triton_attention import make_batch, new_token_inputs  # noqa: E402
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3)}
@@ -111,59 +105,6 @@ def test_equals_split_decode_then_reduce_then_o_proj(qk_norm):
     merged_o_proj(lse, out, weight, residual, sum_squares)
     torch.testing.assert_close(residual, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(sum_squares, expected_squares, rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,splits,head_dim,n", [(4, 3, 32, 40), (8, 8, 16, 13), (2, 1, 64, 8)])
-@pytest.mark.parametrize("config", [HeadSplitConfig(16, 1, 1), HeadSplitConfig(4, 2, 1)],
-                         ids=["16x1", "4x2"])
-def test_head_split_adds_the_product_into_delta(dtype, heads, splits, head_dim, n, config):
-    """Each program's heads merged, rounded as attention's output is, multiplied by their
-    columns of W and summed over heads into a float32 delta that already holds something."""
-    if heads % config.heads_per_program:
-        pytest.skip("the program's heads do not divide the heads")
-    lse, out = random_partials(heads, splits, head_dim, dtype, seed=heads * splits,
-                               empty=[(0, splits - 1), (heads - 1, 0)])
-    gen = torch.Generator().manual_seed(n + 1)
-    weight = torch.randn(n, heads * head_dim, generator=gen).div(head_dim ** 0.5).to(dtype)
-    start = torch.randn(1, n, generator=gen)
-    attention = merged_reference(lse, out).to(dtype)
-    expected = start.double() + attention.double() @ weight.double().T
-    delta = head_split_o_proj(lse, out, weight, start.clone(), config=config)
-    torch.testing.assert_close(delta.double(), expected, **TOLERANCE[dtype])
-
-
-def test_head_split_rejects_a_delta_it_cannot_sum_into():
-    lse, out = random_partials(4, 2, 16, torch.float16, seed=1, empty=[])
-    weight = torch.randn(8, 64).half()
-    with pytest.raises(ValueError, match="float32"):
-        head_split_o_proj(lse, out, weight, torch.zeros(1, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match="divide"):
-        head_split_o_proj(lse, out, weight, torch.zeros(1, 8),
-                          config=HeadSplitConfig(8, 3, 1))
-
-
-def test_o_proj_layer_split_by_heads_leaves_its_output_pending(monkeypatch):
-    """With a delta row and a tuned shape, ``forward_for_norm`` leaves the product in the
-    delta (``PendingDelta``) and the residual untouched; the norm module, for a caller that
-    cannot read a delta, folds it into the residual as o_proj would have added it."""
-    o_proj = RowParallelLinear(4 * 16, 24)
-    o_proj.weight.data.normal_(0, 0.1)
-    monkeypatch.setitem(merged_o_proj_module.TUNED_HEAD_SPLIT, (24, 64), HeadSplitConfig())
-    o_proj.delta = torch.zeros(1, 24)
-    lse, out = random_partials(4, 3, 16, torch.float32, seed=8, empty=[(1, 2)])
-    residual = torch.randn(1, 24, generator=torch.Generator().manual_seed(9))
-    before = residual.clone()
-    marker, same = o_proj.forward_for_norm(SplitPartials(lse, out), residual)
-    assert isinstance(marker, PendingDelta) and marker.delta is o_proj.delta and same is residual
-    assert torch.equal(residual, before)
-    product = merged_reference(lse, out) @ o_proj.weight.double().T
-    torch.testing.assert_close(o_proj.delta.double(), product, **TOLERANCE[torch.float32])
-    normed, summed = RMSNorm(24)(marker, residual)
-    torch.testing.assert_close(summed.double(), before.double() + product,
-                               **TOLERANCE[torch.float32])
-    assert not o_proj.delta.any()
-    torch.testing.assert_close(normed, RMSNorm(24)(summed))
 
 
 def test_rejects_inputs_it_cannot_merge():

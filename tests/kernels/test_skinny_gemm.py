@@ -166,50 +166,6 @@ def test_sum_squares_needs_a_residual_and_a_float32_row_slot():
         skinny_rms_linear(x, torch.zeros(1, dtype=torch.float16), 1e-6, w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,block_k", [(1, 32), (2, 128)], ids=["chunks", "one_chunk"])
-def test_pending_delta_read_with_the_residual_then_folded_in(dtype, m, block_k):
-    """The head-split o_proj leaves its float32 product in a delta: gate/up normalises
-    ``residual + delta`` (rounded as the o_proj's add would round it, sums of squares taken
-    in the kernel, K in one chunk or several), then down adds ``delta`` and its own product
-    into the residual, zeroes the delta and sums the new row's squares."""
-    gen = torch.Generator().manual_seed(21 + m)
-    k, n_act = 100, 24
-    residual = (3 * torch.randn(m, k, generator=gen)).to(dtype)
-    delta = 2 * torch.randn(m, k, generator=gen)
-    w_in = torch.randn(n_act, k, generator=gen).div(k ** 0.5).to(dtype)
-    w_out = torch.randn(k, n_act, generator=gen).div(n_act ** 0.5).to(dtype)
-    before = residual.clone()
-    summed = delta.to(dtype) + residual  # o_proj's output rounded, then added and rounded
-    eps = 1e-6
-    hd = summed.double()
-    expected = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)) @ w_in.double().T
-    act = skinny_rms_linear(residual, None, eps, w_in, delta=delta,
-                            config=SkinnyConfig(8, block_k, 1, 1))
-    torch.testing.assert_close(act, expected.to(dtype), **TOLERANCE[dtype])
-    assert torch.equal(residual, before) and delta.abs().sum() > 0  # read, not changed
-    sum_squares = torch.zeros(m)
-    skinny_linear(act, w_out, residual=residual, sum_squares=sum_squares, delta=delta,
-                  config=SkinnyConfig(8, 32, 1, 1))
-    assert torch.equal(residual, skinny_linear(act, w_out, config=SkinnyConfig(8, 32, 1, 1))
-                       + summed)
-    assert not delta.any()
-    torch.testing.assert_close(sum_squares, residual.double().pow(2).sum(-1).float(),
-                               atol=1e-4, rtol=1e-5)
-
-
-def test_delta_arguments_are_checked():
-    x, w = torch.randn(1, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="needs residual"):
-        skinny_linear(x, w, delta=torch.zeros(1, 8))
-    with pytest.raises(ValueError, match="delta must be"):
-        skinny_linear(x, w, residual=torch.zeros(1, 8), delta=torch.zeros(1, 16))
-    with pytest.raises(ValueError, match="not both"):
-        skinny_rms_linear(x, torch.zeros(1), 1e-6, w, delta=torch.zeros(1, 16))
-    with pytest.raises(ValueError, match="not both"):
-        skinny_rms_linear(x, None, 1e-6, w)
-
-
 def test_strided_rows_of_x():
     """A row-strided x (a slice of a wider activation) is read in place."""
     gen = torch.Generator().manual_seed(2)

@@ -14,14 +14,6 @@ so this pays only while they are few (short contexts, whose decode graphs use fe
 only where a shape measured faster than the reduce kernel (``TUNED``; docs/kernels.md).
 Programmatically launched like the other batch-1 kernels: a program fetches its first chunk of
 W before it waits for attention.
-
-Where re-reading every head's partials costs too much (Qwen3-0.6B), ``head_split_o_proj``
-splits o_proj along its input instead: a program owns a few heads and some output features,
-merges only its heads' splits and adds its share of the product into a float32 row with
-atomics (``delta``). Nothing is added into the residual yet: the gate/up GEMV after the norm
-reads ``residual + delta`` (rounded as ``o_proj(x) + residual`` is) and normalises it itself,
-and the down GEMV folds ``delta`` into the residual as it adds its own output, and zeroes it
-(``skinny_gemm``'s ``delta`` arguments). That leaves no reduce launch and no re-reading.
 """
 from __future__ import annotations
 
@@ -79,86 +71,6 @@ def _merged_o_proj_kernel(
         acc += tl.sum(tl.sum(x[None, :, :] * w.to(tl.float32), axis=2), axis=1)
     residual_epilogue(acc[None, :], r[None, :], r_ptr + n[None, :], n_mask[None, :],
                       ss_ptr + tl.arange(0, 1), tl.arange(0, 1) < 1, SUM_SQUARES_OUT)
-
-
-@triton.jit
-def _head_split_o_proj_kernel(
-    part_lse_ptr, part_o_ptr, w_ptr, delta_ptr, N, stride_wn,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-    W_CACHE: tl.constexpr, W_EVICT: tl.constexpr,
-):
-    if PDL:  # the gate/up GEMV may start fetching its weights
-        gdc_launch_dependents()
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    h = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-    d = tl.arange(0, HEAD_DIM)
-    w_rows = (w_ptr + n.to(tl.int64)[:, None, None] * stride_wn
-              + (h[:, None] * HEAD_DIM + d[None, :])[None, :, :])
-    w = tl.load(w_rows, mask=n_mask[:, None, None], other=0.0, cache_modifier=W_CACHE,
-                eviction_policy=W_EVICT)
-    if PDL:
-        gdc_wait()
-    x = merge_splits(part_lse_ptr, part_o_ptr, h, d, d < HEAD_DIM, SPLITS, HEAD_DIM)
-    x = x.to(OUT_DTYPE).to(tl.float32)  # rounded as attention's output is
-    acc = tl.sum(tl.sum(x[None, :, :] * w.to(tl.float32), axis=2), axis=1)
-    tl.atomic_add(delta_ptr + n, acc, mask=n_mask, sem="relaxed")
-
-
-class HeadSplitConfig(NamedTuple):
-    """Tiles of the head-split o_proj: output features and heads per program."""
-
-    block_n: int = 128
-    heads_per_program: int = 1
-    num_warps: int = 4
-
-
-def head_split_o_proj(part_lse: torch.Tensor, part_o: torch.Tensor, weight: torch.Tensor,
-                      delta: torch.Tensor, config: HeadSplitConfig | None = None
-                      ) -> torch.Tensor:
-    """``delta += F.linear(attention, weight)`` in float32, for one sequence whose attention
-    output is still split (``part_lse`` ``[1, H, S]``, ``part_o`` ``[1, H, S, D]``, as for
-    :func:`merged_o_proj`): ``delta`` is a contiguous float32 ``[1, N]``, zero on entry for the
-    plain product. The attention output is rounded to ``part_o``'s dtype first, as the reduce
-    kernel rounds it; the sum over heads is taken in float32 atomics, in no fixed order.
-    Capturable in a CUDA graph."""
-    _, num_heads, splits, head_dim = part_o.shape
-    n = weight.shape[0]
-    if part_o.shape[0] != 1 or part_lse.shape != (1, num_heads, splits):
-        raise ValueError(f"head_split_o_proj takes one sequence's partials, got "
-                         f"{tuple(part_lse.shape)} and {tuple(part_o.shape)}")
-    if weight.shape[1] != num_heads * head_dim or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous [N, {num_heads * head_dim}], got "
-                         f"{tuple(weight.shape)}")
-    if delta.shape != (1, n) or not delta.is_contiguous() or delta.dtype != torch.float32:
-        raise ValueError(f"delta must be a contiguous float32 [1, {n}], got "
-                         f"{tuple(delta.shape)} in {delta.dtype}")
-    if triton.next_power_of_2(head_dim) != head_dim:
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    cfg = config or (HeadSplitConfig(16, 1, 1) if interpreted(weight.device) else
-                     TUNED_HEAD_SPLIT.get(tuple(weight.shape), HeadSplitConfig()))
-    if num_heads % cfg.heads_per_program:
-        raise ValueError(f"{cfg.heads_per_program} heads per program do not divide {num_heads}")
-    pdl = programmatic_launch(weight.device)
-    grid = (triton.cdiv(n, cfg.block_n), num_heads // cfg.heads_per_program)
-    _head_split_o_proj_kernel[grid](
-        part_lse, part_o, weight, delta, n, weight.stride(0),
-        HEAD_DIM=head_dim, SPLITS=splits, BLOCK_N=cfg.block_n,
-        HEADS_PER_PROGRAM=cfg.heads_per_program, OUT_DTYPE=_TRITON_DTYPES[part_o.dtype],
-        PDL=pdl, W_CACHE=skinny_gemm.W_LOAD[0], W_EVICT=skinny_gemm.W_LOAD[1],
-        num_warps=cfg.num_warps, launch_pdl=pdl,
-    )
-    return delta
-
-
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                  torch.float32: tl.float32}
-
-# Shapes, (N, K), whose batch-1 o_proj splits by heads (head_split_o_proj), with their tiles.
-TUNED_HEAD_SPLIT: dict[tuple[int, int], HeadSplitConfig] = {
-    (1024, 2048): HeadSplitConfig(block_n=128, heads_per_program=1, num_warps=4),
-}
 
 
 # The shapes, (N, K), where merging in o_proj beat the reduce kernel on an H200, with their

@@ -71,14 +71,14 @@ class SkinnyConfig(NamedTuple):
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, delta_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr,
     M, N, K, eps,
     stride_xm, stride_wn, stride_ym, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
     DEFER_SUM: tl.constexpr, RMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     SUM_SQUARES_OUT: tl.constexpr, W_CACHE: tl.constexpr, W_EVICT: tl.constexpr,
-    ACTIVATE: tl.constexpr, DELTA_IN: tl.constexpr, DELTA_RESIDUAL: tl.constexpr,
+    ACTIVATE: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
@@ -107,18 +107,9 @@ def _skinny_gemm_kernel(
     out_mask = m_mask[:, None] & n_mask[None, :]
     if ADD_RESIDUAL:  # requested now, so that its latency hides behind the K loop
         r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=out_mask, other=0.0)
-        if DELTA_RESIDUAL:  # a projection's output still to add (head_split_o_proj's)
-            delta_rows = delta_ptr + m[:, None] * N + n[None, :]
-            r = add_delta(r, tl.load(delta_rows, mask=out_mask, other=0.0))
-            tl.store(delta_rows, tl.zeros_like(r).to(tl.float32), mask=out_mask)
-    if RMS and not DELTA_IN:  # x's rows' sums of squares, from the GEMV that wrote x
+    if RMS:  # x's rows' sums of squares, from the GEMV that wrote x (SUM_SQUARES_OUT)
         row_sum_sq = tl.load(ss_ptr + m, mask=m_mask, other=0.0)
-    x = tl.load(x_rows, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-    if DELTA_IN:  # x is a residual whose update is still in delta: sum, norm here
-        x = add_delta(x, tl.load(delta_ptr + m[:, None] * K + k[None, :],
-                                 mask=m_mask[:, None] & k_mask[None, :], other=0.0))
-        row_sum_sq = tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
-    x = x.to(tl.float32)
+    x = tl.load(x_rows, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
     if DEFER_SUM:
         acc3 = x[:, None, :] * w.to(tl.float32)[None, :, :]
     else:
@@ -133,12 +124,7 @@ def _skinny_gemm_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k_start, mask=w_mask, other=0.0, cache_modifier=W_CACHE,
                     eviction_policy=W_EVICT)
-        x = tl.load(x_rows + k_start, mask=x_mask, other=0.0)
-        if DELTA_IN:
-            x = add_delta(x, tl.load(delta_ptr + m[:, None] * K + k_start + k[None, :],
-                                     mask=x_mask, other=0.0))
-            row_sum_sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
-        x = x.to(tl.float32)
+        x = tl.load(x_rows + k_start, mask=x_mask, other=0.0).to(tl.float32)
         if DEFER_SUM:
             acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
@@ -162,13 +148,6 @@ def _skinny_gemm_kernel(
     else:
         y_rows = y_ptr + m[:, None] * stride_ym + n[None, :]
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def add_delta(r, delta):
-    """``r + delta`` rounded to ``r``'s dtype as ``F.linear(...) + r`` rounds it: ``delta``,
-    a float32 product, first rounded to that dtype, as the projection's output would be."""
-    return (delta.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
 
 
 @triton.jit
@@ -242,7 +221,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None,
                   residual: torch.Tensor | None = None,
                   sum_squares: torch.Tensor | None = None,
-                  activate: bool = False, delta: torch.Tensor | None = None) -> torch.Tensor:
+                  activate: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows.
 
     ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
@@ -253,24 +232,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     updated residual, as stored, is added into it, for the norm that follows
     (:func:`skinny_rms_linear`). With ``activate``, ``weight`` is ``[gate; up]`` (``[2I, K]``)
     and the result is ``silu_and_mul(F.linear(x, weight, bias))`` (``[M, I]``), rounded as
-    that rounds: each program takes the same features of both halves. With ``residual`` and
-    ``delta`` (float32 ``[M, N]``, contiguous: an earlier projection's output not yet added,
-    ``merged_o_proj.head_split_o_proj``'s) the residual is first ``residual + delta``, rounded
-    as that projection's add would be, and ``delta`` is zeroed. Launch shapes depend on
+    that rounds: each program takes the same features of both halves. Launch shapes depend on
     shapes alone, so the call is CUDA-graph capturable.
     """
     if sum_squares is not None and residual is None:
         raise ValueError("sum_squares is the updated residual's: it needs residual")
-    if delta is not None and residual is None:
-        raise ValueError("delta is added into the residual: it needs residual")
     return _launch(x, weight, bias, config, residual=residual,
-                   sum_squares=sum_squares, activate=activate, delta=delta)
+                   sum_squares=sum_squares, activate=activate)
 
 
-def skinny_rms_linear(h: torch.Tensor, sum_squares: torch.Tensor | None, eps: float,
+def skinny_rms_linear(h: torch.Tensor, sum_squares: torch.Tensor, eps: float,
                       weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: SkinnyConfig | None = None, activate: bool = False,
-                      delta: torch.Tensor | None = None) -> torch.Tensor:
+                      config: SkinnyConfig | None = None, activate: bool = False
+                      ) -> torch.Tensor:
     """``F.linear(h / sqrt(mean(h^2) + eps), weight, bias)``: RMSNorm without its weight, which
     the caller has folded into ``weight``'s columns, for an ``h`` whose rows' sums of squares
     ``sum_squares`` (float32 ``[M]``) the GEMV that wrote it has taken (``skinny_linear``'s).
@@ -278,22 +252,15 @@ def skinny_rms_linear(h: torch.Tensor, sum_squares: torch.Tensor | None, eps: fl
     The norm is applied to the product, in float32, not to ``h`` (the reference rounds the
     normalised row to 16 bits before the product; this does not). Otherwise as
     :func:`skinny_linear` (``activate`` too: qkv or the MLP's gate/up after the norm).
-    With ``delta`` (float32 ``[M, K]``, contiguous; ``sum_squares`` then None) the row is
-    ``h + delta``, rounded as :func:`skinny_linear`'s ``delta`` is, and the kernel takes its
-    sums of squares itself; ``h`` and ``delta`` are left as they are.
     """
-    if (sum_squares is None) == (delta is None):
-        raise ValueError("skinny_rms_linear needs the rows' sums of squares or a delta, "
-                         "not both")
     return _launch(h, weight, bias, config, rms_eps=eps, sum_squares=sum_squares,
-                   activate=activate, delta=delta)
+                   activate=activate)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: SkinnyConfig | None,
             residual: torch.Tensor | None = None, rms_eps: float | None = None,
-            sum_squares: torch.Tensor | None = None, activate: bool = False,
-            delta: torch.Tensor | None = None) -> torch.Tensor:
+            sum_squares: torch.Tensor | None = None, activate: bool = False) -> torch.Tensor:
     """Checks, then one kernel launch."""
     m, k = x.shape
     n = weight.shape[0]
@@ -310,11 +277,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                     or sum_squares.dtype != torch.float32):
         raise ValueError(f"sum_squares must be a contiguous float32 [{m}], got "
                          f"{tuple(sum_squares.shape)} in {sum_squares.dtype}")
-    width_delta = n if residual is not None else k
-    if delta is not None and (delta.shape != (m, width_delta) or not delta.is_contiguous()
-                              or delta.dtype != torch.float32):
-        raise ValueError(f"delta must be a contiguous float32 [{m}, {width_delta}], got "
-                         f"{tuple(delta.shape)} in {delta.dtype}")
     if activate and (n % 2 or residual is not None):
         raise ValueError(f"activate needs weight = [gate; up] (an even number of rows, got {n}) "
                          f"and no residual")
@@ -330,7 +292,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, y,
-        sum_squares if sum_squares is not None else y, delta if delta is not None else y,
+        sum_squares if sum_squares is not None else y,
         m, n, k, rms_eps or 0.0,
         x.stride(0), weight.stride(0), y.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
@@ -338,8 +300,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         DEFER_SUM=cfg.defer_sum, RMS=rms_eps is not None, ADD_RESIDUAL=residual is not None,
         SUM_SQUARES_OUT=residual is not None and sum_squares is not None,
         W_CACHE=W_LOAD[0], W_EVICT=W_LOAD[1], ACTIVATE=activate,
-        DELTA_IN=delta is not None and residual is None,
-        DELTA_RESIDUAL=delta is not None and residual is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y

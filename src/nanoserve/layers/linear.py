@@ -17,8 +17,7 @@ from torch import nn
 
 from nanoserve.attention.backend import SplitPartials
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import (AddedToResidual, NormInput, PendingDelta, RMSNorm, RowScale,
-                                   fold_delta)
+from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm, RowScale
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 from nanoserve.layers.split_k import split_k_partial_sums
 
@@ -68,18 +67,12 @@ def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
     Where the norm's weight is folded into ``weight`` (the GPU path) and the projection before
     already added its output into the residual (``AddedToResidual``), the norm needs no launch:
     at batch 1 (or 2 and 4), with the sums of squares that projection left (``sum_squares``),
-    the skinny GEMV applies it; at larger batches the projection runs on the residual as it is
-    and the norm's factor per row is left to the kernel that reads the product (the third item,
-    a ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
-    None). Where the projection before left its output to add (``PendingDelta``, batch 1),
-    the skinny GEMV adds it as it reads the residual and takes the norm itself; the residual
-    comes back without it. Elsewhere this is the norm module (which takes every form of
-    ``x``), then :func:`linear`.
+    the skinny GEMV applies it; at larger batches the projection runs on the residual as it is and the
+    norm's factor per row is left to the kernel that reads the product (the third item, a
+    ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
+    None). Elsewhere this is the norm module (which takes every form of ``x``), then
+    :func:`linear`.
     """
-    if norm.folded and isinstance(x, PendingDelta) and _skinny_on_cuda(residual, weight):
-        from nanoserve.kernels.skinny_gemm import skinny_rms_linear
-        return skinny_rms_linear(residual, None, norm.eps, weight, bias, activate=activate,
-                                 delta=x.delta), residual, None
     if norm.folded and isinstance(x, AddedToResidual):
         if x.sum_squares is not None:
             from nanoserve.kernels.skinny_gemm import skinny_rms_linear
@@ -216,10 +209,6 @@ class RowParallelLinear(nn.Module):
         # the squares of the residual rows it updates, for the norm after it
         # (``DecoderModel.track_sum_squares``).
         self.sum_squares: torch.Tensor | None = None
-        # float32 [1, out_features], shared by the layers and zero between uses, where a batch-1
-        # o_proj that splits by heads sums its output (``head_split_o_proj``); set by
-        # ``DecoderModel.track_sum_squares`` for the shapes in ``TUNED_HEAD_SPLIT``.
-        self.delta: torch.Tensor | None = None
         # Set where the projection after the next norm carries that norm's weight and takes its
         # row scale (``DecoderForCausalLM.fold_norm_weights``): then, from EPILOGUE_MIN_ROWS
         # rows, the GEMM adds its output into the residual itself and the norm has nothing to do.
@@ -249,21 +238,15 @@ class RowParallelLinear(nn.Module):
     def merges_split_partials(self) -> bool:
         """Whether :meth:`forward_for_norm` takes a batch-1 attention output still split
         (``SplitPartials``): on one rank, on CUDA, in 16 bits, without bias, for a shape where
-        that measured faster than merging first (``merged_o_proj.TUNED``, or
-        ``TUNED_HEAD_SPLIT`` where a delta slot is set)."""
+        that measured faster than merging first (``merged_o_proj.TUNED``)."""
         if not (self.tp.size == 1 and self.bias is None and self.weight.is_cuda
                 and self.weight.dtype in (torch.bfloat16, torch.float16)):
             return False
         from nanoserve.kernels.merged_o_proj import TUNED
-        return self._splits_by_heads or tuple(self.weight.shape) in TUNED
+        return tuple(self.weight.shape) in TUNED
 
-    @property
-    def _splits_by_heads(self) -> bool:
-        from nanoserve.kernels.merged_o_proj import TUNED_HEAD_SPLIT
-        return self.delta is not None and tuple(self.weight.shape) in TUNED_HEAD_SPLIT
-
-    def forward_for_norm(self, x: torch.Tensor | SplitPartials, residual: torch.Tensor,
-                         pending: torch.Tensor | None = None) -> tuple[NormInput, torch.Tensor]:
+    def forward_for_norm(self, x: torch.Tensor | SplitPartials, residual: torch.Tensor
+                         ) -> tuple[NormInput, torch.Tensor]:
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
         (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA (2 for some
@@ -273,13 +256,7 @@ class RowParallelLinear(nn.Module):
         :attr:`adds_into_residual` is set (cuBLAS's ``beta = 1``: one launch in place of the
         GEMM and the norm). ``x`` may be attention's split partials where
         :attr:`merges_split_partials` allows them; they are merged as they are read
-        (``kernels/merged_o_proj.py``), and where o_proj splits by heads its output is left in
-        :attr:`delta` (``PendingDelta``). ``pending``: such an output of the o_proj before,
-        which this projection adds into the residual along with its own."""
-        if isinstance(x, SplitPartials) and self._splits_by_heads:
-            from nanoserve.kernels.merged_o_proj import head_split_o_proj
-            return PendingDelta(head_split_o_proj(x.lse, x.out, self.weight, self.delta)), \
-                residual
+        (``kernels/merged_o_proj.py``)."""
         if isinstance(x, SplitPartials):
             from nanoserve.kernels.merged_o_proj import merged_o_proj
             sums = self._sum_squares(1)
@@ -291,10 +268,8 @@ class RowParallelLinear(nn.Module):
                 and residual.dtype == x.dtype and residual.is_contiguous()):
             from nanoserve.kernels.skinny_gemm import skinny_linear
             sums = self._sum_squares(x.shape[0])
-            skinny_linear(x, self.weight, residual=residual, sum_squares=sums, delta=pending)
+            skinny_linear(x, self.weight, residual=residual, sum_squares=sums)
             return AddedToResidual(sums), residual
-        if pending is not None:
-            fold_delta(residual, pending)
         if (self.adds_into_residual and self.bias is None and x.dim() == 2
                 and x.shape[0] >= EPILOGUE_MIN_ROWS):
             residual.addmm_(x, self.weight.t())

@@ -25,24 +25,6 @@ class AddedToResidual(NamedTuple):
     sum_squares: torch.Tensor | None = None
 
 
-class PendingDelta(NamedTuple):
-    """A projection's output not yet added into the residual: float32 ``delta`` (``[rows,
-    N]``), summed by many programs with atomics (the batch-1 o_proj that splits by heads,
-    ``kernels/merged_o_proj.head_split_o_proj``). The GEMV after the norm reads
-    ``residual + delta``; the next GEMV that adds into the residual adds ``delta`` too and
-    zeroes it. Anything else folds it in first (``fold_delta``)."""
-
-    delta: torch.Tensor
-
-
-def fold_delta(residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """Add a ``PendingDelta``'s ``delta`` into ``residual`` in place, rounded as the
-    projection's output would have been, and zero it; returns ``residual``."""
-    residual.add_(delta.to(residual.dtype))
-    delta.zero_()
-    return residual
-
-
 class RowScale(NamedTuple):
     """The RMSNorm a projection left out of its product: row ``t`` of its output still needs
     multiplying by ``1 / sqrt(mean(rows[t]^2) + eps)``, the norm's statistic of the row it
@@ -62,9 +44,9 @@ def row_scale_torch(x: torch.Tensor, scale: RowScale) -> torch.Tensor:
     return (x.float() * factor.view(-1, *[1] * (x.dim() - 1))).to(x.dtype)
 
 
-# What a projection hands the add + RMSNorm after it: its output, split-K partial sums, the
-# marker that it already added its output into the residual, or its output still to add.
-NormInput = torch.Tensor | PartialSums | AddedToResidual | PendingDelta
+# What a projection hands the add + RMSNorm after it: its output, split-K partial sums, or the
+# marker that it already added its output into the residual.
+NormInput = torch.Tensor | PartialSums | AddedToResidual
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,8 +82,6 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if isinstance(x, AddedToResidual):
             return self(residual), residual
-        if isinstance(x, PendingDelta):
-            return self(fold_delta(residual, x.delta)), residual
         if isinstance(x, PartialSums):  # only produced on CUDA, always before a residual add
             from nanoserve.kernels.fused_ops import add_rms_norm_parts
             return add_rms_norm_parts(x.parts, residual, self.weight, self.eps)

@@ -21,7 +21,7 @@ from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear, ShardId)
 from nanoserve.layers.moe import ExpertShard, SparseMoeBlock
-from nanoserve.layers.norm import NormInput, PendingDelta, RMSNorm
+from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -82,11 +82,9 @@ class MLP(nn.Module):
 
     def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
                 ) -> tuple[NormInput, torch.Tensor]:
-        """The MLP of ``norm(x + residual)``, and the summed residual (as Attention). An
-        attention output still to add (``PendingDelta``) goes in with down's."""
+        """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
         act, residual, _ = self.gate_up_proj.forward_normed(x, residual, norm, activate=True)
-        pending = x.delta if isinstance(x, PendingDelta) else None
-        return self.down_proj.forward_for_norm(act, residual, pending)
+        return self.down_proj.forward_for_norm(act, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -112,33 +110,23 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.scratch: torch.Tensor | None = None  # see track_sum_squares
-        self.sum_squares: torch.Tensor | None = None
+        self.sum_squares: torch.Tensor | None = None  # see track_sum_squares
 
     def track_sum_squares(self) -> None:
         """Give each o_proj and down_proj float32 slots where its skinny GEMV sums the squares
         of the residual rows it updates, for the GEMV after the norm to normalise with
-        (``norm_linear``), and the o_projs that split by heads at batch 1 one row where they
-        leave their output (``RowParallelLinear.delta``). All of it is one buffer, zeroed at
-        the start of each forward."""
-        from nanoserve.kernels.merged_o_proj import TUNED_HEAD_SPLIT
+        (``norm_linear``). The slots are one buffer, zeroed at the start of each forward."""
         from nanoserve.kernels.skinny_gemm import MAX_ROWS
         producers = [p for layer in self.layers if isinstance(layer.mlp, MLP)
                      for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-        hidden = self.norm.weight.shape[0]
-        self.scratch = torch.zeros(len(producers) * MAX_ROWS + hidden, dtype=torch.float32,
-                                   device=self.norm.weight.device)
-        self.sum_squares = self.scratch[:len(producers) * MAX_ROWS].view(-1, MAX_ROWS)
+        self.sum_squares = torch.zeros(len(producers), MAX_ROWS, dtype=torch.float32,
+                                       device=self.norm.weight.device)
         for i, producer in enumerate(producers):
             producer.sum_squares = self.sum_squares[i]
-        delta = self.scratch[len(producers) * MAX_ROWS:].view(1, hidden)
-        for o_proj in producers[::2]:
-            if tuple(o_proj.weight.shape) in TUNED_HEAD_SPLIT and o_proj.adds_into_residual:
-                o_proj.delta = delta
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.scratch is not None:
-            self.scratch.zero_()
+        if self.sum_squares is not None:
+            self.sum_squares.zero_()
         x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
