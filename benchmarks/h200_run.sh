@@ -9,7 +9,7 @@
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
-#   [fourrowtiles] [fourrows] [splitmlp] [finalcheck]
+#   [fourrowtiles] [fourrows] [splitmlp] [finalcheck] [tputab]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -19,9 +19,12 @@ export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 
-ab() {  # ab LOG SCRIPT ARGS...: SCRIPT under BASE's sources, then this tree's; JSON lines labelled
-  local log=$1 script=$2 scripts; shift 2
-  for tree in "${BASE:?set BASE to the folder of the older build}" .; do
+ab() {  # ab LOG SCRIPT ARGS...: SCRIPT under BASE's sources, then this tree's (AB_REVERSE=1: this
+  # tree's first); JSON lines labelled
+  local log=$1 script=$2 scripts trees; shift 2
+  trees=("${BASE:?set BASE to the folder of the older build}" .)
+  [ "${AB_REVERSE:-0}" = 1 ] && trees=(. "$BASE")
+  for tree in "${trees[@]}"; do
     scripts=$PWD/benchmarks
     [ -d "$tree/benchmarks" ] && scripts=$(cd "$tree/benchmarks" && pwd)
     PYTHONPATH=$tree/src:$scripts python3 "$scripts/$(basename "$script")" "$@" 2>&1 | grep '^{' \
@@ -306,6 +309,7 @@ for step in "$@"; do
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/final_gpu_tests.log"
       ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384 ;;
+    tputab) ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384 ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"
