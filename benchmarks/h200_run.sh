@@ -9,7 +9,7 @@
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
-#   [fourrowtiles] [fourrows] [splitmlp] [finalcheck] [tputab]
+#   [fourrowtiles] [fourrows] [finalcheck] [tputab]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -303,8 +303,6 @@ for step in "$@"; do
       python3 -m pytest tests/gpu/test_gpu_parity.py tests/gpu/test_fused_kernels.py -q -s \
         -p no:cacheprovider -k "small_batches or skinny or few_rows" 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/fourrows_tests.log" ;;
-    splitmlp)  # batch-1 MLPs: gate/up + down GEMVs against one split launch with atomics
-      python3 benchmarks/split_mlp.py 2>&1 | grep '^{' | tee "$OUT/split_mlp.log" ;;
     finalcheck)  # a session's final tree: all GPU tests, then one throughput pair against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/final_gpu_tests.log"
