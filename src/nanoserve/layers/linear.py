@@ -67,9 +67,9 @@ def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
     Where the norm's weight is folded into ``weight`` (the GPU path) and the projection before
     already added its output into the residual (``AddedToResidual``), the norm needs no launch:
     at batch 1 (or 2 and 4), with the sums of squares that projection left (``sum_squares``),
-    the skinny GEMV applies it; at larger batches the projection runs on the residual as it is and the
-    norm's factor per row is left to the kernel that reads the product (the third item, a
-    ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
+    the skinny GEMV applies it; at larger batches the projection runs on the residual as it is
+    and the norm's factor per row is left to the kernel that reads the product (the third item,
+    a ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
     None). Elsewhere this is the norm module (which takes every form of ``x``), then
     :func:`linear`.
     """
