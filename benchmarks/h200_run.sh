@@ -9,7 +9,7 @@
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
-#   [fourrowtiles] [fourrows] [finalcheck] [tputab]
+#   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -308,6 +308,10 @@ for step in "$@"; do
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/final_gpu_tests.log"
       ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384 ;;
     tputab) ab ab_throughput.log benchmarks/throughput.py --budgets 16384 16384 ;;
+    tput8bprofile)  # Qwen3-8B on the throughput workload: a plain run, then one under torch.profiler
+      python3 benchmarks/throughput.py --shape qwen3-8b 2>&1 | tee "$OUT/throughput8b.log"
+      python3 benchmarks/throughput.py --shape qwen3-8b --profile-kernels \
+        2>"$OUT/throughput8b_profile.txt" | tee "$OUT/throughput8b_profile.log" ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"
