@@ -9,7 +9,7 @@
 #   [tilesweep] [tileconfirm] [activatetiles] [tiles8b] [gemmpdl] [forwardvariants]
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
-#   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile]
+#   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -312,6 +312,14 @@ for step in "$@"; do
       python3 benchmarks/throughput.py --shape qwen3-8b 2>&1 | tee "$OUT/throughput8b.log"
       python3 benchmarks/throughput.py --shape qwen3-8b --profile-kernels \
         2>"$OUT/throughput8b_profile.txt" | tee "$OUT/throughput8b_profile.log" ;;
+    warpschain)  # batch-1 GEMVs of Qwen3-0.6B with 2 and 1 warps a program (4 until now), in the chain
+      t1() { echo "tile=4096:1024:$1,tile=1024:2048:$2,tile=6144:1024:$3,tile=1024:3072:$4"; }
+      python3 benchmarks/split_decode_chain.py --batch 1 --contexts 136 384 --replays 300 \
+        --variants default "$(t1 8:1024:w2 2:2048:defer:w2 4:1024:w2 1:2048:defer:w2)" \
+        "$(t1 16:1024:w2 4:2048:defer:w2 8:1024:w2 2:2048:defer:w2)" \
+        "$(t1 16:1024 4:2048:defer 4:1024:w2 1:2048:defer:w2)" \
+        "$(t1 4:1024:w1 1:2048:defer:w1 2:1024:w1 1:2048:defer:w1)" default \
+        2>&1 | grep '^{' | tee -a "$OUT/warps_chain.log" ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"
