@@ -112,9 +112,9 @@ def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
 
 
 def test_bf16_greedy_in_small_batches(tmp_path_factory):
-    """Decode batches of 1-4 rows (``max_num_seqs=4``): the skinny GEMVs at one and two rows
-    (Qwen3-0.6B's shapes take two), cuBLAS and split-K with the norm launches at three and
-    four, the split kernel finishing the new tokens at all of them."""
+    """Decode batches of 1-4 rows (``max_num_seqs=4``): the skinny GEMVs at every size
+    (Qwen3-0.6B's shapes take 2 and 4 rows; 3 replays the 4-row graph), the split kernel
+    finishing the new tokens at all of them."""
     assert_greedy_close_to_transformers(random_model_dir("qwen3-0.6b", tmp_path_factory),
                                         "qwen3-0.6b 4 at a time", max_num_seqs=4)
 

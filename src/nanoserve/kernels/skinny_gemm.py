@@ -1,4 +1,4 @@
-"""y = x W^T (+ b) for one to four rows: the decode-time projections at batch 1 (and 2).
+"""y = x W^T (+ b) for one to four rows: the decode-time projections at batch 1 (and 2-4).
 
 At batch 1 a projection is a matrix-vector product: reading W once from HBM is all the work,
 and for some shapes cuBLAS's choice of tiles reaches a third of the card's bandwidth there

@@ -249,7 +249,7 @@ class RowParallelLinear(nn.Module):
                          ) -> tuple[NormInput, torch.Tensor]:
         """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
         RMSNorm: on one rank the result may instead be split-K partial sums
-        (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA (2 for some
+        (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA (2 and 4 for some
         shapes), already added into ``residual`` in place by the GEMV's epilogue
         (``AddedToResidual``, with the updated rows' sums of squares where ``sum_squares`` is
         set), and likewise at larger batches (from ``EPILOGUE_MIN_ROWS`` rows) where

@@ -185,10 +185,11 @@ class DecoderForCausalLM(nn.Module):
     def fold_norm_weights(self) -> None:
         """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have
         the projections before them add into the residual themselves (the GPU path). At batch
-        1 they also sum the squares of the rows they update and the qkv and gate/up GEMVs
-        apply the norms; at larger batches the norms' factors go to the kernels after qkv and
-        gate/up (``norm_linear``). Either way the norms need no launch of their own. The final
-        norm stays, since the LM head may share the embedding's weights."""
+        1 (2 and 4 at some shapes) they also sum the squares of the rows they update and the
+        qkv and gate/up GEMVs apply the norms; at larger batches the norms' factors go to the
+        kernels after qkv and gate/up (``norm_linear``). Either way the norms need no launch
+        of their own. The final norm stays, since the LM head may share the embedding's
+        weights."""
         layers = self.model.layers
         for i, layer in enumerate(layers):
             attn = layer.self_attn
