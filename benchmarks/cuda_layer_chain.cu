@@ -38,6 +38,17 @@ constexpr int PHASES = 4;
 #ifndef SLOTS
 #define SLOTS 13
 #endif
+// DEFER_RELEASE releases a phase's weight slots only once the next phase's inputs are in, so
+// that the refill burst (all blocks at once) does not queue ahead of those latency-bound loads.
+#ifndef DEFER_RELEASE
+#define DEFER_RELEASE 0
+#endif
+// INFLIGHT > 0 caps the block's copies in flight: the producer waits for the copy issued
+// INFLIGHT before to land before it issues the next, so that the stream's queue ahead of the
+// consumers' latency-bound loads, stores and atomics stays short.
+#ifndef INFLIGHT
+#define INFLIGHT 0
+#endif
 // EVICT_FIRST marks the weight copies evict-first in L2 (read once per forward).
 #ifndef EVICT_FIRST
 #define EVICT_FIRST 0
@@ -57,6 +68,13 @@ constexpr int THREADS = CONSUMERS + 32;  // the last warp streams the weights
 // hanging the device; once flagged, every wait gives up at its next look at the flag.
 constexpr uint32_t SPIN_LIMIT = 1u << 22;
 constexpr uint32_t FLAG_EVERY = 1024;
+
+// The fewest blocks the launch may have: it bounds the rows (phase 2: features) a warp owns
+// in a phase, which its registers hold.
+constexpr int MIN_GRID = 128;
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int units_per_warp(int n) { return ceil_div(ceil_div(n, MIN_GRID), CONSUMER_WARPS); }
+constexpr int OWN_ROWS = units_per_warp(HIDDEN);  // residual rows a warp updates
 
 struct Phase {
   const __nv_bfloat16* weight;  // this layer's [rows, k] weight
@@ -156,8 +174,17 @@ __device__ __forceinline__ uint64_t now_ns() {
 // other blocks' visible to the block (ordered after it by bar.sync); no separate fences.
 __device__ __forceinline__ void grid_arrive(unsigned int* arrived) {
   consumers_sync();
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0 && !STREAM_ONLY)
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
+}
+
+// Hands slots [seq, seq + slots) back to the producer, lane 0 of warp i the i-th; called
+// after a barrier among the consumers that follows their last read of the slots.
+__device__ __forceinline__ void release_slots(uint64_t* empty, uint32_t seq, int slots) {
+  if (threadIdx.x % 32 == 0 && !NO_WEIGHTS) {
+    for (int i = threadIdx.x / 32; i < slots; i += CONSUMER_WARPS)
+      mbarrier_arrive(&empty[(seq + i) % SLOTS]);
+  }
 }
 
 __device__ __forceinline__ void grid_wait(unsigned int* arrived, unsigned int target,
@@ -174,16 +201,34 @@ __device__ __forceinline__ void grid_wait(unsigned int* arrived, unsigned int ta
   consumers_sync();
 }
 
-// The phase's input vector, read from L2 once per block into shared memory (every warp of
-// every block reading it from L2 makes its few lines a hot spot: ~1 µs, run 200), then each
-// lane's share into registers: 16-byte pieces (j * 32 + lane) * 8, so that a warp reads 512
-// contiguous bytes per step, as it does from a weight row.
+// The phase's inputs. Its weight slots: thread i waits for the phase's i-th slot, so the
+// waits overlap (a warp waiting on each of its slots in turn cost ~0.1 µs per wait, run 202),
+// and the barrier after makes the copies visible to every consumer. Its input vector: read
+// from L2 once per block into shared memory (every warp of every block reading it makes its
+// few lines a hot spot: ~1 µs, run 200), then each lane's share into registers: 16-byte pieces
+// (j * 32 + lane) * 8, so that a warp reads 512 contiguous bytes per step, as from a weight row.
 template <int K>
-__device__ __forceinline__ void load_vector(const __nv_bfloat16* v, uint4* staged, int lane,
-                                            float (&x)[K / 32]) {
-  for (int i = threadIdx.x; i < K / 8; i += CONSUMERS)
-    staged[i] = __ldcg(reinterpret_cast<const uint4*>(v) + i);
+__device__ __forceinline__ void load_inputs(const __nv_bfloat16* v, uint4* staged, uint64_t* full,
+                                            uint32_t seq, int slots, int lane, float (&x)[K / 32],
+                                            int* failed, uint64_t* empty, int& held) {
+  uint4 pieces[ceil_div(K / 8, CONSUMERS)];
+#pragma unroll
+  for (int i = 0; i < ceil_div(K / 8, CONSUMERS); ++i) {
+    const int index = threadIdx.x + i * CONSUMERS;
+    if (index < K / 8) pieces[i] = __ldcg(reinterpret_cast<const uint4*>(v) + index);
+  }
+  if (!NO_WEIGHTS && (int)threadIdx.x < slots) {
+    const uint32_t s = seq + threadIdx.x;
+    mbarrier_wait(&full[s % SLOTS], (s / SLOTS) & 1, failed);
+  }
+#pragma unroll
+  for (int i = 0; i < ceil_div(K / 8, CONSUMERS); ++i) {
+    const int index = threadIdx.x + i * CONSUMERS;
+    if (index < K / 8) staged[index] = pieces[i];
+  }
   consumers_sync();
+  release_slots(empty, seq - held, held);  // the previous phase's, with DEFER_RELEASE
+  held = 0;
 #pragma unroll
   for (int j = 0; j < K / 256; ++j) {
     uint4 piece = staged[j * 32 + lane];
@@ -241,83 +286,40 @@ __device__ __forceinline__ float add_rounded(float h, float product) {
       __float2bfloat16(h + __bfloat162float(__float2bfloat16(product))));
 }
 
-// The fewest blocks the launch may have: it bounds the rows (phase 2: features) a warp owns
-// in a phase, which its registers hold.
-constexpr int MIN_GRID = 128;
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
-__host__ __device__ constexpr int units_per_warp(int n) { return ceil_div(ceil_div(n, MIN_GRID), CONSUMER_WARPS); }
-constexpr int OWN_ROWS = units_per_warp(HIDDEN);  // residual rows a warp updates
-// With slot_stamps, per block and slot of the sequence (sized for MIN_GRID's slices): the
-// SM clock when the producer issued the copy, and when the warp owning the slot's first row
-// began and ended waiting for it.
-constexpr int SLOTS_PER_LAYER = ceil_div(ceil_div(QKV, MIN_GRID), SLOT_BYTES / (HIDDEN * 2)) +
-                                ceil_div(ceil_div(HIDDEN, MIN_GRID), SLOT_BYTES / (Q * 2)) +
-                                ceil_div(2 * ceil_div(INTER, MIN_GRID), SLOT_BYTES / (HIDDEN * 2)) +
-                                ceil_div(ceil_div(HIDDEN, MIN_GRID), SLOT_BYTES / (INTER * 2));
-constexpr int SLOT_STAMPS = 3;
 
 // Per block, phase and layer: globaltimer as the barrier is passed, then SM clocks as the
-// barrier is passed, x is loaded, the first weights are in, the sums are done, the block
+// barrier is passed, the inputs are in (slots and vector), the outputs are stored, the block
 // has arrived; and globaltimer again at arrival.
-enum Stamp { GT_START, CLK_START, CLK_X, CLK_WEIGHTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS };
+enum Stamp { GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS };
 
 __device__ __forceinline__ void stamp_clock(uint64_t* stamp, int which) {
   if (stamp != nullptr && threadIdx.x == 0) stamp[which] = clock64();
 }
 
-// One phase's slots, in the producer's order. Warp w owns the slice's units (rows; phase 2:
-// gate/up row pairs) w, w + CONSUMER_WARPS, ...: it waits only on the slots that hold them,
-// releases every slot once past it (so the producer reuses a slot when all warps are), and
-// sums its units' dot products in one butterfly at the end. Phases 1 and 3 add into the
-// block's residual rows, which the warp keeps in `own` (lane 0) across phases and layers.
+// One phase's dot products, its slots all in. Warp w owns the slice's units (rows; phase 2:
+// gate/up row pairs) w, w + CONSUMER_WARPS, ... and sums their dot products in one butterfly.
+// Phases 1 and 3 add into the block's residual rows, which the warp keeps in `own` (lane 0)
+// across phases and layers.
 template <int K, int PHASE, int UNITS>
 __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[K / 32],
-                                              float scale, uint8_t* ring, uint64_t* full,
-                                              uint64_t* empty, uint32_t& seq,
-                                              __nv_bfloat16* out, float (&own)[OWN_ROWS],
-                                              int* failed, uint64_t* stamp,
-                                              uint64_t* slot_stamps, int layers) {
+                                              float scale, const uint8_t* ring, uint32_t seq,
+                                              __nv_bfloat16* out, float (&own)[OWN_ROWS]) {
   constexpr int PER_SLOT = SLOT_BYTES / (K * 2);
   constexpr int UNIT_ROWS = PHASE == 2 ? 2 : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int rows = ph.end_row - ph.first_row;
-  const int units = rows / UNIT_ROWS, slots = ceil_div(rows, PER_SLOT);
+  const int units = (ph.end_row - ph.first_row) / UNIT_ROWS;
   float sums[UNITS * UNIT_ROWS];
-  int released = 0;
 #pragma unroll
   for (int t = 0; t < UNITS; ++t) {
     const int unit = warp + t * CONSUMER_WARPS;
-    if (unit < units) {
-      const int slot_index = unit * UNIT_ROWS / PER_SLOT;
-      for (; released < slot_index; ++released) {
-        __syncwarp();
-        if (lane == 0 && !NO_WEIGHTS) mbarrier_arrive(&empty[(seq + released) % SLOTS]);
-      }
-      const uint32_t s = seq + slot_index;
-      uint64_t* slot_stamp = slot_stamps != nullptr && lane == 0 && unit * UNIT_ROWS == slot_index * PER_SLOT
-                                 ? slot_stamps + ((size_t)blockIdx.x * layers * SLOTS_PER_LAYER + s) * SLOT_STAMPS
-                                 : nullptr;
-      if (slot_stamp != nullptr) slot_stamp[1] = clock64();
-      if (!NO_WEIGHTS) mbarrier_wait(&full[s % SLOTS], (s / SLOTS) & 1, failed);
-      if (slot_stamp != nullptr) slot_stamp[2] = clock64();
-      if (t == 0) stamp_clock(stamp, CLK_WEIGHTS);
-      const uint8_t* row =
-          ring + (s % SLOTS) * SLOT_BYTES + (unit * UNIT_ROWS - slot_index * PER_SLOT) * K * 2;
+    const int slot_index = unit * UNIT_ROWS / PER_SLOT;
+    const uint8_t* row = ring + ((seq + slot_index) % SLOTS) * SLOT_BYTES +
+                         (unit * UNIT_ROWS - slot_index * PER_SLOT) * K * 2;
 #pragma unroll
-      for (int r = 0; r < UNIT_ROWS; ++r)
-        sums[t * UNIT_ROWS + r] = STREAM_ONLY ? 0.f : lane_dot<K>(row + r * K * 2, lane, x);
-    } else {
-#pragma unroll
-      for (int r = 0; r < UNIT_ROWS; ++r) sums[t * UNIT_ROWS + r] = 0.f;
-    }
+    for (int r = 0; r < UNIT_ROWS; ++r)
+      sums[t * UNIT_ROWS + r] = unit < units ? lane_dot<K>(row + r * K * 2, lane, x) : 0.f;
   }
-  for (; released < slots; ++released) {
-    __syncwarp();
-    if (lane == 0 && !NO_WEIGHTS) mbarrier_arrive(&empty[(seq + released) % SLOTS]);
-  }
-  seq += slots;
   warp_sum(sums);
-  stamp_clock(stamp, CLK_SUMS);
   if (lane != 0) return;
 #pragma unroll
   for (int t = 0; t < UNITS; ++t) {
@@ -342,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const __nv_bfloat16* __restrict__ w_gate_up,
                 const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* residual,
                 __nv_bfloat16* qkv, __nv_bfloat16* act, unsigned int* arrived, int* failed,
-                uint64_t* stamps, uint64_t* slot_stamps, int layers, float eps) {
+                uint64_t* stamps, int layers, float eps) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ uint64_t full[SLOTS];
   __shared__ uint64_t empty[SLOTS];
@@ -356,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < SLOTS; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], CONSUMER_WARPS);
+      mbarrier_init(&empty[s], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -372,9 +374,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int first = ph.first_row; first < ph.end_row; first += per_slot, ++seq) {
           const int slot = seq % SLOTS;
           if (seq >= SLOTS) mbarrier_wait(&empty[slot], (seq / SLOTS - 1) & 1, failed);
+          if (INFLIGHT > 0 && seq >= INFLIGHT) {
+            const uint32_t landed = seq - INFLIGHT;
+            mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
+          }
           const uint32_t bytes = min(per_slot, ph.end_row - first) * ph.k * 2;
-          if (slot_stamps != nullptr)
-            slot_stamps[((size_t)blockIdx.x * layers * SLOTS_PER_LAYER + seq) * SLOT_STAMPS] = clock64();
           mbarrier_expect_bytes(&full[slot], bytes);
           bulk_copy(ring + slot * SLOT_BYTES, ph.weight + (size_t)first * ph.k, bytes,
                     &full[slot]);
@@ -395,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
   }
   uint32_t seq = 0;
+  int held = 0;  // slots just before seq that the consumers have not released yet
   unsigned int barriers = 0;
   for (int layer = 0; layer < layers; ++layer) {
     for (int p = 0; p < PHASES; ++p) {
@@ -406,33 +411,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (stamp != nullptr && threadIdx.x == 0) stamp[GT_START] = now_ns();
       stamp_clock(stamp, CLK_START);
       const Phase ph = phase_slice(p, layer, w_qkv, w_o, w_gate_up, w_down);
-      if (p == 0 || p == 2) {
+      const int slots = ceil_div(ph.end_row - ph.first_row, rows_per_slot(ph.k));
+      if (STREAM_ONLY) {  // wait for the slots, release them, nothing else
+        if ((int)threadIdx.x < slots) {
+          const uint32_t s = seq + threadIdx.x;
+          mbarrier_wait(&full[s % SLOTS], (s / SLOTS) & 1, failed);
+        }
+      } else if (p == 0 || p == 2) {
         float x[HIDDEN / 32];
-        if (!STREAM_ONLY) load_vector<HIDDEN>(residual, staged, lane, x);
-        const float scale = STREAM_ONLY ? 0.f : rms_scale<HIDDEN>(x, eps);
-        stamp_clock(stamp, CLK_X);
+        load_inputs<HIDDEN>(residual, staged, full, seq, slots, lane, x, failed, empty, held);
+        stamp_clock(stamp, CLK_INPUTS);
+        const float scale = rms_scale<HIDDEN>(x, eps);
         if (p == 0)
-          consume_phase<HIDDEN, 0, units_per_warp(QKV)>(ph, x, scale, ring, full, empty, seq,
-                                                        qkv, own, failed, stamp,
-            slot_stamps, layers);
+          consume_phase<HIDDEN, 0, units_per_warp(QKV)>(ph, x, scale, ring, seq, qkv, own);
         else
-          consume_phase<HIDDEN, 2, units_per_warp(INTER)>(ph, x, scale, ring, full, empty, seq,
-                                                          act, own, failed, stamp,
-            slot_stamps, layers);
+          consume_phase<HIDDEN, 2, units_per_warp(INTER)>(ph, x, scale, ring, seq, act, own);
       } else if (p == 1) {
         float x[Q / 32];
-        if (!STREAM_ONLY) load_vector<Q>(qkv, staged, lane, x);
-        stamp_clock(stamp, CLK_X);
-        consume_phase<Q, 1, OWN_ROWS>(ph, x, 1.f, ring, full, empty, seq, residual, own, failed,
-                                      stamp, slot_stamps, layers);
+        load_inputs<Q>(qkv, staged, full, seq, slots, lane, x, failed, empty, held);
+        stamp_clock(stamp, CLK_INPUTS);
+        consume_phase<Q, 1, OWN_ROWS>(ph, x, 1.f, ring, seq, residual, own);
       } else {
         float x[INTER / 32];
-        if (!STREAM_ONLY) load_vector<INTER>(act, staged, lane, x);
-        stamp_clock(stamp, CLK_X);
-        consume_phase<INTER, 3, OWN_ROWS>(ph, x, 1.f, ring, full, empty, seq, residual, own,
-                                          failed, stamp, slot_stamps, layers);
+        load_inputs<INTER>(act, staged, full, seq, slots, lane, x, failed, empty, held);
+        stamp_clock(stamp, CLK_INPUTS);
+        consume_phase<INTER, 3, OWN_ROWS>(ph, x, 1.f, ring, seq, residual, own);
       }
-      if (!STREAM_ONLY) grid_arrive(arrived);
+      stamp_clock(stamp, CLK_SUMS);
+      grid_arrive(arrived);
+      if (DEFER_RELEASE && !STREAM_ONLY)
+        held = slots;
+      else
+        release_slots(empty, seq, slots);
+      seq += slots;
       stamp_clock(stamp, CLK_ARRIVED);
       if (stamp != nullptr && threadIdx.x == 0) stamp[GT_DONE] = now_ns();
     }

@@ -28,11 +28,7 @@ from common import emit, environment, replay_ms
 SOURCE = Path(__file__).with_suffix(".cu")
 HIDDEN, QKV, Q, INTER, PHASES = 1024, 4096, 2048, 3072, 4
 # The kernel's stamps per block, layer and phase (enum Stamp in the .cu file).
-GT_START, CLK_START, CLK_X, CLK_WEIGHTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(8)
-# Per block and weight slot (SLOTS_PER_LAYER and SLOT_STAMPS there): issued, waited, ready.
-SLOT_ISSUED, SLOT_WAITED, SLOT_READY, SLOT_STAMPS = range(4)
-# Slots of a layer at the default 16 KB slot, and the phase each belongs to.
-SLOT_PHASES = [0] * 4 + [1] * 2 + [2] * 6 + [3] * 4
+GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(7)
 PHASE_NAMES = ("qkv", "o_proj", "gate_up", "down")
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
@@ -110,20 +106,18 @@ class Stack:
     def weight_bytes(self) -> int:
         return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down))
 
-    def args(self, stamps: torch.Tensor | None, slot_stamps: torch.Tensor | None,
-             eps: float) -> list:
+    def args(self, stamps: torch.Tensor | None, eps: float) -> list:
         return [self.w_qkv.data_ptr(), self.w_o.data_ptr(), self.w_gate_up.data_ptr(),
                 self.w_down.data_ptr(), self.residual.data_ptr(), self.qkv.data_ptr(),
                 self.act.data_ptr(), self.arrived.data_ptr(), self.failed.data_ptr(),
-                0 if stamps is None else stamps.data_ptr(),
-                0 if slot_stamps is None else slot_stamps.data_ptr(), ctypes.c_int(self.layers),
+                0 if stamps is None else stamps.data_ptr(), ctypes.c_int(self.layers),
                 ctypes.c_float(eps)]
 
-    def run(self, variant: Variant, grid: int, eps: float, stamps: torch.Tensor | None = None,
-            slot_stamps: torch.Tensor | None = None) -> None:
+    def run(self, variant: Variant, grid: int, eps: float,
+            stamps: torch.Tensor | None = None) -> None:
         self.residual.copy_(self.h0)
         self.arrived.zero_()
-        variant.launch(self.args(stamps, slot_stamps, eps), grid)
+        variant.launch(self.args(stamps, eps), grid)
 
     def reference(self, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The same chain in float32 on the GPU, rounded to bf16 where the kernel rounds."""
@@ -151,9 +145,9 @@ def stamp_profile(stamps: torch.Tensor) -> dict:
     nanosecond clock (coarse, but common to all blocks): the span from the first block
     passing the phase's barrier to the first passing the next, and the barrier (the last
     arrival to the first block passing the next one). From each SM's cycle counter (fine, per
-    block; converted at the clock rate the run shows), the median block's steps: loading x
-    (and the norm's sum), waiting for its first weights, the dot products, and the epilogue
-    up to its arrival; and the slowest block's whole phase."""
+    block; converted at the clock rate the run shows), the median block's steps: its inputs
+    (the phase's weight slots and input vector), the dot products with the norm and the
+    stores, and its arrival; and the slowest block's whole phase."""
     s = stamps.double()  # [grid, layers, phases, STAMPS]
     grid, layers = s.shape[0], s.shape[1]
     flat = s.reshape(grid, layers * PHASES, STAMPS)
@@ -173,36 +167,12 @@ def stamp_profile(stamps: torch.Tensor) -> dict:
         rows[name] = {
             "span": round((nxt - us[:, idx, GT_START].min(0).values).mean().item(), 3),
             "barrier": round((nxt - us[:, idx, GT_DONE].max(0).values).mean().item(), 3),
-            "x": median(CLK_START, CLK_X),
-            "weights_wait": median(CLK_X, CLK_WEIGHTS),
-            "dots": median(CLK_WEIGHTS, CLK_SUMS),
-            "epilogue_arrive": median(CLK_SUMS, CLK_ARRIVED),
+            "inputs": median(CLK_START, CLK_INPUTS),
+            "dots": median(CLK_INPUTS, CLK_SUMS),
+            "arrive": median(CLK_SUMS, CLK_ARRIVED),
             "work_max": round((cycles_us[:, idx, CLK_ARRIVED] - cycles_us[:, idx, CLK_START])
                               .max(0).values.mean().item(), 3),
         }
-    return rows
-
-
-def slot_profile(stamps: torch.Tensor, slot_stamps: torch.Tensor) -> list[dict]:
-    """Per weight slot of a layer (layers 1..; medians over blocks and layers, µs at the run's
-    SM clock): when the producer issued its copy, relative to the start of the phase that
-    reads it (negative: before), how long before its reader began waiting, and how long the
-    reader waited (also the 90th percentile)."""
-    flat = stamps.double().reshape(stamps.shape[0], -1, STAMPS)
-    ghz = ((flat[:, -1, CLK_ARRIVED] - flat[:, 0, CLK_START])
-           / (flat[:, -1, GT_DONE] - flat[:, 0, GT_START])).mean().item()
-    t = slot_stamps.double() / (ghz * 1e3)  # [grid, layers, slots per layer, SLOT_STAMPS]
-    starts = stamps.double()[..., CLK_START] / (ghz * 1e3)  # [grid, layers, phases]
-    rows = []
-    for pos, phase in enumerate(SLOT_PHASES):
-        issued, waited, ready = (t[:, 1:, pos, i] for i in (SLOT_ISSUED, SLOT_WAITED,
-                                                              SLOT_READY))
-        late = ready - waited
-        rows.append({"slot": pos, "phase": PHASE_NAMES[phase],
-                     "issued_vs_phase": round((issued - starts[:, 1:, phase]).median().item(), 3),
-                     "lead": round((waited - issued).median().item(), 3),
-                     "wait": round(late.median().item(), 3),
-                     "wait_p90": round(late.quantile(0.9).item(), 3)})
     return rows
 
 
@@ -249,14 +219,9 @@ def main() -> None:
                 if args.stamps:
                     stamps = torch.zeros(grid, args.layers, PHASES, STAMPS, dtype=torch.int64,
                                          device="cuda")
-                    slots = torch.zeros(grid, args.layers, len(SLOT_PHASES), SLOT_STAMPS,
-                                        dtype=torch.int64, device="cuda")
-                    stack.run(variant, grid, args.eps, stamps,
-                              slots if "SLOT_BYTES" not in variant.defines else None)
+                    stack.run(variant, grid, args.eps, stamps)
                     torch.cuda.synchronize()
                     record["per_layer_us"] = stamp_profile(stamps)
-                    if "SLOT_BYTES" not in variant.defines:
-                        record["slots_us"] = slot_profile(stamps, slots)
                 record["failed"] = record["failed"] or bool(stack.failed.item())
                 emit(record)
 
