@@ -26,7 +26,7 @@ import torch
 from common import emit, environment, replay_ms
 
 SOURCE = Path(__file__).with_suffix(".cu")
-HIDDEN, QKV, Q, INTER, PHASES, SLOT_BYTES = 1024, 4096, 2048, 3072, 4, 16384
+HIDDEN, QKV, Q, INTER, PHASES = 1024, 4096, 2048, 3072, 4
 # The kernel's stamps per block, layer and phase (enum Stamp in the .cu file).
 GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(7)
 PHASE_NAMES = ("qkv", "o_proj", "gate_up", "down")
@@ -41,11 +41,12 @@ class Variant:
         self.defines = dict(item.split("=") for item in spec.split(",")) if spec != "default" \
             else {}
         self.warps = int(self.defines.get("CONSUMER_WARPS", 8))
-        self.shared_bytes = int(self.defines.get("SLOTS", 13)) * SLOT_BYTES
+        self.shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
+            self.defines.get("SLOT_BYTES", 16384))
         cubin = build_dir / f"{spec.replace('=', '_').replace(',', '-')}.cubin"
         flags = [f"-D{k}={v}" for k, v in self.defines.items()]
-        built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-lineinfo", "--resource-usage",
-                                *flags, "-o", str(cubin), str(SOURCE)],
+        built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-lineinfo",
+                                "--resource-usage", *flags, "-o", str(cubin), str(SOURCE)],
                                capture_output=True, text=True, check=True)
         self.resources = [line.strip() for line in built.stderr.splitlines() if "Used" in line]
         self.function = _load(cubin, "layer_chain", self.shared_bytes)
@@ -82,18 +83,8 @@ def _load(cubin: Path, name: str, shared_bytes: int) -> ctypes.c_void_p:
     return function
 
 
-def fragment_order(w: torch.Tensor) -> torch.Tensor:
-    """``[layers, n, k]`` row-major weights in the kernel's fragment order (the .cu file's
-    header): per group of 8 rows and 32 columns p, per lane (r, c), the 8 values
-    ``W[8g + r][32p + 16q + 8h + 2c + e]`` in (q, h, e) order."""
-    layers, n, k = w.shape
-    split = w.view(layers, n // 8, 8, k // 32, 2, 2, 4, 2)  # l, g, r, p, q, h, c, e
-    return split.permute(0, 1, 3, 2, 6, 4, 5, 7).contiguous().view(layers, n, k)
-
-
 class Stack:
-    """Random weights for ``layers`` layers, stacked per matrix (row-major for the reference,
-    in fragment order for the kernel), and the step's vectors."""
+    """Random weights for ``layers`` layers, stacked per matrix, and the step's vectors."""
 
     def __init__(self, layers: int, seed: int = 0):
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -104,10 +95,7 @@ class Stack:
 
         self.layers = layers
         self.w_qkv, self.w_o = weight(QKV, HIDDEN), weight(HIDDEN, Q)
-        # Rows 2f and 2f + 1 are feature f's gate and up rows.
         self.w_gate_up, self.w_down = weight(2 * INTER, HIDDEN), weight(HIDDEN, INTER)
-        self.kernel_weights = [fragment_order(w) for w in
-                               (self.w_qkv, self.w_o, self.w_gate_up, self.w_down)]
         self.h0 = torch.randn(HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
         self.residual = torch.empty_like(self.h0)
         self.qkv = torch.empty(QKV, dtype=torch.bfloat16, device="cuda")
@@ -116,11 +104,11 @@ class Stack:
         self.failed = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def weight_bytes(self) -> int:
-        return sum(w.numel() * 2 for w in self.kernel_weights)
+        return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down))
 
     def args(self, stamps: torch.Tensor | None, eps: float) -> list:
-        return [*(w.data_ptr() for w in self.kernel_weights), self.residual.data_ptr(),
-                self.qkv.data_ptr(),
+        return [self.w_qkv.data_ptr(), self.w_o.data_ptr(), self.w_gate_up.data_ptr(),
+                self.w_down.data_ptr(), self.residual.data_ptr(), self.qkv.data_ptr(),
                 self.act.data_ptr(), self.arrived.data_ptr(), self.failed.data_ptr(),
                 0 if stamps is None else stamps.data_ptr(), ctypes.c_int(self.layers),
                 ctypes.c_float(eps)]
