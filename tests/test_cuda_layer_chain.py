@@ -1,0 +1,73 @@
+"""The persistent CUDA layer-chain experiment (benchmarks/cuda_layer_chain.*) off the device:
+the kernel builds for sm_90 without spilling in every variant the device runs, a variant that
+would deadlock is refused at build time, and the per-phase profile reads the kernel's stamps
+as documented. The kernel itself runs only on the H200 (docs/kernels.md)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import cuda_layer_chain as chain  # noqa: E402
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler here")
+
+
+def build(tmp_path: Path, *defines: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--resource-usage",
+                           *(f"-D{d}" for d in defines), "-o", str(tmp_path / "k.cubin"),
+                           str(chain.SOURCE)], capture_output=True, text=True)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("defines", [(), ("NO_WEIGHTS=1",), ("STREAM_ONLY=1",),
+                                     ("NO_WEIGHTS=1", "NO_DOTS=1"),
+                                     ("NO_WEIGHTS=1", "BARRIER_ONLY=1"), ("INFLIGHT=0",),
+                                     ("CONSUMER_WARPS=4",), ("CONSUMER_WARPS=12",)])
+def test_kernel_builds_for_sm90_without_spills(tmp_path, defines):
+    built = build(tmp_path, *defines)
+    assert built.returncode == 0, built.stderr
+    usage = [line for line in built.stderr.splitlines() if "spill" in line]
+    assert usage and all("0 bytes spill stores, 0 bytes spill loads" in line for line in usage), \
+        built.stderr
+
+
+@needs_nvcc
+def test_barrier_only_without_no_weights_is_refused(tmp_path):
+    built = build(tmp_path, "BARRIER_ONLY=1")
+    assert built.returncode != 0
+    assert "BARRIER_ONLY needs NO_WEIGHTS=1" in built.stderr
+
+
+def synthetic_stamps(grid: int, layers: int, ghz: float) -> torch.Tensor:
+    """Stamps of a run where every phase takes 5 µs: block b passes each barrier b ns after
+    block 0, loads its inputs in 0.5 µs, sums in 1 µs, arrives 0.5 µs later; the last block's
+    arrival comes 1 µs before the first block passes the next barrier."""
+    stamps = torch.zeros(grid, layers, chain.PHASES, chain.STAMPS, dtype=torch.int64)
+    phase = torch.arange(layers * chain.PHASES).view(1, layers, chain.PHASES) * 5000
+    start = phase + torch.arange(grid).view(grid, 1, 1)
+    stamps[..., chain.GT_START] = start
+    stamps[..., chain.GT_DONE] = phase + 4000 - (grid - 1) + torch.arange(grid).view(grid, 1, 1)
+    cycles = lambda ns: (ns * ghz).long()  # noqa: E731
+    stamps[..., chain.CLK_START] = cycles(start)
+    stamps[..., chain.CLK_INPUTS] = cycles(start + 500)
+    stamps[..., chain.CLK_SUMS] = cycles(start + 1500)
+    stamps[..., chain.CLK_ARRIVED] = cycles(stamps[..., chain.GT_DONE])
+    return stamps
+
+
+def test_stamp_profile_reads_spans_barriers_and_steps():
+    profile = chain.stamp_profile(synthetic_stamps(grid=4, layers=3, ghz=1.5))
+    assert profile["sm_clock_ghz"] == pytest.approx(1.5, rel=1e-3)
+    for name in chain.PHASE_NAMES:
+        row = profile[name]
+        assert row["span"] == pytest.approx(5.0, abs=1e-3)
+        assert row["barrier"] == pytest.approx(1.0, abs=1e-3)
+        assert row["inputs"] == pytest.approx(0.5, abs=2e-3)
+        assert row["dots"] == pytest.approx(1.0, abs=2e-3)
+        assert row["arrive"] == pytest.approx(4.0 - 3e-3 - 1.5, abs=3e-3)
