@@ -8,18 +8,21 @@
 // mbarrier), running as far ahead as the ring allows, while the other warps compute. The
 // weight stream never waits on the grid barriers; only the small input vectors do.
 //
-// Per layer, four phases meet at grid barriers (attention is left out, as in
-// split_decode_chain.py's "none" variant: o_proj reads q as the qkv projection wrote it):
-//   0  qkv[r]      = (W_qkv'[r] . h) * rsqrt(mean(h^2) + eps)     (norm weight folded in W)
-//   1  h[r]        = h[r] + bf16(W_o[r] . q)
-//   2  act[f]      = silu(g) * u, g/u = (W_gu'[2f] / W_gu'[2f+1] . h) * rsqrt(mean(h^2) + eps)
-//   3  h[r]        = h[r] + bf16(W_down[r] . act)
+// Per layer, five stages meet at grid barriers:
+//   qkv        qkv[r] = (W_qkv'[r] . h) * rsqrt(mean(h^2) + eps)     (norm weight folded in W)
+//   attention  q/k RMSNorm and RoPE, the new k/v stored in the paged cache, attention over
+//              the cached keys and the new one: attn (ATTENTION=0 leaves the stage out, and
+//              o_proj reads q as qkv wrote it, as split_decode_chain.py's "none" variant does)
+//   o_proj     h[r] = h[r] + bf16(W_o[r] . attn)
+//   gate_up    act[f] = silu(g) * u, g/u = (W_gu'[2f] / W_gu'[2f+1] . h) * rsqrt(mean(h^2) + eps)
+//   down       h[r] = h[r] + bf16(W_down[r] . act)
+// The GEMV stages are "phases" 0-3 below (qkv, o_proj, gate_up, down).
 // Block b owns rows [b*N/G, (b+1)*N/G) of each phase (features for phase 2), so each slice is
 // contiguous in the row-major weight and copies as whole rows.
 //
-// Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): 11.98 µs a layer
-// against 14.54 for the engine's chain of Triton GEMVs (runs 209 and 212); the weight stream
-// alone takes 7.9 and the barriers, vectors and dot products alone 8.8.
+// Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): the whole layer
+// in 17.64 µs against 19.5 for the engine's forward (run 213, 384 cached keys), the GEMV stages
+// alone in 11.98 against 14.54 (runs 209 and 212).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -30,7 +33,10 @@ constexpr int HIDDEN = 1024;
 constexpr int QKV = 4096;
 constexpr int Q = 2048;
 constexpr int INTER = 3072;
-constexpr int PHASES = 4;
+constexpr int PHASES = 4;  // the GEMVs
+constexpr int HEADS = 16, KV_HEADS = 8, HEAD_DIM = 128, GROUP = HEADS / KV_HEADS;
+// Stages of a layer, in order; stamps are kept per stage.
+enum Stage { QKV_STAGE, ATTENTION_STAGE, O_STAGE, GATE_UP_STAGE, DOWN_STAGE, STAGES };
 
 // Tunings the driver sets with -D; these defaults fill 208 KB of shared memory.
 #ifndef CONSUMER_WARPS
@@ -67,6 +73,14 @@ constexpr int PHASES = 4;
 #ifndef BARRIER_ONLY
 #define BARRIER_ONLY 0
 #endif
+#ifndef ATTENTION
+#define ATTENTION 1
+#endif
+// Attention work items: (KV head, split) pairs, one per block. A warp holds at most
+// KEYS_PER_WARP of its split's keys, so a split is at most CONSUMER_WARPS * KEYS_PER_WARP keys.
+#ifndef SPLITS
+#define SPLITS 16
+#endif
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
 #endif
@@ -85,6 +99,26 @@ __host__ __device__ constexpr int units_per_warp(int n) {
   return ceil_div(ceil_div(n, MIN_GRID), CONSUMER_WARPS);
 }
 constexpr int OWN_ROWS = units_per_warp(HIDDEN);  // residual rows a warp updates
+constexpr int KEYS_PER_WARP = 4;
+constexpr int PARTIAL = HEAD_DIM + 2;  // a split's (max, sum, output) for one q head
+static_assert(KV_HEADS * SPLITS <= MIN_GRID, "one block per (KV head, split)");
+static_assert(SPLITS <= 32, "the merge reads a split per lane");
+
+// The step's attention inputs; the caches and norm weights hold every layer.
+struct AttentionArgs {
+  __nv_bfloat16* k_cache;   // [layers, cache_blocks, block_size, KV_HEADS, HEAD_DIM]
+  __nv_bfloat16* v_cache;
+  const int* block_table;   // the sequence's cache blocks
+  int context;              // cached keys; the new token's position
+  int block_size;
+  int cache_blocks;
+  const float* cos_sin;     // cos and sin of the new position's 64 angles
+  const float* q_norm;      // [layers, HEAD_DIM]
+  const float* k_norm;
+  float* partials;          // [HEADS, SPLITS, PARTIAL]
+  unsigned int* head_done;  // [KV_HEADS] splits finished, zero at launch
+  __nv_bfloat16* out;       // [HEADS * HEAD_DIM]
+};
 
 struct Phase {
   const __nv_bfloat16* weight;  // this layer's [rows, k] weight
@@ -334,18 +368,230 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
   }
 }
 
+// The block's attention work item and its keys: split s of KV head h, keys [first, end) of
+// the context's cached keys and the new token's (position context, in the last split).
+struct KeyRange {
+  int head, split, first, end;
+};
+
+__device__ __forceinline__ KeyRange key_range(const AttentionArgs& a) {
+  const int b = blockIdx.x, n = a.context + 1;
+  const int split = b % SPLITS;
+  return {b / SPLITS, split, split * n / SPLITS, (split + 1) * n / SPLITS};
+}
+
+__device__ __forceinline__ size_t cache_offset(const AttentionArgs& a, int layer, int position,
+                                               int head) {
+  const int block = a.block_table[position / a.block_size];
+  return (((size_t)layer * a.cache_blocks + block) * a.block_size + position % a.block_size) *
+             KV_HEADS * HEAD_DIM + head * HEAD_DIM;
+}
+
+// Before the barrier: the warp's cached keys and values (they do not depend on this step),
+// lane l holding dimensions [4l, 4l + 4) of each, as bf16 pairs.
+__device__ __forceinline__ void prefetch_keys(const AttentionArgs& a, int layer,
+                                              uint2 (&k)[KEYS_PER_WARP],
+                                              uint2 (&v)[KEYS_PER_WARP]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const KeyRange r = key_range(a);
+#pragma unroll
+  for (int t = 0; t < KEYS_PER_WARP; ++t) {
+    const int j = r.first + warp + t * CONSUMER_WARPS;
+    if (blockIdx.x < KV_HEADS * SPLITS && j < min(r.end, a.context)) {
+      const size_t offset = cache_offset(a, layer, j, r.head) + 4 * lane;
+      k[t] = *reinterpret_cast<const uint2*>(a.k_cache + offset);
+      v[t] = *reinterpret_cast<const uint2*>(a.v_cache + offset);
+    }
+  }
+}
+
+__device__ __forceinline__ void unpack4(uint2 w, float (&x)[4]) {
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+  x[0] = lo.x, x[1] = lo.y, x[2] = hi.x, x[3] = hi.y;
+}
+
+__device__ __forceinline__ uint2 pack4(const float (&x)[4]) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(x[0], x[1]);
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(x[2], x[3]);
+  return {*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi)};
+}
+
+// RMSNorm over the head (every lane holds 4 of its 128 values), the norm weight, neox RoPE
+// (dimension d pairs with d ± 64, held by lane ± 16), then rounded to bf16 as stored.
+__device__ __forceinline__ void norm_rope(float (&x)[4], const float* weight,
+                                          const float* cos_sin, float eps) {
+  const int lane = threadIdx.x % 32;
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) ss = fmaf(x[e], x[e], ss);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, offset);
+  const float r = rsqrtf(ss / HEAD_DIM + eps);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) x[e] *= r * weight[4 * lane + e];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float partner = __shfl_xor_sync(0xffffffffu, x[e], 16);
+    const int i = (4 * lane + e) % (HEAD_DIM / 2);
+    const float c = cos_sin[i], s = cos_sin[HEAD_DIM / 2 + i];
+    x[e] = lane < 16 ? x[e] * c - partner * s : x[e] * c + partner * s;
+  }
+  float rounded[4];
+  unpack4(pack4(x), rounded);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) x[e] = rounded[e];
+}
+
+// Attention for the block's (KV head, split): its GROUP q heads' partial softmax over the
+// split's keys into `partials`; the last block of a KV head to finish merges its splits.
+__device__ __forceinline__ void attention_stage(const AttentionArgs& a, int layer,
+                                                const __nv_bfloat16* qkv,
+                                                const uint2 (&k_cached)[KEYS_PER_WARP],
+                                                const uint2 (&v_cached)[KEYS_PER_WARP],
+                                                float eps, float* scratch, int* last,
+                                                int* failed) {
+  if (blockIdx.x >= KV_HEADS * SPLITS) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const KeyRange r = key_range(a);
+  if (r.end - r.first > CONSUMER_WARPS * KEYS_PER_WARP && threadIdx.x == 0)
+    atomicExch(failed, 1);  // keys past the warps' registers would be left out
+  float q[GROUP][4], k_new[4], v_new[4];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g)
+    unpack4(__ldcg(reinterpret_cast<const uint2*>(qkv + (r.head * GROUP + g) * HEAD_DIM) + lane),
+            q[g]);
+  unpack4(__ldcg(reinterpret_cast<const uint2*>(qkv + HEADS * HEAD_DIM + r.head * HEAD_DIM) +
+                 lane), k_new);
+  const uint2 v_bits = __ldcg(reinterpret_cast<const uint2*>(
+                                  qkv + (HEADS + KV_HEADS) * HEAD_DIM + r.head * HEAD_DIM) + lane);
+  unpack4(v_bits, v_new);
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) norm_rope(q[g], a.q_norm + layer * HEAD_DIM, a.cos_sin, eps);
+  norm_rope(k_new, a.k_norm + layer * HEAD_DIM, a.cos_sin, eps);
+  if (r.end == a.context + 1 && warp == 0) {
+    const size_t offset = cache_offset(a, layer, a.context, r.head) + 4 * lane;
+    *reinterpret_cast<uint2*>(a.k_cache + offset) = pack4(k_new);
+    *reinterpret_cast<uint2*>(a.v_cache + offset) = v_bits;
+  }
+  // Scores of the warp's keys for each q head, summed across the warp together.
+  float scores[KEYS_PER_WARP][GROUP];
+  float keys[KEYS_PER_WARP][4], values[KEYS_PER_WARP][4];
+#pragma unroll
+  for (int t = 0; t < KEYS_PER_WARP; ++t) {
+    const bool is_new = r.first + warp + t * CONSUMER_WARPS == a.context;
+    unpack4(k_cached[t], keys[t]);
+    unpack4(v_cached[t], values[t]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      keys[t][e] = is_new ? k_new[e] : keys[t][e];
+      values[t][e] = is_new ? v_new[e] : values[t][e];
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dot = fmaf(q[g][e], keys[t][e], dot);
+      scores[t][g] = dot;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int t = 0; t < KEYS_PER_WARP; ++t) {
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g)
+        scores[t][g] += __shfl_xor_sync(0xffffffffu, scores[t][g], offset);
+    }
+  }
+  // The warp's softmax pieces in base 2, then the block's, through shared memory.
+  const float scale = rsqrtf((float)HEAD_DIM) * 1.4426950408889634f;
+  float* warp_max = scratch;                                  // [CONSUMER_WARPS][GROUP]
+  float* warp_sum = scratch + CONSUMER_WARPS * GROUP;         // [CONSUMER_WARPS][GROUP]
+  float* warp_acc = scratch + 2 * CONSUMER_WARPS * GROUP;     // [CONSUMER_WARPS][GROUP][HEAD_DIM]
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < KEYS_PER_WARP; ++t) {
+      if (r.first + warp + t * CONSUMER_WARPS < r.end) m = fmaxf(m, scores[t][g] * scale);
+    }
+    float sum = 0.f, acc[4] = {};
+#pragma unroll
+    for (int t = 0; t < KEYS_PER_WARP; ++t) {
+      if (r.first + warp + t * CONSUMER_WARPS >= r.end) continue;
+      const float prob = exp2f(scores[t][g] * scale - m);
+      sum += prob;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] = fmaf(prob, values[t][e], acc[e]);
+    }
+    if (lane == 0) warp_max[warp * GROUP + g] = m, warp_sum[warp * GROUP + g] = sum;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) warp_acc[(warp * GROUP + g) * HEAD_DIM + 4 * lane + e] = acc[e];
+  }
+  consumers_sync();
+  if (warp < GROUP) {
+    const int g = warp, head = r.head * GROUP + g;
+    float m = -INFINITY;
+    for (int w = 0; w < CONSUMER_WARPS; ++w) m = fmaxf(m, warp_max[w * GROUP + g]);
+    float sum = 0.f, acc[4] = {};
+    for (int w = 0; w < CONSUMER_WARPS; ++w) {
+      const float f = m == -INFINITY ? 0.f : exp2f(warp_max[w * GROUP + g] - m);
+      sum = fmaf(warp_sum[w * GROUP + g], f, sum);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[e] = fmaf(warp_acc[(w * GROUP + g) * HEAD_DIM + 4 * lane + e], f, acc[e]);
+    }
+    float* partial = a.partials + ((size_t)head * SPLITS + r.split) * PARTIAL;
+    if (lane == 0) partial[0] = m, partial[1] = sum;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[2 + 4 * lane + e] = acc[e];
+  }
+  consumers_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *last = atomicAdd(&a.head_done[r.head], 1u) == SPLITS - 1;
+  }
+  consumers_sync();
+  if (!*last || warp >= GROUP) return;
+  // The last split of this KV head to finish: merge each q head's splits into attn.
+  __threadfence();
+  const int head = r.head * GROUP + warp;
+  const float* partial = a.partials + (size_t)head * SPLITS * PARTIAL;
+  const float my_max = lane < SPLITS ? __ldcg(partial + lane * PARTIAL) : -INFINITY;
+  float m = my_max;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  float sum = 0.f, acc[4] = {};
+  for (int split = 0; split < SPLITS; ++split) {
+    const float split_max = __shfl_sync(0xffffffffu, my_max, split);
+    const float f = split_max == -INFINITY ? 0.f : exp2f(split_max - m);
+    sum = fmaf(__ldcg(partial + split * PARTIAL + 1), f, sum);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      acc[e] = fmaf(__ldcg(partial + split * PARTIAL + 2 + 4 * lane + e), f, acc[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] /= sum;
+  *reinterpret_cast<uint2*>(a.out + head * HEAD_DIM + 4 * lane) = pack4(acc);
+  if (warp == 0 && lane == 0) a.head_done[r.head] = 0;  // for the next layer
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     layer_chain(const __nv_bfloat16* __restrict__ w_qkv, const __nv_bfloat16* __restrict__ w_o,
                 const __nv_bfloat16* __restrict__ w_gate_up,
                 const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* residual,
-                __nv_bfloat16* qkv, __nv_bfloat16* act, unsigned int* arrived, int* failed,
-                uint64_t* stamps, int layers, float eps) {
+                __nv_bfloat16* qkv, __nv_bfloat16* act, AttentionArgs attention,
+                unsigned int* arrived, int* failed, uint64_t* stamps, int layers, float eps) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ uint64_t full[SLOTS];
   __shared__ uint64_t empty[SLOTS];
   __shared__ uint4 staged[INTER / 8];  // the phase's input vector
+  __shared__ float scratch[2 * CONSUMER_WARPS * GROUP * (1 + HEAD_DIM / 2)];  // attention's
+  __shared__ int last_split;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (gridDim.x < MIN_GRID) {
@@ -405,14 +651,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   unsigned int barriers = 0;
   for (int layer = 0; layer < layers; ++layer) {
 #pragma unroll
-    for (int p = 0; p < PHASES; ++p) {
-      if (layer + p > 0 && !STREAM_ONLY) grid_wait(arrived, ++barriers * gridDim.x, failed);
+    for (int stage = 0; stage < STAGES; ++stage) {
+      if (stage == ATTENTION_STAGE && !ATTENTION) continue;
+      uint2 k_cached[KEYS_PER_WARP], v_cached[KEYS_PER_WARP];
+      if (stage == ATTENTION_STAGE && !STREAM_ONLY && !BARRIER_ONLY)
+        prefetch_keys(attention, layer, k_cached, v_cached);
+      if (layer + stage > 0 && !STREAM_ONLY) grid_wait(arrived, ++barriers * gridDim.x, failed);
       uint64_t* stamp = stamps == nullptr
                             ? nullptr
-                            : stamps + ((size_t)blockIdx.x * layers * PHASES + layer * PHASES + p) *
-                                           STAMPS;
+                            : stamps + ((size_t)blockIdx.x * layers * STAGES + layer * STAGES +
+                                        stage) * STAMPS;
       if (stamp != nullptr && threadIdx.x == 0) stamp[GT_START] = now_ns();
       stamp_clock(stamp, CLK_START);
+      if (stage == ATTENTION_STAGE) {
+        stamp_clock(stamp, CLK_INPUTS);
+        if (!STREAM_ONLY && !BARRIER_ONLY)
+          attention_stage(attention, layer, qkv, k_cached, v_cached, eps, scratch, &last_split,
+                          failed);
+        stamp_clock(stamp, CLK_SUMS);
+        grid_arrive(arrived);
+        stamp_clock(stamp, CLK_ARRIVED);
+        if (stamp != nullptr && threadIdx.x == 0) stamp[GT_DONE] = now_ns();
+        continue;
+      }
+      const int p = stage == QKV_STAGE ? 0 : stage - 1;  // the GEMV phase
       Phase ph = slices[p];
       ph.weight += (size_t)layer * phase_rows(p) * ph.k;
       const int slots = ceil_div(ph.end_row - ph.first_row, rows_per_slot(ph.k));
@@ -433,7 +695,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           consume_phase<HIDDEN, 2, units_per_warp(INTER)>(ph, x, scale, ring, seq, act, own);
       } else if (p == 1) {
         float x[Q / 32];
-        load_inputs<Q>(qkv, staged, full, seq, slots, lane, x, failed);
+        load_inputs<Q>(ATTENTION ? attention.out : qkv, staged, full, seq, slots, lane, x,
+                       failed);
         stamp_clock(stamp, CLK_INPUTS);
         consume_phase<Q, 1, OWN_ROWS>(ph, x, 1.f, ring, seq, residual, own);
       } else {

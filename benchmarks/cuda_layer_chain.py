@@ -1,17 +1,19 @@
-"""Batch-1 decode layers (Qwen3-0.6B's shape, attention left out) as one persistent CUDA
-kernel whose weights stream ahead into shared memory: an experiment, not used by the engine.
+"""Batch-1 decode layers of Qwen3-0.6B's shape as one persistent CUDA kernel whose weights
+stream ahead into shared memory: an experiment, not used by the engine.
 
-The question it answers: does a layer's chain of four dependent GEMVs get much cheaper than
-the engine's programmatically launched Triton kernels (``split_decode_chain.py --variants
-none``: 0.427 ms for 28 layers, run 128) once the weights no longer wait on the chain? The
-kernel (``cuda_layer_chain.cu``) is built here with nvcc and launched through the CUDA driver
-(ctypes), so it needs nothing beyond torch and the CUDA toolkit. Per variant it prints one
-JSON line: the check against a PyTorch reference, microseconds per 28-layer forward (CUDA
-graph replays, weights distinct per layer so that every replay streams them from HBM), the
-bandwidth that is, and with ``--stamps`` where a layer's time goes (every block reads the
-GPU's nanosecond clock as it passes a barrier, gets its first weights, and arrives).
+The question it answers: how much cheaper than the engine's chain of programmatically
+launched Triton kernels (``split_decode_chain.py``) does a batch-1 layer get once the weights
+no longer wait on the chain? The kernel (``cuda_layer_chain.cu``) is built here with nvcc and
+launched through the CUDA driver (ctypes), so it needs nothing beyond torch and the CUDA
+toolkit. A layer is qkv, attention over a paged cache of ``--context`` keys plus the new one
+(q/k norms, RoPE, the new K/V stored), o_proj, gate/up and down; ``ATTENTION=0`` leaves
+attention out, as ``split_decode_chain.py --variants none`` does. Per variant it prints one
+JSON line: the check against a PyTorch reference, microseconds per forward of ``--layers``
+layers (CUDA graph replays, weights distinct per layer so that every replay streams them from
+HBM), the bandwidth that is, and with ``--stamps`` where a layer's time goes (every block reads
+the GPU's clocks as it passes a barrier, has its inputs, has its sums, and arrives).
 
-    python benchmarks/cuda_layer_chain.py --variants default CONSUMER_WARPS=4 STREAM_ONLY=1
+    python benchmarks/cuda_layer_chain.py --variants default ATTENTION=0 STREAM_ONLY=1
 """
 from __future__ import annotations
 
@@ -26,11 +28,26 @@ import torch
 from common import emit, environment, replay_ms
 
 SOURCE = Path(__file__).with_suffix(".cu")
-HIDDEN, QKV, Q, INTER, PHASES = 1024, 4096, 2048, 3072, 4
-# The kernel's stamps per block, layer and phase (enum Stamp in the .cu file).
+HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
+HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA, BLOCK_SIZE = 16, 8, 128, 1e6, 16
+KEYS_PER_WARP = 4  # the kernel's: keys a consumer warp holds in registers
+# A layer's stages (enum Stage in the .cu file), whose stamps the kernel keeps.
+STAGE_NAMES = ("qkv", "attention", "o_proj", "gate_up", "down")
+STAGES = len(STAGE_NAMES)
+# The kernel's stamps per block, layer and stage (enum Stamp in the .cu file).
 GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(7)
-PHASE_NAMES = ("qkv", "o_proj", "gate_up", "down")
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class AttentionArgs(ctypes.Structure):
+    """The kernel's ``AttentionArgs``, passed by value."""
+
+    _fields_ = [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("block_table", ctypes.c_void_p), ("context", ctypes.c_int),
+                ("block_size", ctypes.c_int), ("cache_blocks", ctypes.c_int),
+                ("cos_sin", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("partials", ctypes.c_void_p),
+                ("head_done", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
 class Variant:
@@ -41,6 +58,8 @@ class Variant:
         self.defines = dict(item.split("=") for item in spec.split(",")) if spec != "default" \
             else {}
         self.warps = int(self.defines.get("CONSUMER_WARPS", 8))
+        self.splits = int(self.defines.get("SPLITS", 16))
+        self.attention = self.defines.get("ATTENTION", "1") != "0"
         self.shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
             self.defines.get("SLOT_BYTES", 16384))
         cubin = build_dir / f"{spec.replace('=', '_').replace(',', '-')}.cubin"
@@ -84,32 +103,68 @@ def _load(cubin: Path, name: str, shared_bytes: int) -> ctypes.c_void_p:
 
 
 class Stack:
-    """Random weights for ``layers`` layers, stacked per matrix, and the step's vectors."""
+    """Random weights for ``layers`` layers, stacked per matrix, a paged K/V cache holding
+    ``context`` keys per layer in shuffled blocks, and the step's vectors."""
 
-    def __init__(self, layers: int, seed: int = 0):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+    def __init__(self, layers: int, context: int, seed: int = 0, device: str = "cuda"):
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, device=device, generator=gen)
 
         def weight(n: int, k: int) -> torch.Tensor:
-            w = torch.randn(layers, n, k, device="cuda", generator=gen) * k ** -0.5
-            return w.to(torch.bfloat16)
+            return (randn(layers, n, k) * k ** -0.5).to(torch.bfloat16)
 
-        self.layers = layers
+        self.layers, self.context = layers, context
         self.w_qkv, self.w_o = weight(QKV, HIDDEN), weight(HIDDEN, Q)
+        # Rows 2f and 2f + 1 are feature f's gate and up rows.
         self.w_gate_up, self.w_down = weight(2 * INTER, HIDDEN), weight(HIDDEN, INTER)
-        self.h0 = torch.randn(HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+        self.q_norm = 1 + 0.1 * randn(layers, HEAD_DIM)
+        self.k_norm = 1 + 0.1 * randn(layers, HEAD_DIM)
+        blocks = context // BLOCK_SIZE + 1
+        self.cache_blocks = blocks + 3
+        self.block_table = (torch.randperm(self.cache_blocks, device=device, generator=gen)[:blocks]
+                            .to(torch.int32))
+        shape = (layers, self.cache_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.k_cache = randn(*shape).to(torch.bfloat16)
+        self.v_cache = randn(*shape).to(torch.bfloat16)
+        angles = context * ROPE_THETA ** (-torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
+        self.cos_sin = torch.cat([angles.cos(), angles.sin()]).float()
+        self.h0 = randn(HIDDEN).to(torch.bfloat16)
         self.residual = torch.empty_like(self.h0)
-        self.qkv = torch.empty(QKV, dtype=torch.bfloat16, device="cuda")
-        self.act = torch.empty(INTER, dtype=torch.bfloat16, device="cuda")
-        self.arrived = torch.zeros(1, dtype=torch.int32, device="cuda")
-        self.failed = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.qkv = torch.empty(QKV, dtype=torch.bfloat16, device=device)
+        self.act = torch.empty(INTER, dtype=torch.bfloat16, device=device)
+        self.attn = torch.empty(HEADS * HEAD_DIM, dtype=torch.bfloat16, device=device)
+        self.head_done = torch.zeros(KV_HEADS, dtype=torch.int32, device=device)
+        self.partials: dict[int, torch.Tensor] = {}  # per split count
+        self.arrived = torch.zeros(1, dtype=torch.int32, device=device)
+        self.failed = torch.zeros(1, dtype=torch.int32, device=device)
 
     def weight_bytes(self) -> int:
         return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down))
 
-    def args(self, stamps: torch.Tensor | None, eps: float) -> list:
+    def slot(self, position: int) -> tuple[int, int]:
+        return int(self.block_table[position // BLOCK_SIZE]), position % BLOCK_SIZE
+
+    def cached(self, cache: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer's keys or values at positions 0..context - 1, ``[context, KV_HEADS, HEAD_DIM]``."""
+        rows = [cache[layer, b, i] for b, i in map(self.slot, range(self.context))]
+        return torch.stack(rows)
+
+    def args(self, variant: Variant, stamps: torch.Tensor | None, eps: float) -> list:
+        if variant.splits not in self.partials:  # allocated once, outside any graph capture
+            self.partials[variant.splits] = torch.empty(
+                HEADS * variant.splits * (HEAD_DIM + 2), device="cuda")
+        partials = self.partials[variant.splits]
+        attention = AttentionArgs(self.k_cache.data_ptr(), self.v_cache.data_ptr(),
+                                  self.block_table.data_ptr(), self.context, BLOCK_SIZE,
+                                  self.cache_blocks, self.cos_sin.data_ptr(),
+                                  self.q_norm.data_ptr(), self.k_norm.data_ptr(),
+                                  partials.data_ptr(), self.head_done.data_ptr(),
+                                  self.attn.data_ptr())
         return [self.w_qkv.data_ptr(), self.w_o.data_ptr(), self.w_gate_up.data_ptr(),
                 self.w_down.data_ptr(), self.residual.data_ptr(), self.qkv.data_ptr(),
-                self.act.data_ptr(), self.arrived.data_ptr(), self.failed.data_ptr(),
+                self.act.data_ptr(), attention, self.arrived.data_ptr(), self.failed.data_ptr(),
                 0 if stamps is None else stamps.data_ptr(), ctypes.c_int(self.layers),
                 ctypes.c_float(eps)]
 
@@ -117,23 +172,63 @@ class Stack:
             stamps: torch.Tensor | None = None) -> None:
         self.residual.copy_(self.h0)
         self.arrived.zero_()
-        variant.launch(self.args(stamps, eps), grid)
+        self.head_done.zero_()
+        variant.launch(self.args(variant, stamps, eps), grid)
 
-    def reference(self, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The same chain in float32 on the GPU, rounded to bf16 where the kernel rounds."""
+    def attention(self, qkv: torch.Tensor, layer: int, eps: float) -> tuple[torch.Tensor, ...]:
+        """Attention of the new token (float32, rounded where the kernel rounds): the output,
+        and the new key and value as the cache stores them."""
+        bf = torch.bfloat16
+
+        def norm_rope(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+            cos, sin = self.cos_sin[:HEAD_DIM // 2], self.cos_sin[HEAD_DIM // 2:]
+            first, second = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
+            return torch.cat([first * cos - second * sin, second * cos + first * sin], -1).to(bf)
+
+        q = norm_rope(qkv[:Q].float().view(HEADS, HEAD_DIM), self.q_norm[layer])
+        k = norm_rope(qkv[Q:Q + KV_HEADS * HEAD_DIM].float().view(KV_HEADS, HEAD_DIM),
+                      self.k_norm[layer])
+        v = qkv[Q + KV_HEADS * HEAD_DIM:].view(KV_HEADS, HEAD_DIM)
+        keys = torch.cat([self.cached(self.k_cache, layer), k[None]]).float()
+        values = torch.cat([self.cached(self.v_cache, layer), v[None]]).float()
+        group = HEADS // KV_HEADS
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,jhd->hj", q.float(), keys) * HEAD_DIM ** -0.5
+        out = torch.einsum("hj,jhd->hd", scores.softmax(-1), values)
+        return out.reshape(-1).to(bf), k, v
+
+    def reference(self, eps: float, attention: bool) -> dict[str, torch.Tensor]:
+        """The same layers in float32 on the GPU, rounded to bf16 where the kernel rounds."""
         bf = torch.bfloat16
         h = self.h0.clone()
+        new_keys, new_values = [], []
         for layer in range(self.layers):
             x = h.float()
             scale = torch.rsqrt(x.square().mean() + eps)
             qkv = (self.w_qkv[layer].float() @ x * scale).to(bf)
-            h = (h.float() + (self.w_o[layer].float() @ qkv[:Q].float()).to(bf).float()).to(bf)
+            attn = qkv[:Q]
+            if attention:
+                attn, k, v = self.attention(qkv, layer, eps)
+                new_keys.append(k)
+                new_values.append(v)
+            h = (h.float() + (self.w_o[layer].float() @ attn.float()).to(bf).float()).to(bf)
             x = h.float()
             gate_up = self.w_gate_up[layer].float() @ x * torch.rsqrt(x.square().mean() + eps)
             gate, up = gate_up[0::2], gate_up[1::2]
             act = (gate * torch.sigmoid(gate) * up).to(bf)
             h = (h.float() + (self.w_down[layer].float() @ act.float()).to(bf).float()).to(bf)
-        return h, qkv, act
+        want = {"residual": h, "qkv": qkv, "act": act}
+        if attention:
+            want["attn"] = attn
+            want["new_keys"], want["new_values"] = torch.stack(new_keys), torch.stack(new_values)
+        return want
+
+    def got(self) -> dict[str, torch.Tensor]:
+        """The kernel's outputs under the reference's names."""
+        block, i = self.slot(self.context)
+        return {"residual": self.residual, "qkv": self.qkv, "act": self.act, "attn": self.attn,
+                "new_keys": self.k_cache[:, block, i], "new_values": self.v_cache[:, block, i]}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -141,34 +236,37 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def stamp_profile(stamps: torch.Tensor) -> dict:
-    """µs per layer and phase, averaged over all layers but the first. From the GPU's
-    nanosecond clock (coarse, but common to all blocks): the span from the first block
-    passing the phase's barrier to the first passing the next, and the barrier (the last
+    """µs per layer and stage, averaged over all layers but the first, for the stages that ran.
+    From the GPU's nanosecond clock (coarse, but common to all blocks): the span from the first
+    block passing the stage's barrier to the first passing the next, and the barrier (the last
     arrival to the first block passing the next one). From each SM's cycle counter (fine, per
     block; converted at the clock rate the run shows), the median block's steps: its inputs
-    (the phase's weight slots and input vector), the dot products with the norm and the
-    stores, and its arrival; and the slowest block's whole phase."""
-    s = stamps.double()  # [grid, layers, phases, STAMPS]
+    (a GEMV's weight slots and input vector), its work (dot products, or attention), and its
+    arrival; and the slowest block's whole stage."""
+    s = stamps.double()  # [grid, layers, STAGES, STAMPS]
     grid, layers = s.shape[0], s.shape[1]
-    flat = s.reshape(grid, layers * PHASES, STAMPS)
+    ran = [p for p in range(STAGES) if s[:, :, p, GT_START].any()]
+    order = [(layer, p) for layer in range(layers) for p in ran]
+    flat = torch.stack([s[:, layer, p] for layer, p in order], 1)  # [grid, steps, STAMPS]
     ghz = ((flat[:, -1, CLK_ARRIVED] - flat[:, 0, CLK_START])
            / (flat[:, -1, GT_DONE] - flat[:, 0, GT_START])).mean().item()
     us = flat / 1e3
     cycles_us = flat / (ghz * 1e3)
     rows: dict = {"sm_clock_ghz": round(ghz, 3)}
-    for p, name in enumerate(PHASE_NAMES):
-        idx = torch.arange(PHASES + p, layers * PHASES - 1, PHASES)  # layers 1.., a next phase
+    for p in ran:
+        idx = torch.tensor([i for i, (layer, q) in enumerate(order)
+                            if q == p and layer >= 1 and i + 1 < len(order)])
         nxt = us[:, idx + 1, GT_START].min(0).values
 
         def median(a: int, b: int) -> float:
             d = cycles_us[:, idx, b] - cycles_us[:, idx, a]
             return round(d.median(0).values.mean().item(), 3)
 
-        rows[name] = {
+        rows[STAGE_NAMES[p]] = {
             "span": round((nxt - us[:, idx, GT_START].min(0).values).mean().item(), 3),
             "barrier": round((nxt - us[:, idx, GT_DONE].max(0).values).mean().item(), 3),
             "inputs": median(CLK_START, CLK_INPUTS),
-            "dots": median(CLK_INPUTS, CLK_SUMS),
+            "work": median(CLK_INPUTS, CLK_SUMS),
             "arrive": median(CLK_SUMS, CLK_ARRIVED),
             "work_max": round((cycles_us[:, idx, CLK_ARRIVED] - cycles_us[:, idx, CLK_START])
                               .max(0).values.mean().item(), 3),
@@ -186,29 +284,38 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=300)
     parser.add_argument("--stamps", action="store_true")
     parser.add_argument("--eps", type=float, default=1e-6)
+    parser.add_argument("--context", type=int, default=384,
+                        help="cached keys (a split holds at most 4 keys per consumer warp)")
     args = parser.parse_args()
 
     env = environment()
-    stack = Stack(args.layers)
-    want, want_qkv, want_act = stack.reference(args.eps)
+    stack = Stack(args.layers, args.context)
+    references = {attention: stack.reference(args.eps, attention) for attention in (True, False)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with tempfile.TemporaryDirectory() as build:
         for spec in args.variants:
             variant = Variant(spec, Path(build))
             for grid in (g or sms for g in args.grid):
                 record = {"bench": "cuda_layer_chain", "variant": spec, "grid": grid,
-                          "layers": args.layers, "resources": variant.resources, **env}
+                          "layers": args.layers, "context": args.context,
+                          "resources": variant.resources, **env}
                 if grid > sms:
                     record["skipped"] = f"{grid} blocks cannot all be resident on {sms} SMs"
+                    emit(record)
+                    continue
+                if variant.attention and args.context + 1 > KEYS_PER_WARP * variant.warps * \
+                        variant.splits:
+                    record["skipped"] = f"{args.context + 1} keys do not fit {variant.splits} " \
+                                        f"splits of {KEYS_PER_WARP * variant.warps}"
                     emit(record)
                     continue
                 stack.failed.zero_()
                 stack.run(variant, grid, args.eps)
                 torch.cuda.synchronize()
                 record["failed"] = bool(stack.failed.item())
-                record["error_residual"] = relative_error(stack.residual, want)
-                record["error_qkv"] = relative_error(stack.qkv, want_qkv)
-                record["error_act"] = relative_error(stack.act, want_act)
+                got = stack.got()
+                for name, want in references[variant.attention].items():
+                    record[f"error_{name}"] = relative_error(got[name], want)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     stack.run(variant, grid, args.eps)
@@ -217,7 +324,7 @@ def main() -> None:
                 record["us_per_layer"] = round(ms * 1e3 / args.layers, 3)
                 record["weight_tbps"] = round(stack.weight_bytes() / ms / 1e9, 3)
                 if args.stamps:
-                    stamps = torch.zeros(grid, args.layers, PHASES, STAMPS, dtype=torch.int64,
+                    stamps = torch.zeros(grid, args.layers, STAGES, STAMPS, dtype=torch.int64,
                                          device="cuda")
                     stack.run(variant, grid, args.eps, stamps)
                     torch.cuda.synchronize()

@@ -320,12 +320,12 @@ for step in "$@"; do
         "$(t1 16:1024 4:2048:defer 4:1024:w2 1:2048:defer:w2)" \
         "$(t1 4:1024:w1 1:2048:defer:w1 2:1024:w1 1:2048:defer:w1)" default \
         2>&1 | grep '^{' | tee -a "$OUT/warps_chain.log" ;;
-    cudachain)  # the persistent CUDA layer chain (check, times, stamps), then the engine's chain
+    cudachain)  # the persistent CUDA layer chain (check, times, stamps), then the engine's forward
       python3 benchmarks/cuda_layer_chain.py --layers 1 2>&1 | tee -a "$OUT/cuda_chain.log"
-      python3 benchmarks/cuda_layer_chain.py --stamps --variants default NO_WEIGHTS=1 \
-        STREAM_ONLY=1 INFLIGHT=0 default 2>&1 | tee -a "$OUT/cuda_chain.log"
-      python3 benchmarks/split_decode_chain.py --batch 1 --contexts 384 --replays 300 \
-        --variants none default none 2>&1 | grep '^{' | tee -a "$OUT/cuda_chain.log" ;;
+      python3 benchmarks/cuda_layer_chain.py --stamps --variants default ATTENTION=0 \
+        NO_WEIGHTS=1 STREAM_ONLY=1 2>&1 | tee -a "$OUT/cuda_chain.log"
+      python3 benchmarks/split_decode_chain.py --batch 1 --contexts 385 --replays 300 \
+        --variants default none 2>&1 | grep '^{' | tee -a "$OUT/cuda_chain.log" ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"

@@ -28,7 +28,7 @@ def build(tmp_path: Path, *defines: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("defines", [(), ("NO_WEIGHTS=1",), ("STREAM_ONLY=1",),
                                      ("NO_WEIGHTS=1", "NO_DOTS=1"),
                                      ("NO_WEIGHTS=1", "BARRIER_ONLY=1"), ("INFLIGHT=0",),
-                                     ("CONSUMER_WARPS=4",), ("CONSUMER_WARPS=12",)])
+                                     ("ATTENTION=0",), ("SPLITS=8",), ("CONSUMER_WARPS=12",)])
 def test_kernel_builds_for_sm90_without_spills(tmp_path, defines):
     built = build(tmp_path, *defines)
     assert built.returncode == 0, built.stderr
@@ -48,8 +48,8 @@ def synthetic_stamps(grid: int, layers: int, ghz: float) -> torch.Tensor:
     """Stamps of a run where every phase takes 5 µs: block b passes each barrier b ns after
     block 0, loads its inputs in 0.5 µs, sums in 1 µs, arrives 0.5 µs later; the last block's
     arrival comes 1 µs before the first block passes the next barrier."""
-    stamps = torch.zeros(grid, layers, chain.PHASES, chain.STAMPS, dtype=torch.int64)
-    phase = torch.arange(layers * chain.PHASES).view(1, layers, chain.PHASES) * 5000
+    stamps = torch.zeros(grid, layers, chain.STAGES, chain.STAMPS, dtype=torch.int64)
+    phase = torch.arange(layers * chain.STAGES).view(1, layers, chain.STAGES) * 5000
     start = phase + torch.arange(grid).view(grid, 1, 1)
     stamps[..., chain.GT_START] = start
     stamps[..., chain.GT_DONE] = phase + 4000 - (grid - 1) + torch.arange(grid).view(grid, 1, 1)
@@ -64,10 +64,10 @@ def synthetic_stamps(grid: int, layers: int, ghz: float) -> torch.Tensor:
 def test_stamp_profile_reads_spans_barriers_and_steps():
     profile = chain.stamp_profile(synthetic_stamps(grid=4, layers=3, ghz=1.5))
     assert profile["sm_clock_ghz"] == pytest.approx(1.5, rel=1e-3)
-    for name in chain.PHASE_NAMES:
+    for name in chain.STAGE_NAMES:
         row = profile[name]
         assert row["span"] == pytest.approx(5.0, abs=1e-3)
         assert row["barrier"] == pytest.approx(1.0, abs=1e-3)
         assert row["inputs"] == pytest.approx(0.5, abs=2e-3)
-        assert row["dots"] == pytest.approx(1.0, abs=2e-3)
+        assert row["work"] == pytest.approx(1.0, abs=2e-3)
         assert row["arrive"] == pytest.approx(4.0 - 3e-3 - 1.5, abs=3e-3)
