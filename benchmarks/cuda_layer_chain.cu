@@ -11,8 +11,9 @@
 // Per layer, five stages meet at grid barriers:
 //   qkv        qkv[r] = (W_qkv'[r] . h) * rsqrt(mean(h^2) + eps)     (norm weight folded in W)
 //   attention  q/k RMSNorm and RoPE, the new k/v stored in the paged cache, attention over
-//              the cached keys and the new one: attn (ATTENTION=0 leaves the stage out, and
-//              o_proj reads q as qkv wrote it, as split_decode_chain.py's "none" variant does)
+//              the cached keys and the new one, in splits (ATTENTION=0 leaves the stage out,
+//              and o_proj reads q as qkv wrote it, as split_decode_chain.py's "none" does)
+//   merge      the splits merged: attn (MERGE_AS_STAGE=0: merged at the end of attention)
 //   o_proj     h[r] = h[r] + bf16(W_o[r] . attn)
 //   gate_up    act[f] = silu(g) * u, g/u = (W_gu'[2f] / W_gu'[2f+1] . h) * rsqrt(mean(h^2) + eps)
 //   down       h[r] = h[r] + bf16(W_down[r] . act)
@@ -21,7 +22,7 @@
 // contiguous in the row-major weight and copies as whole rows.
 //
 // Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): the whole layer
-// in 17.64 µs against 19.5 for the engine's forward (run 213, 384 cached keys), the GEMV stages
+// in 17.0 µs against 19.5 for the engine's forward (run 214, 384 cached keys), the GEMV stages
 // alone in 11.98 against 14.54 (runs 209 and 212).
 
 #include <cuda_bf16.h>
@@ -36,7 +37,7 @@ constexpr int INTER = 3072;
 constexpr int PHASES = 4;  // the GEMVs
 constexpr int HEADS = 16, KV_HEADS = 8, HEAD_DIM = 128, GROUP = HEADS / KV_HEADS;
 // Stages of a layer, in order; stamps are kept per stage.
-enum Stage { QKV_STAGE, ATTENTION_STAGE, O_STAGE, GATE_UP_STAGE, DOWN_STAGE, STAGES };
+enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DOWN_STAGE, STAGES };
 
 // Tunings the driver sets with -D; these defaults fill 208 KB of shared memory.
 #ifndef CONSUMER_WARPS
@@ -80,6 +81,12 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, O_STAGE, GATE_UP_STAGE, DOWN_STAGE, STA
 // KEYS_PER_WARP of its split's keys, so a split is at most CONSUMER_WARPS * KEYS_PER_WARP keys.
 #ifndef SPLITS
 #define SPLITS 16
+#endif
+// MERGE_AS_STAGE merges the attention splits in a stage of their own, every block a few
+// outputs; otherwise the last block of each KV head to finish merges its splits, counted
+// with an atomic (run 214: 17.69 µs a layer against 16.97 as a stage).
+#ifndef MERGE_AS_STAGE
+#define MERGE_AS_STAGE 1
 #endif
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
@@ -547,6 +554,7 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
 #pragma unroll
     for (int e = 0; e < 4; ++e) partial[2 + 4 * lane + e] = acc[e];
   }
+  if (MERGE_AS_STAGE) return;
   consumers_sync();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -576,6 +584,34 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
   for (int e = 0; e < 4; ++e) acc[e] /= sum;
   *reinterpret_cast<uint2*>(a.out + head * HEAD_DIM + 4 * lane) = pack4(acc);
   if (warp == 0 && lane == 0) a.head_done[r.head] = 0;  // for the next layer
+}
+
+// The merge stage: block b merges attn outputs [b * n / G, (b + 1) * n / G), a thread each,
+// from every split's partial for the output's head.
+__device__ __forceinline__ void merge_stage(const AttentionArgs& a) {
+  constexpr int OUTPUTS = HEADS * HEAD_DIM;
+  const int first = blockIdx.x * OUTPUTS / gridDim.x;
+  const int output = first + threadIdx.x;
+  if (output >= (blockIdx.x + 1) * OUTPUTS / gridDim.x) return;
+  const float* partial = a.partials + (size_t)(output / HEAD_DIM) * SPLITS * PARTIAL;
+  float maxes[SPLITS], sums[SPLITS], outs[SPLITS];
+#pragma unroll
+  for (int split = 0; split < SPLITS; ++split) {
+    maxes[split] = __ldcg(partial + split * PARTIAL);
+    sums[split] = __ldcg(partial + split * PARTIAL + 1);
+    outs[split] = __ldcg(partial + split * PARTIAL + 2 + output % HEAD_DIM);
+  }
+  float m = -INFINITY;
+#pragma unroll
+  for (int split = 0; split < SPLITS; ++split) m = fmaxf(m, maxes[split]);
+  float sum = 0.f, acc = 0.f;
+#pragma unroll
+  for (int split = 0; split < SPLITS; ++split) {
+    const float f = maxes[split] == -INFINITY ? 0.f : exp2f(maxes[split] - m);
+    sum = fmaf(sums[split], f, sum);
+    acc = fmaf(outs[split], f, acc);
+  }
+  a.out[output] = __float2bfloat16(acc / sum);
 }
 
 }  // namespace
@@ -652,7 +688,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   for (int layer = 0; layer < layers; ++layer) {
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
-      if (stage == ATTENTION_STAGE && !ATTENTION) continue;
+      if ((stage == ATTENTION_STAGE && !ATTENTION) ||
+          (stage == MERGE_STAGE && !(ATTENTION && MERGE_AS_STAGE)))
+        continue;
       uint2 k_cached[KEYS_PER_WARP], v_cached[KEYS_PER_WARP];
       if (stage == ATTENTION_STAGE && !STREAM_ONLY && !BARRIER_ONLY)
         prefetch_keys(attention, layer, k_cached, v_cached);
@@ -674,7 +712,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (stamp != nullptr && threadIdx.x == 0) stamp[GT_DONE] = now_ns();
         continue;
       }
-      const int p = stage == QKV_STAGE ? 0 : stage - 1;  // the GEMV phase
+      if (stage == MERGE_STAGE) {
+        stamp_clock(stamp, CLK_INPUTS);
+        if (!STREAM_ONLY && !BARRIER_ONLY) merge_stage(attention);
+        stamp_clock(stamp, CLK_SUMS);
+        grid_arrive(arrived);
+        stamp_clock(stamp, CLK_ARRIVED);
+        if (stamp != nullptr && threadIdx.x == 0) stamp[GT_DONE] = now_ns();
+        continue;
+      }
+      const int p = stage == QKV_STAGE ? 0 : stage - 2;  // the GEMV phase
       Phase ph = slices[p];
       ph.weight += (size_t)layer * phase_rows(p) * ph.k;
       const int slots = ceil_div(ph.end_row - ph.first_row, rows_per_slot(ph.k));

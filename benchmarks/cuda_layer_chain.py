@@ -32,7 +32,7 @@ HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
 HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA, BLOCK_SIZE = 16, 8, 128, 1e6, 16
 KEYS_PER_WARP = 4  # the kernel's: keys a consumer warp holds in registers
 # A layer's stages (enum Stage in the .cu file), whose stamps the kernel keeps.
-STAGE_NAMES = ("qkv", "attention", "o_proj", "gate_up", "down")
+STAGE_NAMES = ("qkv", "attention", "merge", "o_proj", "gate_up", "down")
 STAGES = len(STAGE_NAMES)
 # The kernel's stamps per block, layer and stage (enum Stamp in the .cu file).
 GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(7)
