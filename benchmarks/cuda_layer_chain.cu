@@ -8,7 +8,7 @@
 // mbarrier), running as far ahead as the ring allows, while the other warps compute. The
 // weight stream never waits on the grid barriers; only the small input vectors do.
 //
-// Per layer, five stages meet at grid barriers:
+// Per layer, six stages meet at grid barriers:
 //   qkv        qkv[r] = (W_qkv'[r] . h) * rsqrt(mean(h^2) + eps)     (norm weight folded in W)
 //   attention  q/k RMSNorm and RoPE, the new k/v stored in the paged cache, attention over
 //              the cached keys and the new one, in splits (ATTENTION=0 leaves the stage out,

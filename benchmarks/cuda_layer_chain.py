@@ -6,8 +6,8 @@ launched Triton kernels (``split_decode_chain.py``) does a batch-1 layer get onc
 no longer wait on the chain? The kernel (``cuda_layer_chain.cu``) is built here with nvcc and
 launched through the CUDA driver (ctypes), so it needs nothing beyond torch and the CUDA
 toolkit. A layer is qkv, attention over a paged cache of ``--context`` keys plus the new one
-(q/k norms, RoPE, the new K/V stored), o_proj, gate/up and down; ``ATTENTION=0`` leaves
-attention out, as ``split_decode_chain.py --variants none`` does. Per variant it prints one
+in splits (q/k norms, RoPE, the new K/V stored), the splits' merge, o_proj, gate/up and down;
+``ATTENTION=0`` leaves attention out, as ``split_decode_chain.py --variants none`` does. Per variant it prints one
 JSON line: the check against a PyTorch reference, microseconds per forward of ``--layers``
 layers (CUDA graph replays, weights distinct per layer so that every replay streams them from
 HBM), the bandwidth that is, and with ``--stamps`` where a layer's time goes (every block reads
