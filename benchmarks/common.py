@@ -1,7 +1,9 @@
 """Shared benchmark helpers: model folders of real shapes, device bandwidth, CUDA-graph timing,
-profiler kernel time, JSON output."""
+profiler kernel time, the CUDA driver, JSON output."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import platform
 import shutil
@@ -145,6 +147,18 @@ def environment() -> dict[str, str]:
             "cuda": str(torch.version.cuda), "triton": triton.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d")}
+
+
+@functools.cache
+def cuda_driver() -> ctypes.CDLL:
+    """The CUDA driver library, for the calls torch does not expose (ctypes)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def check_cuda(status: int, call: str) -> None:
+    """Raise if a driver call returned anything but CUDA_SUCCESS."""
+    if status != 0:
+        raise RuntimeError(f"{call} failed with CUresult {status}")
 
 
 def emit(record: dict) -> None:

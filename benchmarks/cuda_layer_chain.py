@@ -7,11 +7,12 @@ no longer wait on the chain? The kernel (``cuda_layer_chain.cu``) is built here 
 launched through the CUDA driver (ctypes), so it needs nothing beyond torch and the CUDA
 toolkit. A layer is qkv, attention over a paged cache of ``--context`` keys plus the new one
 in splits (q/k norms, RoPE, the new K/V stored), the splits' merge, o_proj, gate/up and down;
-``ATTENTION=0`` leaves attention out, as ``split_decode_chain.py --variants none`` does. Per variant it prints one
-JSON line: the check against a PyTorch reference, microseconds per forward of ``--layers``
-layers (CUDA graph replays, weights distinct per layer so that every replay streams them from
-HBM), the bandwidth that is, and with ``--stamps`` where a layer's time goes (every block reads
-the GPU's clocks as it passes a barrier, has its inputs, has its sums, and arrives).
+``ATTENTION=0`` leaves attention out, as ``split_decode_chain.py --variants none`` does. Per
+variant it prints one JSON line: the check against a PyTorch reference, microseconds per
+forward of ``--layers`` layers (CUDA graph replays, weights distinct per layer so that every
+replay streams them from HBM), the bandwidth that is, and with ``--stamps`` where a layer's
+time goes (every block reads the GPU's clocks as it passes a barrier, has its inputs, has its
+sums, and arrives).
 
     python benchmarks/cuda_layer_chain.py --variants default ATTENTION=0 STREAM_ONLY=1
 """
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import functools
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
-from common import emit, environment, replay_ms
+from common import check_cuda, cuda_driver, emit, environment, replay_ms
 
 SOURCE = Path(__file__).with_suffix(".cu")
 HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
@@ -75,30 +75,20 @@ class Variant:
         pointers = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(_driver().cuLaunchKernel(self.function, grid, 1, 1, 32 * (self.warps + 1), 1, 1,
-                                        self.shared_bytes, stream, pointers, None),
-               "cuLaunchKernel")
-
-
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what} failed with CUDA driver error {status}")
+        check_cuda(cuda_driver().cuLaunchKernel(self.function, grid, 1, 1, 32 * (self.warps + 1),
+                                                1, 1, self.shared_bytes, stream, pointers, None),
+                   "cuLaunchKernel")
 
 
 def _load(cubin: Path, name: str, shared_bytes: int) -> ctypes.c_void_p:
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # makes the primary context current on this thread
-    module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    _check(_driver().cuModuleLoad(ctypes.byref(module), str(cubin).encode()), "cuModuleLoad")
-    _check(_driver().cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
-           "cuModuleGetFunction")
-    _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        shared_bytes), "cuFuncSetAttribute")
+    cu, module, function = cuda_driver(), ctypes.c_void_p(), ctypes.c_void_p()
+    check_cuda(cu.cuModuleLoad(ctypes.byref(module), str(cubin).encode()), "cuModuleLoad")
+    check_cuda(cu.cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
+               "cuModuleGetFunction")
+    check_cuda(cu.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     shared_bytes), "cuFuncSetAttribute")
     return function
 
 

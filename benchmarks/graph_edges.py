@@ -13,10 +13,10 @@ not use this.
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
+from common import check_cuda, cuda_driver
 
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC and CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
@@ -39,44 +39,36 @@ class _KernelNodeParams(ctypes.Structure):
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _check(status: int, call: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{call} failed with CUresult {status}")
-
-
 def _edges(graph: int) -> list[tuple[int, int, _EdgeData]]:
-    cu, count = _driver(), ctypes.c_size_t(0)
-    _check(cu.cuGraphGetEdges_v2(ctypes.c_void_p(graph), None, None, None, ctypes.byref(count)),
-           "cuGraphGetEdges_v2")
+    cu, count = cuda_driver(), ctypes.c_size_t(0)
+    check_cuda(cu.cuGraphGetEdges_v2(ctypes.c_void_p(graph), None, None, None, ctypes.byref(count)),
+               "cuGraphGetEdges_v2")
     n = count.value
     src, dst, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (_EdgeData * n)()
-    _check(cu.cuGraphGetEdges_v2(ctypes.c_void_p(graph), src, dst, data, ctypes.byref(count)),
-           "cuGraphGetEdges_v2")
+    check_cuda(cu.cuGraphGetEdges_v2(ctypes.c_void_p(graph), src, dst, data, ctypes.byref(count)),
+               "cuGraphGetEdges_v2")
     return [(src[i], dst[i], data[i]) for i in range(count.value)]
 
 
 def kernel_name(node: int) -> str | None:
     """The name of the kernel a graph node launches; None for other nodes."""
-    cu, kind = _driver(), ctypes.c_int(-1)
-    _check(cu.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
+    cu, kind = cuda_driver(), ctypes.c_int(-1)
+    check_cuda(cu.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)),
+               "cuGraphNodeGetType")
     if kind.value != _KERNEL_NODE:
         return None
     params = _KernelNodeParams()
-    _check(cu.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(node), ctypes.byref(params)),
-           "cuGraphKernelNodeGetParams_v2")
+    check_cuda(cu.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(node), ctypes.byref(params)),
+               "cuGraphKernelNodeGetParams_v2")
     name = ctypes.c_char_p()
     if not params.func and not params.kern:
         return ""
     if params.func:
-        _check(cu.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(params.func)), "cuFuncGetName")
+        check_cuda(cu.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(params.func)),
+                   "cuFuncGetName")
     else:
-        _check(cu.cuKernelGetName(ctypes.byref(name), ctypes.c_void_p(params.kern)),
-               "cuKernelGetName")
+        check_cuda(cu.cuKernelGetName(ctypes.byref(name), ctypes.c_void_p(params.kern)),
+                   "cuKernelGetName")
     return name.value.decode()
 
 
@@ -107,17 +99,17 @@ def make_edges_programmatic(graph: torch.cuda.CUDAGraph, accept: Callable[[str],
                and (dst_name := name(d)) is not None and accept(dst_name)]
     if not changed:
         return 0
-    cu, n = _driver(), len(changed)
+    cu, n = cuda_driver(), len(changed)
     src = (ctypes.c_void_p * n)(*[s for s, _, _ in changed])
     dst = (ctypes.c_void_p * n)(*[d for _, d, _ in changed])
     old = (_EdgeData * n)(*[e for _, _, e in changed])
     new = (_EdgeData * n)()
     for e in new:
         e.from_port, e.type = _PROGRAMMATIC, _PROGRAMMATIC
-    _check(cu.cuGraphRemoveDependencies_v2(ctypes.c_void_p(raw), src, dst, old, ctypes.c_size_t(n)),
-           "cuGraphRemoveDependencies_v2")
-    _check(cu.cuGraphAddDependencies_v2(ctypes.c_void_p(raw), src, dst, new, ctypes.c_size_t(n)),
-           "cuGraphAddDependencies_v2")
+    check_cuda(cu.cuGraphRemoveDependencies_v2(ctypes.c_void_p(raw), src, dst, old,
+                                               ctypes.c_size_t(n)), "cuGraphRemoveDependencies_v2")
+    check_cuda(cu.cuGraphAddDependencies_v2(ctypes.c_void_p(raw), src, dst, new,
+                                            ctypes.c_size_t(n)), "cuGraphAddDependencies_v2")
     return n
 
 
