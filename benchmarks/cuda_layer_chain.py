@@ -138,8 +138,9 @@ class Stack:
 
     def cached(self, cache: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer's keys or values at positions 0..context - 1, ``[context, KV_HEADS, HEAD_DIM]``."""
-        rows = [cache[layer, b, i] for b, i in map(self.slot, range(self.context))]
-        return torch.stack(rows)
+        positions = torch.arange(self.context, device=cache.device)
+        blocks = self.block_table[positions // BLOCK_SIZE].long()
+        return cache[layer, blocks, positions % BLOCK_SIZE]
 
     def args(self, variant: Variant, stamps: torch.Tensor | None, eps: float) -> list:
         if variant.splits not in self.partials:  # allocated once, outside any graph capture
