@@ -6,9 +6,9 @@
 // Here one warp per block streams the block's weight slices for every phase of every layer
 // into a ring of shared-memory slots with bulk copies (cp.async.bulk, completing on an
 // mbarrier), running as far ahead as the ring allows, while the other warps compute. The
-// weight stream never waits on the grid barriers; only the small input vectors do.
+// weight stream never waits on the stages; only the small input vectors do.
 //
-// Per layer, six stages meet at grid barriers:
+// Per layer, six stages, each waiting on the last one's data (tagged words, or grid barriers):
 //   qkv        qkv[r] = (W_qkv'[r] . h) * rsqrt(mean(h^2) + eps)     (norm weight folded in W)
 //   attention  q/k RMSNorm and RoPE, the new k/v stored in the paged cache, attention over
 //              the cached keys and the new one, in splits (ATTENTION=0 leaves the stage out,
@@ -22,8 +22,8 @@
 // contiguous in the row-major weight and copies as whole rows.
 //
 // Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): the whole layer
-// in 17.0 µs against 19.5 for the engine's forward (run 214, 384 cached keys), the GEMV stages
-// alone in 11.98 against 14.54 (runs 209 and 212).
+// in 15.8-16.3 µs with tagged data against 16.7-17.0 with grid barriers (runs 217-220) and 19.5
+// for the engine's forward (run 216, 384 cached keys).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -88,8 +88,26 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 #ifndef MERGE_AS_STAGE
 #define MERGE_AS_STAGE 1
 #endif
+// TAGGED=1 (the default) hands data from stage to stage without grid barriers: every value a
+// stage hands on carries its layer's tag in the same single-copy-atomic word (a bf16 value and
+// a 16-bit tag in 32 bits; a float partial and its tag in 64), and a reader polls the words it
+// needs until all carry the tag it expects, so the data are their own flags (as in NCCL's
+// low-latency protocol): no fence, no counter. TAGGED=0 meets at grid barriers instead.
+// Runs 217-220: 0.45-1.0 µs a layer less than the barriers, with POLL_NS at 256-384.
+#ifndef TAGGED
+#define TAGGED 1
+#endif
+// Nanoseconds a tagged poll sleeps between looks. Spinning (0) was slower (run 217: 17.0 µs a
+// layer against 15.75 at 256): 132 blocks re-reading the same lines slow the L2 for everyone.
+// The barrier's single poller is better off spinning (run 218), so it never sleeps.
+#ifndef POLL_NS
+#define POLL_NS 256
+#endif
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
+#endif
+#if TAGGED && (BARRIER_ONLY || !MERGE_AS_STAGE)
+#error "TAGGED needs the data a barrier would order: no BARRIER_ONLY, the merge as a stage"
 #endif
 constexpr int CONSUMERS = CONSUMER_WARPS * 32;
 constexpr int THREADS = CONSUMERS + 32;  // the last warp streams the weights
@@ -106,10 +124,14 @@ __host__ __device__ constexpr int units_per_warp(int n) {
   return ceil_div(ceil_div(n, MIN_GRID), CONSUMER_WARPS);
 }
 constexpr int OWN_ROWS = units_per_warp(HIDDEN);  // residual rows a warp updates
-constexpr int KEYS_PER_WARP = 4;
+#ifndef KEYS_PER_WARP
+#define KEYS_PER_WARP 4
+#endif
 constexpr int PARTIAL = HEAD_DIM + 2;  // a split's (max, sum, output) for one q head
 static_assert(KV_HEADS * SPLITS <= MIN_GRID, "one block per (KV head, split)");
-static_assert(SPLITS <= 32, "the merge reads a split per lane");
+static_assert(SPLITS <= 32 && (SPLITS & (SPLITS - 1)) == 0, "a split per lane, in groups");
+static_assert(ceil_div(HEADS * HEAD_DIM, MIN_GRID) * SPLITS <= CONSUMERS,
+              "the merge gives each of a block's outputs SPLITS threads");
 
 // The step's attention inputs; the caches and norm weights hold every layer.
 struct AttentionArgs {
@@ -126,6 +148,83 @@ struct AttentionArgs {
   unsigned int* head_done;  // [KV_HEADS] splits finished, zero at launch
   __nv_bfloat16* out;       // [HEADS * HEAD_DIM]
 };
+
+// TAGGED's exchange buffers, in tagged words; each is written once per layer.
+struct TaggedArgs {
+  uint32_t* qkv;           // [QKV]
+  uint64_t* partials;      // [HEADS, SPLITS, PARTIAL]
+  uint32_t* attn;          // [Q]
+  uint32_t* residual_o;    // [HIDDEN], o_proj's
+  uint32_t* act;           // [INTER]
+  uint32_t* residual_down; // [HIDDEN], down's
+  unsigned int* epoch;     // launches so far: tags differ from the previous launch's
+};
+
+// A stage's output: plain bf16 (the barrier build; TAGGED, where not null, the final
+// residual) and, TAGGED, tagged words.
+struct Out {
+  __nv_bfloat16* plain;
+  uint32_t* tagged;
+  uint32_t tag;
+};
+
+__device__ __forceinline__ void store_relaxed(uint32_t* p, uint32_t word) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(word) : "memory");
+}
+
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t word) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_relaxed(const uint32_t* p) {
+  uint4 w;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+               : "l"(p)
+               : "memory");
+  return w;
+}
+
+__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* p) {
+  uint64_t w;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+  return w;
+}
+
+__device__ __forceinline__ void put(const Out& out, int i, float value) {
+  const __nv_bfloat16 b = __float2bfloat16(value);
+  if (TAGGED)
+    store_relaxed(out.tagged + i, (out.tag << 16) | *reinterpret_cast<const uint16_t*>(&b));
+  if (!TAGGED || out.plain != nullptr) out.plain[i] = b;
+}
+
+__device__ __forceinline__ bool has_tag(uint4 w, uint32_t tag) {
+  return (w.x >> 16) == tag && (w.y >> 16) == tag && (w.z >> 16) == tag && (w.w >> 16) == tag;
+}
+
+// Four tagged words' values as four bf16, as uint2 holds them in the plain buffers.
+__device__ __forceinline__ uint2 untag(uint4 w) {
+  return {(w.x & 0xffffu) | (w.y << 16), (w.z & 0xffffu) | (w.w << 16)};
+}
+
+// Polls until ready(i) holds for each of a thread's N pieces, fetching again (reload(i)) only
+// the pieces not yet ready. Gives up as the barrier waits do.
+template <int N, typename Ready, typename Reload>
+__device__ __forceinline__ void poll(Ready ready, Reload reload, int* failed) {
+  for (uint32_t spins = 0;; ++spins) {
+    bool all = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i) all = all && ready(i);
+    if (all) return;
+    if (spins == SPIN_LIMIT) atomicExch(failed, 1);
+    if (spins % FLAG_EVERY == FLAG_EVERY - 1 && *(volatile int*)failed) return;
+    if (POLL_NS > 0) __nanosleep(POLL_NS);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (!ready(i)) reload(i);
+    }
+  }
+}
 
 struct Phase {
   const __nv_bfloat16* weight;  // this layer's [rows, k] weight
@@ -214,7 +313,7 @@ __device__ __forceinline__ uint64_t now_ns() {
 // other blocks' visible to the block (ordered after it by bar.sync); no separate fences.
 __device__ __forceinline__ void grid_arrive(unsigned int* arrived) {
   consumers_sync();
-  if (threadIdx.x == 0 && !STREAM_ONLY)
+  if (threadIdx.x == 0 && !STREAM_ONLY && !TAGGED)
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
 }
 
@@ -241,30 +340,63 @@ __device__ __forceinline__ void grid_wait(unsigned int* arrived, unsigned int ta
   consumers_sync();
 }
 
+// Per block, phase and layer: globaltimer as the barrier is passed, then SM clocks as the
+// barrier is passed, the inputs are in (slots and vector), the outputs are stored, the block
+// has arrived; and globaltimer again at arrival.
+enum Stamp { GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS };
+
+__device__ __forceinline__ void stamp_clock(uint64_t* stamp, int which) {
+  if (stamp != nullptr && threadIdx.x == 0) stamp[which] = clock64();
+}
+
 // The phase's inputs. Its weight slots: thread i waits for the phase's i-th slot, so the
 // waits overlap (a warp waiting on each of its slots in turn cost ~0.1 µs per wait, run 202),
 // and the barrier after makes the copies visible to every consumer. Its input vector: read
 // from L2 once per block into shared memory (every warp of every block reading it makes its
 // few lines a hot spot: ~1 µs, run 200), then each lane's share into registers: 16-byte pieces
 // (j * 32 + lane) * 8, so that a warp reads 512 contiguous bytes per step, as from a weight row.
+// The vector is plain bf16 `v`, or, where `tagged` is not null, tagged words polled for `tag`.
 template <int K>
-__device__ __forceinline__ void load_inputs(const __nv_bfloat16* v, uint4* staged, uint64_t* full,
+__device__ __forceinline__ void load_inputs(const __nv_bfloat16* v, const uint32_t* tagged,
+                                            uint32_t tag, uint4* staged, uint64_t* full,
                                             uint32_t seq, int slots, int lane, float (&x)[K / 32],
                                             int* failed) {
-  uint4 pieces[ceil_div(K / 8, CONSUMERS)];
+  constexpr int PLAIN = ceil_div(K / 8, CONSUMERS), TAGS = ceil_div(K / 4, CONSUMERS);
+  uint4 pieces[TAGS > PLAIN ? TAGS : PLAIN];
+  if (tagged == nullptr) {
 #pragma unroll
-  for (int i = 0; i < ceil_div(K / 8, CONSUMERS); ++i) {
-    const int index = threadIdx.x + i * CONSUMERS;
-    if (index < K / 8) pieces[i] = __ldcg(reinterpret_cast<const uint4*>(v) + index);
+    for (int i = 0; i < PLAIN; ++i) {
+      const int index = threadIdx.x + i * CONSUMERS;
+      if (index < K / 8) pieces[i] = __ldcg(reinterpret_cast<const uint4*>(v) + index);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < TAGS; ++i) {
+      const int index = threadIdx.x + i * CONSUMERS;
+      if (index < K / 4) pieces[i] = load_relaxed(tagged + 4 * index);
+    }
   }
   if (!NO_WEIGHTS && (int)threadIdx.x < slots) {
     const uint32_t s = seq + threadIdx.x;
     mbarrier_wait(&full[s % SLOTS], (s / SLOTS) & 1, failed);
   }
+  if (tagged == nullptr) {
 #pragma unroll
-  for (int i = 0; i < ceil_div(K / 8, CONSUMERS); ++i) {
-    const int index = threadIdx.x + i * CONSUMERS;
-    if (index < K / 8) staged[index] = pieces[i];
+    for (int i = 0; i < PLAIN; ++i) {
+      const int index = threadIdx.x + i * CONSUMERS;
+      if (index < K / 8) staged[index] = pieces[i];
+    }
+  } else {
+    auto index = [&](int i) { return (int)threadIdx.x + i * CONSUMERS; };
+    poll<TAGS>([&](int i) { return index(i) >= K / 4 || has_tag(pieces[i], tag); },
+               [&](int i) {
+                 if (index(i) < K / 4) pieces[i] = load_relaxed(tagged + 4 * index(i));
+               },
+               failed);
+#pragma unroll
+    for (int i = 0; i < TAGS; ++i) {
+      if (index(i) < K / 4) reinterpret_cast<uint2*>(staged)[index(i)] = untag(pieces[i]);
+    }
   }
   consumers_sync();
 #pragma unroll
@@ -324,15 +456,6 @@ __device__ __forceinline__ float add_rounded(float h, float product) {
       __float2bfloat16(h + __bfloat162float(__float2bfloat16(product))));
 }
 
-// Per block, phase and layer: globaltimer as the barrier is passed, then SM clocks as the
-// barrier is passed, the inputs are in (slots and vector), the outputs are stored, the block
-// has arrived; and globaltimer again at arrival.
-enum Stamp { GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS };
-
-__device__ __forceinline__ void stamp_clock(uint64_t* stamp, int which) {
-  if (stamp != nullptr && threadIdx.x == 0) stamp[which] = clock64();
-}
-
 // One phase's dot products, its slots all in. Warp w owns the slice's units (rows; phase 2:
 // gate/up row pairs) w, w + CONSUMER_WARPS, ... and sums their dot products in one butterfly.
 // Phases 1 and 3 add into the block's residual rows, which the warp keeps in `own` (lane 0)
@@ -340,7 +463,7 @@ __device__ __forceinline__ void stamp_clock(uint64_t* stamp, int which) {
 template <int K, int PHASE, int UNITS>
 __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[K / 32],
                                               float scale, const uint8_t* ring, uint32_t seq,
-                                              __nv_bfloat16* out, float (&own)[OWN_ROWS]) {
+                                              const Out& out, float (&own)[OWN_ROWS]) {
   constexpr int PER_SLOT = SLOT_BYTES / (K * 2);
   constexpr int UNIT_ROWS = PHASE == 2 ? 2 : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -364,13 +487,13 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
     const int unit = warp + t * CONSUMER_WARPS;
     if (unit >= units) continue;
     if (PHASE == 0) {
-      out[ph.first_row + unit] = __float2bfloat16(sums[t] * scale);
+      put(out, ph.first_row + unit, sums[t] * scale);
     } else if (PHASE == 2) {
       const float g = sums[2 * t] * scale, u = sums[2 * t + 1] * scale;
-      out[ph.first_row / 2 + unit] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+      put(out, ph.first_row / 2 + unit, g / (1.f + __expf(-g)) * u);
     } else {
       own[t] = add_rounded(own[t], sums[t]);
-      out[ph.first_row + unit] = __float2bfloat16(own[t]);
+      put(out, ph.first_row + unit, own[t]);
     }
   }
 }
@@ -450,28 +573,64 @@ __device__ __forceinline__ void norm_rope(float (&x)[4], const float* weight,
   for (int e = 0; e < 4; ++e) x[e] = rounded[e];
 }
 
+// A split's partial value: plain float, or TAGGED, the float and its tag in one 64-bit word.
+__device__ __forceinline__ void put_partial(const AttentionArgs& a, uint64_t* tagged, size_t i,
+                                            float value, uint32_t tag) {
+  if (TAGGED)
+    store_relaxed(tagged + i, (uint64_t)tag << 32 | __float_as_uint(value));
+  else
+    a.partials[i] = value;
+}
+
 // Attention for the block's (KV head, split): its GROUP q heads' partial softmax over the
 // split's keys into `partials`; the last block of a KV head to finish merges its splits.
+// TAGGED, q, k and v come from tagged words and the partials go out as tagged words.
 __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int layer,
                                                 const __nv_bfloat16* qkv,
+                                                const TaggedArgs& tagged, uint32_t tag,
                                                 const uint2 (&k_cached)[KEYS_PER_WARP],
                                                 const uint2 (&v_cached)[KEYS_PER_WARP],
-                                                float eps, float* scratch, int* last,
-                                                int* failed) {
-  if (blockIdx.x >= KV_HEADS * SPLITS) return;
+                                                float eps, float* scratch, uint2* shared_bits,
+                                                int* last, uint64_t* stamp, int* failed) {
+  if (blockIdx.x >= KV_HEADS * SPLITS) {
+    stamp_clock(stamp, CLK_INPUTS);
+    return;
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const KeyRange r = key_range(a);
   if (r.end - r.first > CONSUMER_WARPS * KEYS_PER_WARP && threadIdx.x == 0)
     atomicExch(failed, 1);  // keys past the warps' registers would be left out
+  // The lane's 4 values of each q head of the group, then of k, then of v.
+  auto offset = [&](int i) {
+    const int head = i < GROUP ? r.head * GROUP + i : (i == GROUP ? HEADS : HEADS + KV_HEADS) + r.head;
+    return head * HEAD_DIM + 4 * lane;
+  };
+  uint2 bits[GROUP + 2];
+  if (TAGGED) {  // warp 0 polls, the others read what it found from shared memory
+    const uint32_t* source = tagged.qkv;
+    if (warp == 0) {
+      uint4 words[GROUP + 2];
+#pragma unroll
+      for (int i = 0; i < GROUP + 2; ++i) words[i] = load_relaxed(source + offset(i));
+      poll<GROUP + 2>([&](int i) { return has_tag(words[i], tag); },
+                      [&](int i) { words[i] = load_relaxed(source + offset(i)); }, failed);
+#pragma unroll
+      for (int i = 0; i < GROUP + 2; ++i) shared_bits[i * 32 + lane] = untag(words[i]);
+    }
+    consumers_sync();
+#pragma unroll
+    for (int i = 0; i < GROUP + 2; ++i) bits[i] = shared_bits[i * 32 + lane];
+  } else {
+#pragma unroll
+    for (int i = 0; i < GROUP + 2; ++i)
+      bits[i] = __ldcg(reinterpret_cast<const uint2*>(qkv + offset(i)));
+  }
+  stamp_clock(stamp, CLK_INPUTS);
   float q[GROUP][4], k_new[4], v_new[4];
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g)
-    unpack4(__ldcg(reinterpret_cast<const uint2*>(qkv + (r.head * GROUP + g) * HEAD_DIM) + lane),
-            q[g]);
-  unpack4(__ldcg(reinterpret_cast<const uint2*>(qkv + HEADS * HEAD_DIM + r.head * HEAD_DIM) +
-                 lane), k_new);
-  const uint2 v_bits = __ldcg(reinterpret_cast<const uint2*>(
-                                  qkv + (HEADS + KV_HEADS) * HEAD_DIM + r.head * HEAD_DIM) + lane);
+  for (int g = 0; g < GROUP; ++g) unpack4(bits[g], q[g]);
+  unpack4(bits[GROUP], k_new);
+  const uint2 v_bits = bits[GROUP + 1];
   unpack4(v_bits, v_new);
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) norm_rope(q[g], a.q_norm + layer * HEAD_DIM, a.cos_sin, eps);
@@ -549,10 +708,13 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
       for (int e = 0; e < 4; ++e)
         acc[e] = fmaf(warp_acc[(w * GROUP + g) * HEAD_DIM + 4 * lane + e], f, acc[e]);
     }
-    float* partial = a.partials + ((size_t)head * SPLITS + r.split) * PARTIAL;
-    if (lane == 0) partial[0] = m, partial[1] = sum;
+    const size_t partial = ((size_t)head * SPLITS + r.split) * PARTIAL;
+    if (lane == 0) {
+      put_partial(a, tagged.partials, partial, m, tag);
+      put_partial(a, tagged.partials, partial + 1, sum, tag);
+    }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) partial[2 + 4 * lane + e] = acc[e];
+    for (int e = 0; e < 4; ++e) put_partial(a, tagged.partials, partial + 2 + 4 * lane + e, acc[e], tag);
   }
   if (MERGE_AS_STAGE) return;
   consumers_sync();
@@ -586,32 +748,46 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
   if (warp == 0 && lane == 0) a.head_done[r.head] = 0;  // for the next layer
 }
 
-// The merge stage: block b merges attn outputs [b * n / G, (b + 1) * n / G), a thread each,
-// from every split's partial for the output's head.
-__device__ __forceinline__ void merge_stage(const AttentionArgs& a) {
+// The merge stage: block b merges attn outputs [b * n / G, (b + 1) * n / G), SPLITS
+// neighbouring threads each, a split's partial per thread (TAGGED: polled from tagged words),
+// combined by shuffles.
+__device__ __forceinline__ void merge_stage(const AttentionArgs& a, const TaggedArgs& tagged,
+                                            uint32_t tag, uint64_t* stamp, int* failed) {
   constexpr int OUTPUTS = HEADS * HEAD_DIM;
   const int first = blockIdx.x * OUTPUTS / gridDim.x;
-  const int output = first + threadIdx.x;
-  if (output >= (blockIdx.x + 1) * OUTPUTS / gridDim.x) return;
-  const float* partial = a.partials + (size_t)(output / HEAD_DIM) * SPLITS * PARTIAL;
-  float maxes[SPLITS], sums[SPLITS], outs[SPLITS];
+  const int output = first + threadIdx.x / SPLITS, split = threadIdx.x % SPLITS;
+  const bool mine = output < (blockIdx.x + 1) * OUTPUTS / gridDim.x;
+  const size_t partial = ((size_t)(output / HEAD_DIM) * SPLITS + split) * PARTIAL;
+  const size_t index[3] = {partial, partial + 1, partial + 2 + output % HEAD_DIM};
+  float max = -INFINITY, sum = 0.f, out = 0.f;
+  if (mine && TAGGED) {
+    uint64_t words[3];
 #pragma unroll
-  for (int split = 0; split < SPLITS; ++split) {
-    maxes[split] = __ldcg(partial + split * PARTIAL);
-    sums[split] = __ldcg(partial + split * PARTIAL + 1);
-    outs[split] = __ldcg(partial + split * PARTIAL + 2 + output % HEAD_DIM);
+    for (int i = 0; i < 3; ++i) words[i] = load_relaxed(tagged.partials + index[i]);
+    poll<3>([&](int i) { return (uint32_t)(words[i] >> 32) == tag; },
+            [&](int i) { words[i] = load_relaxed(tagged.partials + index[i]); }, failed);
+    max = __uint_as_float((uint32_t)words[0]);
+    sum = __uint_as_float((uint32_t)words[1]);
+    out = __uint_as_float((uint32_t)words[2]);
+  } else if (mine) {
+    max = __ldcg(a.partials + index[0]);
+    sum = __ldcg(a.partials + index[1]);
+    out = __ldcg(a.partials + index[2]);
   }
-  float m = -INFINITY;
+  stamp_clock(stamp, CLK_INPUTS);
+  float m = max;
 #pragma unroll
-  for (int split = 0; split < SPLITS; ++split) m = fmaxf(m, maxes[split]);
-  float sum = 0.f, acc = 0.f;
+  for (int offset = SPLITS / 2; offset > 0; offset >>= 1)
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  const float f = max == -INFINITY ? 0.f : exp2f(max - m);
+  sum *= f;
+  out *= f;
 #pragma unroll
-  for (int split = 0; split < SPLITS; ++split) {
-    const float f = maxes[split] == -INFINITY ? 0.f : exp2f(maxes[split] - m);
-    sum = fmaf(sums[split], f, sum);
-    acc = fmaf(outs[split], f, acc);
+  for (int offset = SPLITS / 2; offset > 0; offset >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    out += __shfl_xor_sync(0xffffffffu, out, offset);
   }
-  a.out[output] = __float2bfloat16(acc / sum);
+  if (mine && split == 0) put(Out{TAGGED ? nullptr : a.out, tagged.attn, tag}, output, out / sum);
 }
 
 }  // namespace
@@ -621,7 +797,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const __nv_bfloat16* __restrict__ w_gate_up,
                 const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* residual,
                 __nv_bfloat16* qkv, __nv_bfloat16* act, AttentionArgs attention,
-                unsigned int* arrived, int* failed, uint64_t* stamps, int layers, float eps) {
+                TaggedArgs tagged, unsigned int* arrived, int* failed, uint64_t* stamps, int layers, float eps) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ uint64_t full[SLOTS];
   __shared__ uint64_t empty[SLOTS];
@@ -685,7 +861,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   for (int p = 0; p < PHASES; ++p) slices[p] = phase_slice(p, w_qkv, w_o, w_gate_up, w_down);
   uint32_t seq = 0;
   unsigned int barriers = 0;
+  const unsigned int epoch = TAGGED ? *tagged.epoch : 0;
   for (int layer = 0; layer < layers; ++layer) {
+    // Never 0, which fresh buffers hold, and never the previous layer's or launch's.
+    const uint32_t tag = (epoch * layers + layer) % 65535u + 1u;
+    const uint32_t previous_tag = (epoch * layers + layer - 1) % 65535u + 1u;
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
       if ((stage == ATTENTION_STAGE && !ATTENTION) ||
@@ -694,7 +874,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       uint2 k_cached[KEYS_PER_WARP], v_cached[KEYS_PER_WARP];
       if (stage == ATTENTION_STAGE && !STREAM_ONLY && !BARRIER_ONLY)
         prefetch_keys(attention, layer, k_cached, v_cached);
-      if (layer + stage > 0 && !STREAM_ONLY) grid_wait(arrived, ++barriers * gridDim.x, failed);
+      if (layer + stage > 0 && !STREAM_ONLY && !TAGGED)
+        grid_wait(arrived, ++barriers * gridDim.x, failed);
       uint64_t* stamp = stamps == nullptr
                             ? nullptr
                             : stamps + ((size_t)blockIdx.x * layers * STAGES + layer * STAGES +
@@ -702,10 +883,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (stamp != nullptr && threadIdx.x == 0) stamp[GT_START] = now_ns();
       stamp_clock(stamp, CLK_START);
       if (stage == ATTENTION_STAGE) {
-        stamp_clock(stamp, CLK_INPUTS);
+        if (STREAM_ONLY || BARRIER_ONLY) stamp_clock(stamp, CLK_INPUTS);
         if (!STREAM_ONLY && !BARRIER_ONLY)
-          attention_stage(attention, layer, qkv, k_cached, v_cached, eps, scratch, &last_split,
-                          failed);
+          attention_stage(attention, layer, qkv, tagged, tag, k_cached, v_cached, eps, scratch,
+                          reinterpret_cast<uint2*>(staged), &last_split, stamp, failed);
         stamp_clock(stamp, CLK_SUMS);
         grid_arrive(arrived);
         stamp_clock(stamp, CLK_ARRIVED);
@@ -713,8 +894,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         continue;
       }
       if (stage == MERGE_STAGE) {
-        stamp_clock(stamp, CLK_INPUTS);
-        if (!STREAM_ONLY && !BARRIER_ONLY) merge_stage(attention);
+        if (STREAM_ONLY || BARRIER_ONLY) stamp_clock(stamp, CLK_INPUTS);
+        if (!STREAM_ONLY && !BARRIER_ONLY) merge_stage(attention, tagged, tag, stamp, failed);
         stamp_clock(stamp, CLK_SUMS);
         grid_arrive(arrived);
         stamp_clock(stamp, CLK_ARRIVED);
@@ -725,6 +906,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       Phase ph = slices[p];
       ph.weight += (size_t)layer * phase_rows(p) * ph.k;
       const int slots = ceil_div(ph.end_row - ph.first_row, rows_per_slot(ph.k));
+      // TAGGED: the plain residual is only the first layer's input and the last one's output.
+      __nv_bfloat16* const residual_out =
+          !TAGGED || (p == 3 && layer == layers - 1) ? residual : nullptr;
       if (STREAM_ONLY) {  // wait for the slots, release them, nothing else
         if ((int)threadIdx.x < slots) {
           const uint32_t s = seq + threadIdx.x;
@@ -733,24 +917,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       } else if (BARRIER_ONLY) {
       } else if (p == 0 || p == 2) {
         float x[HIDDEN / 32];
-        load_inputs<HIDDEN>(residual, staged, full, seq, slots, lane, x, failed);
+        const uint32_t* in = !TAGGED ? nullptr
+                             : p == 2 ? tagged.residual_o
+                             : layer > 0 ? tagged.residual_down : nullptr;
+        load_inputs<HIDDEN>(residual, in, p == 0 ? previous_tag : tag, staged, full, seq, slots, lane, x,
+                            failed);
         stamp_clock(stamp, CLK_INPUTS);
         const float scale = rms_scale<HIDDEN>(x, eps);
         if (p == 0)
-          consume_phase<HIDDEN, 0, units_per_warp(QKV)>(ph, x, scale, ring, seq, qkv, own);
+          consume_phase<HIDDEN, 0, units_per_warp(QKV)>(
+              ph, x, scale, ring, seq, Out{TAGGED ? nullptr : qkv, tagged.qkv, tag}, own);
         else
-          consume_phase<HIDDEN, 2, units_per_warp(INTER)>(ph, x, scale, ring, seq, act, own);
+          consume_phase<HIDDEN, 2, units_per_warp(INTER)>(
+              ph, x, scale, ring, seq, Out{TAGGED ? nullptr : act, tagged.act, tag}, own);
       } else if (p == 1) {
         float x[Q / 32];
-        load_inputs<Q>(ATTENTION ? attention.out : qkv, staged, full, seq, slots, lane, x,
-                       failed);
+        load_inputs<Q>(ATTENTION ? attention.out : qkv,
+                       !TAGGED ? nullptr : ATTENTION ? tagged.attn : tagged.qkv, tag, staged,
+                       full, seq, slots, lane, x, failed);
         stamp_clock(stamp, CLK_INPUTS);
-        consume_phase<Q, 1, OWN_ROWS>(ph, x, 1.f, ring, seq, residual, own);
+        consume_phase<Q, 1, OWN_ROWS>(ph, x, 1.f, ring, seq,
+                                      Out{residual_out, tagged.residual_o, tag}, own);
       } else {
         float x[INTER / 32];
-        load_inputs<INTER>(act, staged, full, seq, slots, lane, x, failed);
+        load_inputs<INTER>(act, TAGGED ? tagged.act : nullptr, tag, staged, full, seq, slots,
+                           lane, x, failed);
         stamp_clock(stamp, CLK_INPUTS);
-        consume_phase<INTER, 3, OWN_ROWS>(ph, x, 1.f, ring, seq, residual, own);
+        consume_phase<INTER, 3, OWN_ROWS>(ph, x, 1.f, ring, seq,
+                                          Out{residual_out, tagged.residual_down, tag}, own);
       }
       stamp_clock(stamp, CLK_SUMS);
       grid_arrive(arrived);
@@ -760,4 +954,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (stamp != nullptr && threadIdx.x == 0) stamp[GT_DONE] = now_ns();
     }
   }
+  // Every block read the epoch before its first output, which block 0's last stage waited on.
+  if (TAGGED && blockIdx.x == 0 && threadIdx.x == 0) *tagged.epoch = epoch + 1;
 }

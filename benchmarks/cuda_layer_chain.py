@@ -30,7 +30,7 @@ from common import check_cuda, cuda_driver, emit, environment, replay_ms
 SOURCE = Path(__file__).with_suffix(".cu")
 HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
 HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA, BLOCK_SIZE = 16, 8, 128, 1e6, 16
-KEYS_PER_WARP = 4  # the kernel's: keys a consumer warp holds in registers
+KEYS_PER_WARP = 4  # the kernel's default: keys a consumer warp holds in registers
 # A layer's stages (enum Stage in the .cu file), whose stamps the kernel keeps.
 STAGE_NAMES = ("qkv", "attention", "merge", "o_proj", "gate_up", "down")
 STAGES = len(STAGE_NAMES)
@@ -50,6 +50,18 @@ class AttentionArgs(ctypes.Structure):
                 ("head_done", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
+class TaggedArgs(ctypes.Structure):
+    """The kernel's ``TaggedArgs`` (``TAGGED=1``'s exchange buffers), passed by value."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("qkv", "partials", "attn", "residual_o", "act", "residual_down", "epoch")]
+
+
+def untag(words: torch.Tensor) -> torch.Tensor:
+    """The bf16 values of tagged 32-bit words (value in the low half, tag in the high)."""
+    return words.view(torch.int16).view(-1, 2)[:, 0].contiguous().view(torch.bfloat16)
+
+
 class Variant:
     """One build of the kernel: its -D settings, the cubin and the driver's handle to it."""
 
@@ -59,7 +71,9 @@ class Variant:
             else {}
         self.warps = int(self.defines.get("CONSUMER_WARPS", 8))
         self.splits = int(self.defines.get("SPLITS", 16))
+        self.keys_per_warp = int(self.defines.get("KEYS_PER_WARP", KEYS_PER_WARP))
         self.attention = self.defines.get("ATTENTION", "1") != "0"
+        self.tagged = self.defines.get("TAGGED", "1") != "0"
         self.shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
             self.defines.get("SLOT_BYTES", 16384))
         cubin = build_dir / f"{spec.replace('=', '_').replace(',', '-')}.cubin"
@@ -127,6 +141,10 @@ class Stack:
         self.attn = torch.empty(HEADS * HEAD_DIM, dtype=torch.bfloat16, device=device)
         self.head_done = torch.zeros(KV_HEADS, dtype=torch.int32, device=device)
         self.partials: dict[int, torch.Tensor] = {}  # per split count
+        words = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+        self.tagged = {"qkv": words(QKV), "partials": words(2 * HEADS * 32 * (HEAD_DIM + 2)),
+                       "attn": words(Q), "residual_o": words(HIDDEN), "act": words(INTER),
+                       "residual_down": words(HIDDEN), "epoch": words(1)}
         self.arrived = torch.zeros(1, dtype=torch.int32, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -153,9 +171,11 @@ class Stack:
                                   self.q_norm.data_ptr(), self.k_norm.data_ptr(),
                                   partials.data_ptr(), self.head_done.data_ptr(),
                                   self.attn.data_ptr())
+        tagged = TaggedArgs(*(t.data_ptr() for t in self.tagged.values()))
         return [self.w_qkv.data_ptr(), self.w_o.data_ptr(), self.w_gate_up.data_ptr(),
                 self.w_down.data_ptr(), self.residual.data_ptr(), self.qkv.data_ptr(),
-                self.act.data_ptr(), attention, self.arrived.data_ptr(), self.failed.data_ptr(),
+                self.act.data_ptr(), attention, tagged, self.arrived.data_ptr(),
+                self.failed.data_ptr(),
                 0 if stamps is None else stamps.data_ptr(), ctypes.c_int(self.layers),
                 ctypes.c_float(eps)]
 
@@ -215,11 +235,14 @@ class Stack:
             want["new_keys"], want["new_values"] = torch.stack(new_keys), torch.stack(new_values)
         return want
 
-    def got(self) -> dict[str, torch.Tensor]:
+    def got(self, variant: Variant) -> dict[str, torch.Tensor]:
         """The kernel's outputs under the reference's names."""
         block, i = self.slot(self.context)
-        return {"residual": self.residual, "qkv": self.qkv, "act": self.act, "attn": self.attn,
-                "new_keys": self.k_cache[:, block, i], "new_values": self.v_cache[:, block, i]}
+        got = {"residual": self.residual, "qkv": self.qkv, "act": self.act, "attn": self.attn,
+               "new_keys": self.k_cache[:, block, i], "new_values": self.v_cache[:, block, i]}
+        if variant.tagged:
+            got.update({name: untag(self.tagged[name]) for name in ("qkv", "act", "attn")})
+        return got
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -294,17 +317,17 @@ def main() -> None:
                     record["skipped"] = f"{grid} blocks cannot all be resident on {sms} SMs"
                     emit(record)
                     continue
-                if variant.attention and args.context + 1 > KEYS_PER_WARP * variant.warps * \
-                        variant.splits:
+                split_keys = variant.keys_per_warp * variant.warps
+                if variant.attention and args.context + 1 > split_keys * variant.splits:
                     record["skipped"] = f"{args.context + 1} keys do not fit {variant.splits} " \
-                                        f"splits of {KEYS_PER_WARP * variant.warps}"
+                                        f"splits of {split_keys}"
                     emit(record)
                     continue
                 stack.failed.zero_()
                 stack.run(variant, grid, args.eps)
                 torch.cuda.synchronize()
                 record["failed"] = bool(stack.failed.item())
-                got = stack.got()
+                got = stack.got(variant)
                 for name, want in references[variant.attention].items():
                     record[f"error_{name}"] = relative_error(got[name], want)
                 graph = torch.cuda.CUDAGraph()

@@ -10,6 +10,7 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
+#   [taggedchain]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -326,6 +327,16 @@ for step in "$@"; do
         NO_WEIGHTS=1 STREAM_ONLY=1 2>&1 | tee -a "$OUT/cuda_chain.log"
       python3 benchmarks/split_decode_chain.py --batch 1 --contexts 385 --replays 300 \
         --variants default none 2>&1 | grep '^{' | tee -a "$OUT/cuda_chain.log" ;;
+    taggedchain)  # the CUDA layer chain, tagged data (default) against grid barriers (TAGGED=0):
+      # one layer's check, then 28 layers twice with stamps, then the engine's forward
+      python3 benchmarks/cuda_layer_chain.py --layers 1 --variants default TAGGED=0 2>&1 \
+        | tee -a "$OUT/tagged_chain.log"
+      for pass in 1 2; do
+        python3 benchmarks/cuda_layer_chain.py --stamps --variants default TAGGED=0 ATTENTION=0 \
+          TAGGED=0,ATTENTION=0 NO_WEIGHTS=1 TAGGED=0,NO_WEIGHTS=1 2>&1 | tee -a "$OUT/tagged_chain.log"
+      done
+      python3 benchmarks/split_decode_chain.py --batch 1 --contexts 385 --replays 300 \
+        --variants default none 2>&1 | grep '^{' | tee -a "$OUT/tagged_chain.log" ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"

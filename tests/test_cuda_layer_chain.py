@@ -25,10 +25,12 @@ def build(tmp_path: Path, *defines: str) -> subprocess.CompletedProcess:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("defines", [(), ("NO_WEIGHTS=1",), ("STREAM_ONLY=1",),
+@pytest.mark.parametrize("defines", [(), ("TAGGED=0",), ("NO_WEIGHTS=1",), ("STREAM_ONLY=1",),
                                      ("NO_WEIGHTS=1", "NO_DOTS=1"),
-                                     ("NO_WEIGHTS=1", "BARRIER_ONLY=1"), ("INFLIGHT=0",),
-                                     ("ATTENTION=0",), ("SPLITS=8",), ("CONSUMER_WARPS=12",)])
+                                     ("TAGGED=0", "NO_WEIGHTS=1", "BARRIER_ONLY=1"),
+                                     ("INFLIGHT=0",), ("ATTENTION=0",), ("TAGGED=0", "ATTENTION=0"),
+                                     ("SPLITS=8",), ("CONSUMER_WARPS=12",),
+                                     ("TAGGED=0", "MERGE_AS_STAGE=0"), ("POLL_NS=0",)])
 def test_kernel_builds_for_sm90_without_spills(tmp_path, defines):
     built = build(tmp_path, *defines)
     assert built.returncode == 0, built.stderr
@@ -39,9 +41,24 @@ def test_kernel_builds_for_sm90_without_spills(tmp_path, defines):
 
 @needs_nvcc
 def test_barrier_only_without_no_weights_is_refused(tmp_path):
-    built = build(tmp_path, "BARRIER_ONLY=1")
+    built = build(tmp_path, "TAGGED=0", "BARRIER_ONLY=1")
     assert built.returncode != 0
     assert "BARRIER_ONLY needs NO_WEIGHTS=1" in built.stderr
+
+
+@needs_nvcc
+def test_tagged_without_the_data_a_barrier_orders_is_refused(tmp_path):
+    for defines in (("TAGGED=1", "NO_WEIGHTS=1", "BARRIER_ONLY=1"), ("TAGGED=1", "MERGE_AS_STAGE=0")):
+        built = build(tmp_path, *defines)
+        assert built.returncode != 0
+        assert "TAGGED needs the data a barrier would order" in built.stderr
+
+
+def test_untag_reads_the_value_half_of_each_word():
+    values = torch.randn(64).to(torch.bfloat16)
+    tags = torch.randint(1, 65536, (64,), dtype=torch.int32)
+    words = (tags << 16) | values.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF)
+    assert torch.equal(chain.untag(words).view(torch.int16), values.view(torch.int16))
 
 
 def synthetic_stamps(grid: int, layers: int, ghz: float) -> torch.Tensor:
