@@ -11,8 +11,8 @@ in splits (q/k norms, RoPE, the new K/V stored), the splits' merge, o_proj, gate
 variant it prints one JSON line: the check against a PyTorch reference, microseconds per
 forward of ``--layers`` layers (CUDA graph replays, weights distinct per layer so that every
 replay streams them from HBM), the bandwidth that is, and with ``--stamps`` where a layer's
-time goes (every block reads the GPU's clocks as it passes a barrier, has its inputs, has its
-sums, and arrives).
+time goes (every block reads the GPU's clocks as it starts a stage, has its inputs, has its
+sums, and is done) and when each stage's inputs were in and outputs out across the grid.
 
     python benchmarks/cuda_layer_chain.py --variants default ATTENTION=0 STREAM_ONLY=1
 """
@@ -288,6 +288,43 @@ def stamp_profile(stamps: torch.Tensor) -> dict:
     return rows
 
 
+def stamp_timeline(stamps: torch.Tensor, attention_blocks: int) -> dict:
+    """When each stage's blocks had their inputs in ("ready": first, median and last block) and
+    their outputs written ("done": median and last), in µs from the layer's first stage start,
+    averaged over all layers but the first and the last; and each stage's "handoff": from the
+    last block writing the previous stage's outputs to the median block having them in (the
+    previous layer's last stage for the first). SM cycles become nanoseconds at the rate
+    stamp_profile finds. Attention counts only its first ``attention_blocks`` blocks, which
+    have work; the others pass straight through."""
+    s = stamps.double()  # [grid, layers, STAGES, STAMPS]
+    layers = s.shape[1]
+    ran = [p for p in range(STAGES) if s[:, :, p, GT_START].any()]
+    ghz = stamp_profile(stamps)["sm_clock_ghz"]
+
+    def ns(which: int) -> torch.Tensor:  # [grid, layers, STAGES], on the common clock
+        return s[..., GT_START] + (s[..., which] - s[..., CLK_START]) / ghz
+
+    ready, done = ns(CLK_INPUTS), ns(CLK_SUMS)
+    middle = range(1, layers - 1)
+    rows: dict = {}
+    for i, p in enumerate(ran):
+        blocks = slice(0, attention_blocks) if STAGE_NAMES[p] == "attention" else slice(None)
+        before, layer_shift = (ran[i - 1], 0) if i else (ran[-1], 1)
+        stats = []
+        for layer in middle:
+            start = s[:, layer, ran[0], GT_START].min()
+            r = (ready[blocks, layer, p] - start) / 1e3
+            d = (done[blocks, layer, p] - start) / 1e3
+            handed = (done[:, layer - layer_shift, before].max() - start) / 1e3
+            stats.append([r.min(), r.median(), r.max(), d.median(), d.max(),
+                          r.median() - handed])
+        mean = torch.tensor(stats).mean(0).tolist()
+        rows[STAGE_NAMES[p]] = {"ready": [round(v, 3) for v in mean[:3]],
+                                "done": [round(v, 3) for v in mean[3:5]],
+                                "handoff": round(mean[5], 3)}
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=28)
@@ -297,6 +334,8 @@ def main() -> None:
                         help="blocks (0: one per SM; more than that cannot all be resident)")
     parser.add_argument("--replays", type=int, default=300)
     parser.add_argument("--stamps", action="store_true")
+    parser.add_argument("--save-stamps", type=Path, default=None,
+                        help="folder to save each variant's raw stamps in (torch.save)")
     parser.add_argument("--eps", type=float, default=1e-6)
     parser.add_argument("--context", type=int, default=384,
                         help="cached keys (a split holds at most 4 keys per consumer warp)")
@@ -343,6 +382,10 @@ def main() -> None:
                     stack.run(variant, grid, args.eps, stamps)
                     torch.cuda.synchronize()
                     record["per_layer_us"] = stamp_profile(stamps)
+                    record["timeline_us"] = stamp_timeline(stamps, KV_HEADS * variant.splits)
+                    if args.save_stamps is not None:
+                        args.save_stamps.mkdir(parents=True, exist_ok=True)
+                        torch.save(stamps.cpu(), args.save_stamps / f"{spec}-{grid}.pt")
                 record["failed"] = record["failed"] or bool(stack.failed.item())
                 emit(record)
 

@@ -88,3 +88,19 @@ def test_stamp_profile_reads_spans_barriers_and_steps():
         assert row["inputs"] == pytest.approx(0.5, abs=2e-3)
         assert row["work"] == pytest.approx(1.0, abs=2e-3)
         assert row["arrive"] == pytest.approx(4.0 - 3e-3 - 1.5, abs=3e-3)
+
+
+def test_stamp_timeline_reads_ready_done_and_handoffs():
+    """Synthetic stamps (above): a stage every 5 µs, inputs in 0.5 µs after each block starts
+    (block b b ns late), outputs 1.5 µs after; attention's last block never works."""
+    stamps = synthetic_stamps(grid=4, layers=4, ghz=1.5)
+    stamps[3, :, chain.STAGE_NAMES.index("attention"), chain.CLK_INPUTS] += 10**6
+    timeline = chain.stamp_timeline(stamps, attention_blocks=3)
+    for p, name in enumerate(chain.STAGE_NAMES):
+        row = timeline[name]
+        last = 2 if name == "attention" else 3  # the latest block that counts, ns behind block 0
+        assert row["ready"] == pytest.approx([5 * p + 0.5, 5 * p + 0.501, 5 * p + 0.5 + last / 1e3],
+                                             abs=1e-3)
+        assert row["done"] == pytest.approx([5 * p + 1.501, 5 * p + 1.5 + last / 1e3], abs=1e-3)
+        # from the stage before's last outputs, 5 * (p - 1) + 1.503, to the median block's inputs
+        assert row["handoff"] == pytest.approx(5 - 1.002, abs=1e-3)
