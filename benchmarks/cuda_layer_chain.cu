@@ -25,7 +25,6 @@
 // in 15.8-16.3 µs with tagged data against 16.7-17.0 with grid barriers (runs 217-220) and 19.5
 // for the engine's forward (run 216, 384 cached keys).
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -107,17 +106,6 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
 #endif
-// CLUSTER_MERGE=1 merges the splits inside the attention stage: the SPLITS blocks of a KV
-// head form a thread-block cluster, each keeps its partials in its own shared memory as tagged
-// words, and each merges a share of the head's outputs from all of them (distributed shared
-// memory), so the merge needs no stage or global exchange of its own. The launch then comes
-// in clusters of SPLITS blocks, the first KV_HEADS of them doing attention.
-#ifndef CLUSTER_MERGE
-#define CLUSTER_MERGE 0
-#endif
-#if CLUSTER_MERGE && !(TAGGED && ATTENTION)
-#error "CLUSTER_MERGE polls tagged partials: it needs TAGGED=1 and ATTENTION=1"
-#endif
 #if TAGGED && (BARRIER_ONLY || !MERGE_AS_STAGE)
 #error "TAGGED needs the data a barrier would order: no BARRIER_ONLY, the merge as a stage"
 #endif
@@ -141,10 +129,6 @@ constexpr int OWN_ROWS = units_per_warp(HIDDEN);  // residual rows a warp update
 #endif
 constexpr int PARTIAL = HEAD_DIM + 2;  // a split's (max, sum, output) for one q head
 static_assert(KV_HEADS * SPLITS <= MIN_GRID, "one block per (KV head, split)");
-static_assert(!CLUSTER_MERGE || (MIN_GRID % SPLITS == 0 && SPLITS <= 16 &&
-                                  GROUP * HEAD_DIM <= CONSUMERS),
-              "CLUSTER_MERGE: clusters of SPLITS blocks, at most 16, and each of a KV head's "
-              "outputs SPLITS threads");
 static_assert(SPLITS <= 32 && (SPLITS & (SPLITS - 1)) == 0, "a split per lane, in groups");
 static_assert(ceil_div(HEADS * HEAD_DIM, MIN_GRID) * SPLITS <= CONSUMERS,
               "the merge gives each of a block's outputs SPLITS threads");
@@ -589,53 +573,6 @@ __device__ __forceinline__ void norm_rope(float (&x)[4], const float* weight,
   for (int e = 0; e < 4; ++e) x[e] = rounded[e];
 }
 
-// CLUSTER_MERGE: loads and stores of tagged words in cluster blocks' shared memory.
-__device__ __forceinline__ uint64_t load_cluster(const uint64_t* p) {
-  uint64_t w;
-  asm volatile("ld.relaxed.cluster.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
-  return w;
-}
-
-__device__ __forceinline__ void store_cluster(uint64_t* p, uint64_t word) {
-  asm volatile("st.relaxed.cluster.u64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
-}
-
-// CLUSTER_MERGE: this block's share of its KV head's GROUP * HEAD_DIM outputs, merged from the
-// partials (per q head: max, sum, HEAD_DIM outputs) that the cluster's SPLITS blocks keep in
-// `cluster_partials`; SPLITS neighbouring threads per output, a split each, as merge_stage.
-template <typename Range>
-__device__ __forceinline__ void cluster_merge(const Range& r, uint64_t* cluster_partials,
-                                              const TaggedArgs& tagged, uint32_t tag,
-                                              int* failed) {
-  constexpr int SHARE = GROUP * HEAD_DIM / SPLITS;
-  const int output = threadIdx.x / SPLITS, split = threadIdx.x % SPLITS;
-  if (output >= SHARE) return;  // whole warps: SHARE * SPLITS is a multiple of 32
-  const int j = r.split * SHARE + output, g = j / HEAD_DIM, d = j % HEAD_DIM;
-  const uint64_t* remote =
-      cooperative_groups::this_cluster().map_shared_rank(cluster_partials + g * PARTIAL, split);
-  const int index[3] = {0, 1, 2 + d};
-  uint64_t words[3];
-#pragma unroll
-  for (int i = 0; i < 3; ++i) words[i] = load_cluster(remote + index[i]);
-  poll<3>([&](int i) { return (uint32_t)(words[i] >> 32) == tag; },
-          [&](int i) { words[i] = load_cluster(remote + index[i]); }, failed);
-  const float max = __uint_as_float((uint32_t)words[0]);
-  float sum = __uint_as_float((uint32_t)words[1]), out = __uint_as_float((uint32_t)words[2]);
-  float m = max;
-#pragma unroll
-  for (int offset = SPLITS / 2; offset > 0; offset >>= 1)
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  const float f = max == -INFINITY ? 0.f : exp2f(max - m);
-  sum *= f;
-  out *= f;
-#pragma unroll
-  for (int offset = SPLITS / 2; offset > 0; offset >>= 1) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    out += __shfl_xor_sync(0xffffffffu, out, offset);
-  }
-  if (split == 0) put(Out{nullptr, tagged.attn, tag}, (r.head * GROUP + g) * HEAD_DIM + d, out / sum);
-}
-
 // A split's partial value: plain float, or TAGGED, the float and its tag in one 64-bit word.
 __device__ __forceinline__ void put_partial(const AttentionArgs& a, uint64_t* tagged, size_t i,
                                             float value, uint32_t tag) {
@@ -654,8 +591,7 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
                                                 const uint2 (&k_cached)[KEYS_PER_WARP],
                                                 const uint2 (&v_cached)[KEYS_PER_WARP],
                                                 float eps, float* scratch, uint2* shared_bits,
-                                                uint64_t* cluster_partials, int* last,
-                                                uint64_t* stamp, int* failed) {
+                                                int* last, uint64_t* stamp, int* failed) {
   if (blockIdx.x >= KV_HEADS * SPLITS) {
     stamp_clock(stamp, CLK_INPUTS);
     return;
@@ -772,26 +708,13 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
       for (int e = 0; e < 4; ++e)
         acc[e] = fmaf(warp_acc[(w * GROUP + g) * HEAD_DIM + 4 * lane + e], f, acc[e]);
     }
-    if (CLUSTER_MERGE) {  // kept here, tagged, for the cluster to merge
-      uint64_t* partial = cluster_partials + g * PARTIAL;
-      auto word = [&](float v) { return (uint64_t)tag << 32 | __float_as_uint(v); };
-      if (lane == 0) store_cluster(partial, word(m)), store_cluster(partial + 1, word(sum));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) store_cluster(partial + 2 + 4 * lane + e, word(acc[e]));
-    } else {
-      const size_t partial = ((size_t)head * SPLITS + r.split) * PARTIAL;
-      if (lane == 0) {
-        put_partial(a, tagged.partials, partial, m, tag);
-        put_partial(a, tagged.partials, partial + 1, sum, tag);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        put_partial(a, tagged.partials, partial + 2 + 4 * lane + e, acc[e], tag);
+    const size_t partial = ((size_t)head * SPLITS + r.split) * PARTIAL;
+    if (lane == 0) {
+      put_partial(a, tagged.partials, partial, m, tag);
+      put_partial(a, tagged.partials, partial + 1, sum, tag);
     }
-  }
-  if (CLUSTER_MERGE) {
-    cluster_merge(r, cluster_partials, tagged, tag, failed);
-    return;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) put_partial(a, tagged.partials, partial + 2 + 4 * lane + e, acc[e], tag);
   }
   if (MERGE_AS_STAGE) return;
   consumers_sync();
@@ -881,10 +804,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   __shared__ uint4 staged[INTER / 8];  // the phase's input vector
   __shared__ float scratch[2 * CONSUMER_WARPS * GROUP * (1 + HEAD_DIM / 2)];  // attention's
   __shared__ int last_split;
-  __shared__ uint64_t cluster_partials[CLUSTER_MERGE ? GROUP * PARTIAL : 1];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (gridDim.x < MIN_GRID || (CLUSTER_MERGE && gridDim.x % SPLITS != 0)) {
+  if (gridDim.x < MIN_GRID) {
     if (threadIdx.x == 0) atomicExch(failed, 1);
     return;
   }
@@ -947,7 +869,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
       if ((stage == ATTENTION_STAGE && !ATTENTION) ||
-          (stage == MERGE_STAGE && !(ATTENTION && MERGE_AS_STAGE && !CLUSTER_MERGE)))
+          (stage == MERGE_STAGE && !(ATTENTION && MERGE_AS_STAGE)))
         continue;
       uint2 k_cached[KEYS_PER_WARP], v_cached[KEYS_PER_WARP];
       if (stage == ATTENTION_STAGE && !STREAM_ONLY && !BARRIER_ONLY)
@@ -964,8 +886,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (STREAM_ONLY || BARRIER_ONLY) stamp_clock(stamp, CLK_INPUTS);
         if (!STREAM_ONLY && !BARRIER_ONLY)
           attention_stage(attention, layer, qkv, tagged, tag, k_cached, v_cached, eps, scratch,
-                          reinterpret_cast<uint2*>(staged), cluster_partials, &last_split,
-                          stamp, failed);
+                          reinterpret_cast<uint2*>(staged), &last_split, stamp, failed);
         stamp_clock(stamp, CLK_SUMS);
         grid_arrive(arrived);
         stamp_clock(stamp, CLK_ARRIVED);

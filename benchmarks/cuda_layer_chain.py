@@ -30,7 +30,6 @@ from common import check_cuda, cuda_driver, emit, environment, replay_ms
 SOURCE = Path(__file__).with_suffix(".cu")
 HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
 HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA, BLOCK_SIZE = 16, 8, 128, 1e6, 16
-MIN_GRID = 128  # the kernel's: the fewest blocks it takes
 KEYS_PER_WARP = 4  # the kernel's default: keys a consumer warp holds in registers
 # A layer's stages (enum Stage in the .cu file), whose stamps the kernel keeps.
 STAGE_NAMES = ("qkv", "attention", "merge", "o_proj", "gate_up", "down")
@@ -63,25 +62,6 @@ def untag(words: torch.Tensor) -> torch.Tensor:
     return words.view(torch.int16).view(-1, 2)[:, 0].contiguous().view(torch.bfloat16)
 
 
-class LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute`` holding a cluster shape (its value is a 64-byte union)."""
-
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("cluster", ctypes.c_uint * 3),
-                ("rest", ctypes.c_char * 52)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig``."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
-
-
 class Variant:
     """One build of the kernel: its -D settings, the cubin and the driver's handle to it."""
 
@@ -94,8 +74,6 @@ class Variant:
         self.keys_per_warp = int(self.defines.get("KEYS_PER_WARP", KEYS_PER_WARP))
         self.attention = self.defines.get("ATTENTION", "1") != "0"
         self.tagged = self.defines.get("TAGGED", "1") != "0"
-        # CLUSTER_MERGE: one block per (KV head, split), a cluster per KV head.
-        self.cluster = self.splits if self.defines.get("CLUSTER_MERGE", "0") != "0" else 0
         self.shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
             self.defines.get("SLOT_BYTES", 16384))
         cubin = build_dir / f"{spec.replace('=', '_').replace(',', '-')}.cubin"
@@ -105,33 +83,15 @@ class Variant:
                                capture_output=True, text=True, check=True)
         self.resources = [line.strip() for line in built.stderr.splitlines() if "Used" in line]
         self.function = _load(cubin, "layer_chain", self.shared_bytes)
-        if self.cluster > 8:
-            check_cuda(cuda_driver().cuFuncSetAttribute(
-                self.function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
-                "cuFuncSetAttribute")
-
-    def config(self, grid: int) -> LaunchConfig:
-        stream = torch.cuda.current_stream().cuda_stream
-        attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
-        attribute.cluster[:] = [self.cluster, 1, 1]
-        self._attribute = attribute  # kept alive with the config that points at it
-        return LaunchConfig((grid, 1, 1), (32 * (self.warps + 1), 1, 1), self.shared_bytes,
-                            stream, ctypes.pointer(attribute), 1 if self.cluster else 0)
-
-    def resident_clusters(self, grid: int) -> int:
-        """How many of this variant's clusters the GPU can hold at once."""
-        count = ctypes.c_int()
-        check_cuda(cuda_driver().cuOccupancyMaxActiveClusters(
-            ctypes.byref(count), self.function, ctypes.byref(self.config(grid))),
-            "cuOccupancyMaxActiveClusters")
-        return count.value
 
     def launch(self, args: list, grid: int) -> None:
         values = [ctypes.c_void_p(a) if isinstance(a, int) else a for a in args]
         pointers = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        check_cuda(cuda_driver().cuLaunchKernelEx(ctypes.byref(self.config(grid)), self.function,
-                                                  pointers, None), "cuLaunchKernelEx")
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        check_cuda(cuda_driver().cuLaunchKernel(self.function, grid, 1, 1, 32 * (self.warps + 1),
+                                                1, 1, self.shared_bytes, stream, pointers, None),
+                   "cuLaunchKernel")
 
 
 def _load(cubin: Path, name: str, shared_bytes: int) -> ctypes.c_void_p:
@@ -388,20 +348,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as build:
         for spec in args.variants:
             variant = Variant(spec, Path(build))
-            # Clusters: the fewest blocks the kernel takes, a multiple of any cluster size.
-            grids = [MIN_GRID] if variant.cluster else [g or sms for g in args.grid]
-            for grid in grids:
+            for grid in (g or sms for g in args.grid):
                 record = {"bench": "cuda_layer_chain", "variant": spec, "grid": grid,
                           "layers": args.layers, "context": args.context,
                           "resources": variant.resources, **env}
                 if grid > sms:
                     record["skipped"] = f"{grid} blocks cannot all be resident on {sms} SMs"
-                    emit(record)
-                    continue
-                resident = variant.cluster and variant.resident_clusters(grid)
-                if variant.cluster and resident < grid // variant.cluster:
-                    record["skipped"] = f"{grid // variant.cluster} clusters of {variant.cluster} " \
-                                        f"cannot all be resident (at most {resident})"
                     emit(record)
                     continue
                 split_keys = variant.keys_per_warp * variant.warps
