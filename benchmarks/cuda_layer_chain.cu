@@ -22,8 +22,8 @@
 // contiguous in the row-major weight and copies as whole rows.
 //
 // Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): the whole layer
-// in 15.8-16.3 µs with tagged data against 16.7-17.0 with grid barriers (runs 217-220) and 19.5
-// for the engine's forward (run 216, 384 cached keys).
+// in about 15.1-15.3 µs with tagged data against 16.5-17.0 with grid barriers and 19.5 for the
+// engine's forward (runs 221-229, 384 cached keys).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -54,8 +54,12 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 // slots all at once as a phase ends (12.7 MB after gate/up), and the next phase's loads,
 // stores and barrier atomics queue behind that burst (run 205, before the slices were
 // hoisted: 14.35 µs a layer unmetered, 13.05 at two copies, 13.1 at three or four, 13.2 at one).
+// With tagged data and attention, one copy in flight is enough for the stream to keep up and
+// leaves the L2 quicker for the handoffs (runs 227-228: 15.12-15.32 µs a layer against
+// 15.54-15.73 at two); without attention the stream then falls behind (13.3-13.5 against
+// 11.0-11.7).
 #ifndef INFLIGHT
-#define INFLIGHT 2
+#define INFLIGHT 1
 #endif
 // Timing aids, each making the results wrong: STREAM_ONLY leaves the consumers nothing but
 // waiting for each slot and releasing it (the weight stream's own pace), NO_WEIGHTS skips the
@@ -517,22 +521,40 @@ __device__ __forceinline__ size_t cache_offset(const AttentionArgs& a, int layer
              KV_HEADS * HEAD_DIM + head * HEAD_DIM;
 }
 
-// Before the barrier: the warp's cached keys and values (they do not depend on this step),
-// lane l holding dimensions [4l, 4l + 4) of each, as bf16 pairs.
-__device__ __forceinline__ void prefetch_keys(const AttentionArgs& a, int layer,
-                                              uint2 (&k)[KEYS_PER_WARP],
-                                              uint2 (&v)[KEYS_PER_WARP]) {
+// What a block's attention reads that does not depend on this step, read before it waits for
+// q, k and v: the warp's cached keys and values (lane l holding dimensions [4l, 4l + 4) of
+// each, as bf16 pairs), the lane's q/k norm weights, cos and sin, and where the new key goes.
+// Read after the wait, these cost an L2 round trip on the critical path (run 227).
+struct Prefetched {
+  uint2 k[KEYS_PER_WARP], v[KEYS_PER_WARP];
+  float q_norm[4], k_norm[4], cos[4], sin[4];
+  size_t new_kv;
+};
+
+__device__ __forceinline__ void prefetch_attention(const AttentionArgs& a, int layer,
+                                                   Prefetched& f) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (blockIdx.x >= KV_HEADS * SPLITS) return;
   const KeyRange r = key_range(a);
 #pragma unroll
   for (int t = 0; t < KEYS_PER_WARP; ++t) {
     const int j = r.first + warp + t * CONSUMER_WARPS;
-    if (blockIdx.x < KV_HEADS * SPLITS && j < min(r.end, a.context)) {
+    if (j < min(r.end, a.context)) {
       const size_t offset = cache_offset(a, layer, j, r.head) + 4 * lane;
-      k[t] = *reinterpret_cast<const uint2*>(a.k_cache + offset);
-      v[t] = *reinterpret_cast<const uint2*>(a.v_cache + offset);
+      f.k[t] = *reinterpret_cast<const uint2*>(a.k_cache + offset);
+      f.v[t] = *reinterpret_cast<const uint2*>(a.v_cache + offset);
     }
   }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int d = 4 * lane + e, i = d % (HEAD_DIM / 2);
+    f.q_norm[e] = a.q_norm[layer * HEAD_DIM + d];
+    f.k_norm[e] = a.k_norm[layer * HEAD_DIM + d];
+    f.cos[e] = a.cos_sin[i];
+    f.sin[e] = a.cos_sin[HEAD_DIM / 2 + i];
+  }
+  if (r.end == a.context + 1 && warp == 0)
+    f.new_kv = cache_offset(a, layer, a.context, r.head) + 4 * lane;
 }
 
 __device__ __forceinline__ void unpack4(uint2 w, float (&x)[4]) {
@@ -549,8 +571,8 @@ __device__ __forceinline__ uint2 pack4(const float (&x)[4]) {
 
 // RMSNorm over the head (every lane holds 4 of its 128 values), the norm weight, neox RoPE
 // (dimension d pairs with d ± 64, held by lane ± 16), then rounded to bf16 as stored.
-__device__ __forceinline__ void norm_rope(float (&x)[4], const float* weight,
-                                          const float* cos_sin, float eps) {
+__device__ __forceinline__ void norm_rope(float (&x)[4], const float (&weight)[4],
+                                          const Prefetched& f, float eps) {
   const int lane = threadIdx.x % 32;
   float ss = 0.f;
 #pragma unroll
@@ -559,13 +581,11 @@ __device__ __forceinline__ void norm_rope(float (&x)[4], const float* weight,
   for (int offset = 16; offset > 0; offset >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, offset);
   const float r = rsqrtf(ss / HEAD_DIM + eps);
 #pragma unroll
-  for (int e = 0; e < 4; ++e) x[e] *= r * weight[4 * lane + e];
+  for (int e = 0; e < 4; ++e) x[e] *= r * weight[e];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float partner = __shfl_xor_sync(0xffffffffu, x[e], 16);
-    const int i = (4 * lane + e) % (HEAD_DIM / 2);
-    const float c = cos_sin[i], s = cos_sin[HEAD_DIM / 2 + i];
-    x[e] = lane < 16 ? x[e] * c - partner * s : x[e] * c + partner * s;
+    x[e] = lane < 16 ? x[e] * f.cos[e] - partner * f.sin[e] : x[e] * f.cos[e] + partner * f.sin[e];
   }
   float rounded[4];
   unpack4(pack4(x), rounded);
@@ -588,9 +608,7 @@ __device__ __forceinline__ void put_partial(const AttentionArgs& a, uint64_t* ta
 __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int layer,
                                                 const __nv_bfloat16* qkv,
                                                 const TaggedArgs& tagged, uint32_t tag,
-                                                const uint2 (&k_cached)[KEYS_PER_WARP],
-                                                const uint2 (&v_cached)[KEYS_PER_WARP],
-                                                float eps, float* scratch, uint2* shared_bits,
+                                                const Prefetched& f, float eps, float* scratch, uint2* shared_bits,
                                                 int* last, uint64_t* stamp, int* failed) {
   if (blockIdx.x >= KV_HEADS * SPLITS) {
     stamp_clock(stamp, CLK_INPUTS);
@@ -633,12 +651,11 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
   const uint2 v_bits = bits[GROUP + 1];
   unpack4(v_bits, v_new);
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) norm_rope(q[g], a.q_norm + layer * HEAD_DIM, a.cos_sin, eps);
-  norm_rope(k_new, a.k_norm + layer * HEAD_DIM, a.cos_sin, eps);
+  for (int g = 0; g < GROUP; ++g) norm_rope(q[g], f.q_norm, f, eps);
+  norm_rope(k_new, f.k_norm, f, eps);
   if (r.end == a.context + 1 && warp == 0) {
-    const size_t offset = cache_offset(a, layer, a.context, r.head) + 4 * lane;
-    *reinterpret_cast<uint2*>(a.k_cache + offset) = pack4(k_new);
-    *reinterpret_cast<uint2*>(a.v_cache + offset) = v_bits;
+    *reinterpret_cast<uint2*>(a.k_cache + f.new_kv) = pack4(k_new);
+    *reinterpret_cast<uint2*>(a.v_cache + f.new_kv) = v_bits;
   }
   // Scores of the warp's keys for each q head, summed across the warp together.
   float scores[KEYS_PER_WARP][GROUP];
@@ -646,8 +663,8 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
 #pragma unroll
   for (int t = 0; t < KEYS_PER_WARP; ++t) {
     const bool is_new = r.first + warp + t * CONSUMER_WARPS == a.context;
-    unpack4(k_cached[t], keys[t]);
-    unpack4(v_cached[t], values[t]);
+    unpack4(f.k[t], keys[t]);
+    unpack4(f.v[t], values[t]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       keys[t][e] = is_new ? k_new[e] : keys[t][e];
@@ -871,9 +888,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if ((stage == ATTENTION_STAGE && !ATTENTION) ||
           (stage == MERGE_STAGE && !(ATTENTION && MERGE_AS_STAGE)))
         continue;
-      uint2 k_cached[KEYS_PER_WARP], v_cached[KEYS_PER_WARP];
+      Prefetched prefetched;
       if (stage == ATTENTION_STAGE && !STREAM_ONLY && !BARRIER_ONLY)
-        prefetch_keys(attention, layer, k_cached, v_cached);
+        prefetch_attention(attention, layer, prefetched);
       if (layer + stage > 0 && !STREAM_ONLY && !TAGGED)
         grid_wait(arrived, ++barriers * gridDim.x, failed);
       uint64_t* stamp = stamps == nullptr
@@ -885,7 +902,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (stage == ATTENTION_STAGE) {
         if (STREAM_ONLY || BARRIER_ONLY) stamp_clock(stamp, CLK_INPUTS);
         if (!STREAM_ONLY && !BARRIER_ONLY)
-          attention_stage(attention, layer, qkv, tagged, tag, k_cached, v_cached, eps, scratch,
+          attention_stage(attention, layer, qkv, tagged, tag, prefetched, eps, scratch,
                           reinterpret_cast<uint2*>(staged), &last_split, stamp, failed);
         stamp_clock(stamp, CLK_SUMS);
         grid_arrive(arrived);

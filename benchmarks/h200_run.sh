@@ -332,8 +332,9 @@ for step in "$@"; do
       python3 benchmarks/cuda_layer_chain.py --layers 1 --variants default TAGGED=0 2>&1 \
         | tee -a "$OUT/tagged_chain.log"
       for pass in 1 2; do
-        python3 benchmarks/cuda_layer_chain.py --stamps --variants default TAGGED=0 ATTENTION=0 \
-          TAGGED=0,ATTENTION=0 NO_WEIGHTS=1 TAGGED=0,NO_WEIGHTS=1 2>&1 | tee -a "$OUT/tagged_chain.log"
+        python3 benchmarks/cuda_layer_chain.py --stamps --variants default TAGGED=0 INFLIGHT=2 \
+          TAGGED=0,INFLIGHT=2 ATTENTION=0,INFLIGHT=2 TAGGED=0,ATTENTION=0,INFLIGHT=2 \
+          NO_WEIGHTS=1 TAGGED=0,NO_WEIGHTS=1 2>&1 | tee -a "$OUT/tagged_chain.log"
       done
       python3 benchmarks/split_decode_chain.py --batch 1 --contexts 385 --replays 300 \
         --variants default none 2>&1 | grep '^{' | tee -a "$OUT/tagged_chain.log" ;;
