@@ -311,10 +311,12 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
-// Grid barrier on a counter that only grows: the n-th barrier of a launch waits for n * grid
-// arrivals. Called by every consumer thread; thread 0 does the global part. The release add
-// publishes the block's stores (ordered before it by bar.sync), the acquire poll makes the
-// other blocks' visible to the block (ordered after it by bar.sync); no separate fences.
+// Grid barrier on a counter that only grows (TAGGED=0): the n-th barrier of a launch waits for
+// n * grid arrivals. Called by every consumer thread; thread 0 does the global part. The
+// release add publishes the block's stores (ordered before it by bar.sync), the acquire poll
+// makes the other blocks' visible to the block (ordered after it by bar.sync); no separate
+// fences. With TAGGED=1 a stage ends with the consumers' bar.sync alone (the slots it frees and
+// the shared input vector are then done with).
 __device__ __forceinline__ void grid_arrive(unsigned int* arrived) {
   consumers_sync();
   if (threadIdx.x == 0 && !STREAM_ONLY && !TAGGED)
@@ -344,9 +346,10 @@ __device__ __forceinline__ void grid_wait(unsigned int* arrived, unsigned int ta
   consumers_sync();
 }
 
-// Per block, phase and layer: globaltimer as the barrier is passed, then SM clocks as the
-// barrier is passed, the inputs are in (slots and vector), the outputs are stored, the block
-// has arrived; and globaltimer again at arrival.
+// Per block, stage and layer: globaltimer as the stage starts (the barrier passed, or TAGGED,
+// the stage before done), then SM clocks as it starts, as the inputs are in (slots and vector,
+// or attention's q, k, v, or the merge's partials), as the outputs are stored, as the block has
+// arrived (TAGGED: passed the consumers' sync); and globaltimer again then.
 enum Stamp { GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS };
 
 __device__ __forceinline__ void stamp_clock(uint64_t* stamp, int which) {

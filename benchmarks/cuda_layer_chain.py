@@ -142,6 +142,7 @@ class Stack:
         self.head_done = torch.zeros(KV_HEADS, dtype=torch.int32, device=device)
         self.partials: dict[int, torch.Tensor] = {}  # per split count
         words = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+        # TAGGED=1's buffers, in 32-bit words (partials: 64-bit, for up to 32 splits).
         self.tagged = {"qkv": words(QKV), "partials": words(2 * HEADS * 32 * (HEAD_DIM + 2)),
                        "attn": words(Q), "residual_o": words(HIDDEN), "act": words(INTER),
                        "residual_down": words(HIDDEN), "epoch": words(1)}
@@ -338,7 +339,8 @@ def main() -> None:
                         help="folder to save each variant's raw stamps in (torch.save)")
     parser.add_argument("--eps", type=float, default=1e-6)
     parser.add_argument("--context", type=int, default=384,
-                        help="cached keys (a split holds at most 4 keys per consumer warp)")
+                        help="cached keys (a split holds at most KEYS_PER_WARP, by default 4, "
+                             "keys per consumer warp)")
     args = parser.parse_args()
 
     env = environment()

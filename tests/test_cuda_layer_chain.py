@@ -92,7 +92,8 @@ def test_stamp_profile_reads_spans_barriers_and_steps():
 
 def test_stamp_timeline_reads_ready_done_and_handoffs():
     """Synthetic stamps (above): a stage every 5 µs, inputs in 0.5 µs after each block starts
-    (block b b ns late), outputs 1.5 µs after; attention's last block never works."""
+    (block b b ns late), outputs 1.5 µs after; attention's last block, which has no work, is
+    given a wild inputs stamp that must not count."""
     stamps = synthetic_stamps(grid=4, layers=4, ghz=1.5)
     stamps[3, :, chain.STAGE_NAMES.index("attention"), chain.CLK_INPUTS] += 10**6
     timeline = chain.stamp_timeline(stamps, attention_blocks=3)
