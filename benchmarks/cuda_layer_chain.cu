@@ -15,11 +15,13 @@
 //              and o_proj reads q as qkv wrote it, as split_decode_chain.py's "none" does)
 //   merge      the splits merged: attn (MERGE_AS_STAGE=0: merged at the end of attention)
 //   o_proj     h[r] = h[r] + bf16(W_o[r] . attn)
-//   gate_up    act[f] = silu(g) * u, g/u = (W_gu'[2f] / W_gu'[2f+1] . h) * rsqrt(mean(h^2) + eps)
+//   gate_up    act[f] = silu(g) * u, g/u = (W_gu'[f] / W_gu'[INTER + f] . h) * rsqrt(mean(h^2) + eps)
 //   down       h[r] = h[r] + bf16(W_down[r] . act)
 // The GEMV stages are "phases" 0-3 below (qkv, o_proj, gate_up, down).
-// Block b owns rows [b*N/G, (b+1)*N/G) of each phase (features for phase 2), so each slice is
-// contiguous in the row-major weight and copies as whole rows.
+// Block b owns rows [b*N/G, (b+1)*N/G) of each phase (features for phase 2: their gate rows
+// and their up rows, two copies a slot), so each slice copies as whole rows. Weights, K/V
+// caches and the step's position are laid out as the engine holds them: a pointer per layer,
+// gate/up as gate's rows then up's, the position in device memory (one graph, every step).
 //
 // Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): the whole layer
 // in about 15.1-15.3 µs with tagged data against 16.5-17.0 with grid barriers and 19.5 for the
@@ -138,14 +140,16 @@ static_assert(ceil_div(HEADS * HEAD_DIM, MIN_GRID) * SPLITS <= CONSUMERS,
               "the merge gives each of a block's outputs SPLITS threads");
 
 // The step's attention inputs; the caches and norm weights hold every layer.
+// In the engine's layout: a cache tensor per layer, the step's position in device memory (so
+// one CUDA graph serves every step), RoPE's table for all positions.
 struct AttentionArgs {
-  __nv_bfloat16* k_cache;   // [layers, cache_blocks, block_size, KV_HEADS, HEAD_DIM]
-  __nv_bfloat16* v_cache;
+  __nv_bfloat16* const* k_caches;  // per layer: [cache blocks, block_size, KV_HEADS, HEAD_DIM]
+  __nv_bfloat16* const* v_caches;
   const int* block_table;   // the sequence's cache blocks
-  int context;              // cached keys; the new token's position
+  const int* position;      // the new token's position: the cached keys before it
+  int context;              // *position, read by the kernel as it starts
   int block_size;
-  int cache_blocks;
-  const float* cos_sin;     // cos and sin of the new position's 64 angles
+  const float* cos_sin;     // [positions, HEAD_DIM]: cos, then sin, of each position's angles
   const float* q_norm;      // [layers, HEAD_DIM]
   const float* k_norm;
   float* partials;          // [HEADS, SPLITS, PARTIAL]
@@ -230,29 +234,38 @@ __device__ __forceinline__ void poll(Ready ready, Reload reload, int* failed) {
   }
 }
 
+// Each layer's weights, as the engine holds them: a pointer per layer and matrix, row-major,
+// gate/up as gate's INTER rows then up's.
+struct Weights {
+  const __nv_bfloat16* const* qkv;  // [layers] -> [QKV, HIDDEN]
+  const __nv_bfloat16* const* o;    // [layers] -> [HIDDEN, Q]
+  const __nv_bfloat16* const* gate_up;  // [layers] -> [2 * INTER, HIDDEN]
+  const __nv_bfloat16* const* down;     // [layers] -> [HIDDEN, INTER]
+};
+
+__device__ __forceinline__ const __nv_bfloat16* phase_weight(const Weights& w, int phase,
+                                                             int layer) {
+  const __nv_bfloat16* const* per_layer =
+      phase == 0 ? w.qkv : phase == 1 ? w.o : phase == 2 ? w.gate_up : w.down;
+  return per_layer[layer];
+}
+
+// The block's slice of a phase: rows [first_row, end_row) of its weight (phase 2: in units of
+// a gate row and its up row, 2f and 2f + 1 for feature f), each k long.
 struct Phase {
-  const __nv_bfloat16* weight;  // this layer's [rows, k] weight
-  int first_row;                // this block's slice
+  int first_row;
   int end_row;
   int k;
 };
 
-// The block's slice of a phase (its weight at layer 0; layer l's is l * rows * k further on).
-__device__ __forceinline__ Phase phase_slice(int phase, const __nv_bfloat16* w_qkv,
-                                             const __nv_bfloat16* w_o,
-                                             const __nv_bfloat16* w_gate_up,
-                                             const __nv_bfloat16* w_down) {
+__device__ __forceinline__ Phase phase_slice(int phase) {
   const int b = blockIdx.x, g = gridDim.x;
   switch (phase) {
-    case 0: return {w_qkv, b * QKV / g, (b + 1) * QKV / g, HIDDEN};
-    case 1: return {w_o, b * HIDDEN / g, (b + 1) * HIDDEN / g, Q};
-    case 2: return {w_gate_up, 2 * (b * INTER / g), 2 * ((b + 1) * INTER / g), HIDDEN};
-    default: return {w_down, b * HIDDEN / g, (b + 1) * HIDDEN / g, INTER};
+    case 0: return {b * QKV / g, (b + 1) * QKV / g, HIDDEN};
+    case 1: return {b * HIDDEN / g, (b + 1) * HIDDEN / g, Q};
+    case 2: return {2 * (b * INTER / g), 2 * ((b + 1) * INTER / g), HIDDEN};
+    default: return {b * HIDDEN / g, (b + 1) * HIDDEN / g, INTER};
   }
-}
-
-__host__ __device__ constexpr int phase_rows(int phase) {
-  return phase == 0 ? QKV : phase == 2 ? 2 * INTER : HIDDEN;
 }
 
 __device__ __forceinline__ int rows_per_slot(int k) { return SLOT_BYTES / (k * 2); }
@@ -479,13 +492,16 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
 #pragma unroll
   for (int t = 0; t < UNITS; ++t) {
     const int unit = warp + t * CONSUMER_WARPS;
+    // A slot holds PER_SLOT / UNIT_ROWS units; phase 2's gate rows fill its first half and
+    // their up rows the second.
     const int slot_index = unit * UNIT_ROWS / PER_SLOT;
-    const uint8_t* row = ring + ((seq + slot_index) % SLOTS) * SLOT_BYTES +
-                         (unit * UNIT_ROWS - slot_index * PER_SLOT) * K * 2;
+    const int within = unit - slot_index * (PER_SLOT / UNIT_ROWS);
+    const uint8_t* row = ring + ((seq + slot_index) % SLOTS) * SLOT_BYTES + within * K * 2;
 #pragma unroll
     for (int r = 0; r < UNIT_ROWS; ++r)
-      sums[t * UNIT_ROWS + r] =
-          unit >= units ? 0.f : NO_DOTS ? x[r] : lane_dot<K>(row + r * K * 2, lane, x);
+      sums[t * UNIT_ROWS + r] = unit >= units ? 0.f
+                                : NO_DOTS     ? x[r]
+                                              : lane_dot<K>(row + r * (PER_SLOT / 2) * K * 2, lane, x);
   }
   if (!NO_DOTS) warp_sum(sums);
   if (lane != 0) return;
@@ -517,11 +533,11 @@ __device__ __forceinline__ KeyRange key_range(const AttentionArgs& a) {
   return {b / SPLITS, split, split * n / SPLITS, (split + 1) * n / SPLITS};
 }
 
-__device__ __forceinline__ size_t cache_offset(const AttentionArgs& a, int layer, int position,
-                                               int head) {
+// A position's key (or value) for KV head `head`, within a layer's cache.
+__device__ __forceinline__ size_t cache_offset(const AttentionArgs& a, int position, int head) {
   const int block = a.block_table[position / a.block_size];
-  return (((size_t)layer * a.cache_blocks + block) * a.block_size + position % a.block_size) *
-             KV_HEADS * HEAD_DIM + head * HEAD_DIM;
+  return ((size_t)block * a.block_size + position % a.block_size) * KV_HEADS * HEAD_DIM +
+         head * HEAD_DIM;
 }
 
 // What a block's attention reads that does not depend on this step, read before it waits for
@@ -543,9 +559,9 @@ __device__ __forceinline__ void prefetch_attention(const AttentionArgs& a, int l
   for (int t = 0; t < KEYS_PER_WARP; ++t) {
     const int j = r.first + warp + t * CONSUMER_WARPS;
     if (j < min(r.end, a.context)) {
-      const size_t offset = cache_offset(a, layer, j, r.head) + 4 * lane;
-      f.k[t] = *reinterpret_cast<const uint2*>(a.k_cache + offset);
-      f.v[t] = *reinterpret_cast<const uint2*>(a.v_cache + offset);
+      const size_t offset = cache_offset(a, j, r.head) + 4 * lane;
+      f.k[t] = *reinterpret_cast<const uint2*>(a.k_caches[layer] + offset);
+      f.v[t] = *reinterpret_cast<const uint2*>(a.v_caches[layer] + offset);
     }
   }
 #pragma unroll
@@ -557,7 +573,7 @@ __device__ __forceinline__ void prefetch_attention(const AttentionArgs& a, int l
     f.sin[e] = a.cos_sin[HEAD_DIM / 2 + i];
   }
   if (r.end == a.context + 1 && warp == 0)
-    f.new_kv = cache_offset(a, layer, a.context, r.head) + 4 * lane;
+    f.new_kv = cache_offset(a, a.context, r.head) + 4 * lane;
 }
 
 __device__ __forceinline__ void unpack4(uint2 w, float (&x)[4]) {
@@ -657,8 +673,8 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
   for (int g = 0; g < GROUP; ++g) norm_rope(q[g], f.q_norm, f, eps);
   norm_rope(k_new, f.k_norm, f, eps);
   if (r.end == a.context + 1 && warp == 0) {
-    *reinterpret_cast<uint2*>(a.k_cache + f.new_kv) = pack4(k_new);
-    *reinterpret_cast<uint2*>(a.v_cache + f.new_kv) = v_bits;
+    *reinterpret_cast<uint2*>(a.k_caches[layer] + f.new_kv) = pack4(k_new);
+    *reinterpret_cast<uint2*>(a.v_caches[layer] + f.new_kv) = v_bits;
   }
   // Scores of the warp's keys for each q head, summed across the warp together.
   float scores[KEYS_PER_WARP][GROUP];
@@ -813,9 +829,7 @@ __device__ __forceinline__ void merge_stage(const AttentionArgs& a, const Tagged
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-    layer_chain(const __nv_bfloat16* __restrict__ w_qkv, const __nv_bfloat16* __restrict__ w_o,
-                const __nv_bfloat16* __restrict__ w_gate_up,
-                const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* residual,
+    layer_chain(const Weights weights, __nv_bfloat16* residual,
                 __nv_bfloat16* qkv, __nv_bfloat16* act, AttentionArgs attention,
                 TaggedArgs tagged, unsigned int* arrived, int* failed, uint64_t* stamps, int layers, float eps) {
   extern __shared__ __align__(128) uint8_t ring[];
@@ -844,8 +858,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     uint32_t seq = 0;
     for (int layer = 0; layer < layers; ++layer) {
       for (int p = 0; p < PHASES; ++p) {
-        Phase ph = phase_slice(p, w_qkv, w_o, w_gate_up, w_down);
-        ph.weight += (size_t)layer * phase_rows(p) * ph.k;
+        const Phase ph = phase_slice(p);
+        const __nv_bfloat16* weight = phase_weight(weights, p, layer);
         const int per_slot = rows_per_slot(ph.k);
         for (int first = ph.first_row; first < ph.end_row; first += per_slot, ++seq) {
           const int slot = seq % SLOTS;
@@ -854,20 +868,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const uint32_t landed = seq - INFLIGHT;
             mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
           }
-          const uint32_t bytes = min(per_slot, ph.end_row - first) * ph.k * 2;
-          mbarrier_expect_bytes(&full[slot], bytes);
-          bulk_copy(ring + slot * SLOT_BYTES, ph.weight + (size_t)first * ph.k, bytes,
-                    &full[slot]);
+          const int rows = min(per_slot, ph.end_row - first);
+          uint8_t* to = ring + slot * SLOT_BYTES;
+          mbarrier_expect_bytes(&full[slot], rows * ph.k * 2);
+          if (p == 2) {  // features [first / 2, + rows / 2): their gate rows, then their up rows
+            const uint32_t half = rows / 2 * ph.k * 2;
+            const __nv_bfloat16* gate = weight + (size_t)(first / 2) * ph.k;
+            bulk_copy(to, gate, half, &full[slot]);
+            bulk_copy(to + per_slot / 2 * ph.k * 2, gate + (size_t)INTER * ph.k, half, &full[slot]);
+          } else {
+            bulk_copy(to, weight + (size_t)first * ph.k, rows * ph.k * 2, &full[slot]);
+          }
         }
       }
     }
     return;
   }
 
+  // The step's position, from device memory so that a captured graph serves every step.
+  attention.context = *attention.position;
+  attention.cos_sin += (size_t)attention.context * HEAD_DIM;
   // The residual rows this warp updates in phases 1 and 3 (the same partition of HIDDEN).
   float own[OWN_ROWS];
   {
-    const Phase ph = phase_slice(1, w_qkv, w_o, w_gate_up, w_down);
+    const Phase ph = phase_slice(1);
 #pragma unroll
     for (int t = 0; t < OWN_ROWS; ++t) {
       const int row = ph.first_row + warp + t * CONSUMER_WARPS;
@@ -878,7 +902,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   // the phase loop unrolled so that its geometry is constant.
   Phase slices[PHASES];
 #pragma unroll
-  for (int p = 0; p < PHASES; ++p) slices[p] = phase_slice(p, w_qkv, w_o, w_gate_up, w_down);
+  for (int p = 0; p < PHASES; ++p) slices[p] = phase_slice(p);
   uint32_t seq = 0;
   unsigned int barriers = 0;
   const unsigned int epoch = TAGGED ? *tagged.epoch : 0;
@@ -923,8 +947,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         continue;
       }
       const int p = stage == QKV_STAGE ? 0 : stage - 2;  // the GEMV phase
-      Phase ph = slices[p];
-      ph.weight += (size_t)layer * phase_rows(p) * ph.k;
+      const Phase ph = slices[p];
       const int slots = ceil_div(ph.end_row - ph.first_row, rows_per_slot(ph.k));
       // TAGGED: the plain residual is only the first layer's input and the last one's output.
       __nv_bfloat16* const residual_out =

@@ -7,8 +7,11 @@ no longer wait on the chain? The kernel (``cuda_layer_chain.cu``) is built here 
 launched through the CUDA driver (ctypes), so it needs nothing beyond torch and the CUDA
 toolkit. A layer is qkv, attention over a paged cache of ``--context`` keys plus the new one
 in splits (q/k norms, RoPE, the new K/V stored), the splits' merge, o_proj, gate/up and down;
-``ATTENTION=0`` leaves attention out, as ``split_decode_chain.py --variants none`` does. Per
-variant it prints one JSON line: the check against a PyTorch reference, microseconds per
+``ATTENTION=0`` leaves attention out, as ``split_decode_chain.py --variants none`` does.
+Weights, caches and RoPE's table are laid out as the engine holds them (a tensor per layer,
+gate/up as gate's rows then up's), and the kernel reads the step's position from memory, so
+one captured graph serves successive decode steps (``--steps``). Per variant it prints one
+JSON line: the check against a PyTorch reference (at each step), microseconds per
 forward of ``--layers`` layers (CUDA graph replays, weights distinct per layer so that every
 replay streams them from HBM), the bandwidth that is, and with ``--stamps`` where a layer's
 time goes (every block reads the GPU's clocks as it starts a stage, has its inputs, has its
@@ -39,12 +42,18 @@ GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-class AttentionArgs(ctypes.Structure):
-    """The kernel's ``AttentionArgs``, passed by value."""
+class Weights(ctypes.Structure):
+    """The kernel's ``Weights``: per matrix, a device array of each layer's pointer."""
 
-    _fields_ = [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("block_table", ctypes.c_void_p), ("context", ctypes.c_int),
-                ("block_size", ctypes.c_int), ("cache_blocks", ctypes.c_int),
+    _fields_ = [(name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")]
+
+
+class AttentionArgs(ctypes.Structure):
+    """The kernel's ``AttentionArgs``, passed by value (``context`` is the kernel's to fill)."""
+
+    _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p),
+                ("block_table", ctypes.c_void_p), ("position", ctypes.c_void_p),
+                ("context", ctypes.c_int), ("block_size", ctypes.c_int),
                 ("cos_sin", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("partials", ctypes.c_void_p),
                 ("head_done", ctypes.c_void_p), ("out", ctypes.c_void_p)]
@@ -107,10 +116,12 @@ def _load(cubin: Path, name: str, shared_bytes: int) -> ctypes.c_void_p:
 
 
 class Stack:
-    """Random weights for ``layers`` layers, stacked per matrix, a paged K/V cache holding
-    ``context`` keys per layer in shuffled blocks, and the step's vectors."""
+    """Random weights for ``layers`` layers and a paged K/V cache holding ``context`` keys per
+    layer in shuffled blocks, laid out as the engine holds them (a tensor per layer, gate/up as
+    gate's rows then up's), room for ``steps`` decode steps, and the step's vectors."""
 
-    def __init__(self, layers: int, context: int, seed: int = 0, device: str = "cuda"):
+    def __init__(self, layers: int, context: int, steps: int = 1, seed: int = 0,
+                 device: str = "cuda"):
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def randn(*shape: int) -> torch.Tensor:
@@ -119,21 +130,30 @@ class Stack:
         def weight(n: int, k: int) -> torch.Tensor:
             return (randn(layers, n, k) * k ** -0.5).to(torch.bfloat16)
 
-        self.layers, self.context = layers, context
+        def pointers(per_layer: list[torch.Tensor]) -> torch.Tensor:
+            return torch.tensor([t.data_ptr() for t in per_layer], dtype=torch.int64,
+                                device=device)
+
+        self.randn, self.layers, self.context = randn, layers, context
         self.w_qkv, self.w_o = weight(QKV, HIDDEN), weight(HIDDEN, Q)
-        # Rows 2f and 2f + 1 are feature f's gate and up rows.
         self.w_gate_up, self.w_down = weight(2 * INTER, HIDDEN), weight(HIDDEN, INTER)
+        self.weight_pointers = [pointers(list(w)) for w in
+                                (self.w_qkv, self.w_o, self.w_gate_up, self.w_down)]
         self.q_norm = 1 + 0.1 * randn(layers, HEAD_DIM)
         self.k_norm = 1 + 0.1 * randn(layers, HEAD_DIM)
-        blocks = context // BLOCK_SIZE + 1
-        self.cache_blocks = blocks + 3
-        self.block_table = (torch.randperm(self.cache_blocks, device=device, generator=gen)[:blocks]
+        blocks = (context + steps) // BLOCK_SIZE + 1
+        cache_blocks = blocks + 3
+        self.block_table = (torch.randperm(cache_blocks, device=device, generator=gen)[:blocks]
                             .to(torch.int32))
-        shape = (layers, self.cache_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        self.k_cache = randn(*shape).to(torch.bfloat16)
-        self.v_cache = randn(*shape).to(torch.bfloat16)
-        angles = context * ROPE_THETA ** (-torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
-        self.cos_sin = torch.cat([angles.cos(), angles.sin()]).float()
+        shape = (cache_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.k_caches = [randn(*shape).to(torch.bfloat16) for _ in range(layers)]
+        self.v_caches = [randn(*shape).to(torch.bfloat16) for _ in range(layers)]
+        self.cache_pointers = pointers(self.k_caches), pointers(self.v_caches)
+        positions = torch.arange(context + steps, device=device).float()
+        angles = positions[:, None] * ROPE_THETA ** (
+            -torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
+        self.cos_sin = torch.cat([angles.cos(), angles.sin()], -1)  # as RotaryEmbedding's
+        self.position = torch.full((1,), context, dtype=torch.int32, device=device)
         self.h0 = randn(HIDDEN).to(torch.bfloat16)
         self.residual = torch.empty_like(self.h0)
         self.qkv = torch.empty(QKV, dtype=torch.bfloat16, device=device)
@@ -149,32 +169,42 @@ class Stack:
         self.arrived = torch.zeros(1, dtype=torch.int32, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
 
+    def step(self, step: int) -> None:
+        """Move to decode step ``step``: the next position, a fresh input row."""
+        self.position.fill_(self.context + step)
+        self.h0.copy_(self.randn(HIDDEN).to(torch.bfloat16))
+
+    @property
+    def current(self) -> int:
+        return int(self.position.item())
+
     def weight_bytes(self) -> int:
         return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down))
 
     def slot(self, position: int) -> tuple[int, int]:
         return int(self.block_table[position // BLOCK_SIZE]), position % BLOCK_SIZE
 
-    def cached(self, cache: torch.Tensor, layer: int) -> torch.Tensor:
-        """Layer's keys or values at positions 0..context - 1, ``[context, KV_HEADS, HEAD_DIM]``."""
-        positions = torch.arange(self.context, device=cache.device)
+    def cached(self, cache: torch.Tensor) -> torch.Tensor:
+        """A layer's keys or values before the current position, ``[position, KV_HEADS,
+        HEAD_DIM]``."""
+        positions = torch.arange(self.current, device=cache.device)
         blocks = self.block_table[positions // BLOCK_SIZE].long()
-        return cache[layer, blocks, positions % BLOCK_SIZE]
+        return cache[blocks, positions % BLOCK_SIZE]
 
     def args(self, variant: Variant, stamps: torch.Tensor | None, eps: float) -> list:
         if variant.splits not in self.partials:  # allocated once, outside any graph capture
             self.partials[variant.splits] = torch.empty(
                 HEADS * variant.splits * (HEAD_DIM + 2), device="cuda")
         partials = self.partials[variant.splits]
-        attention = AttentionArgs(self.k_cache.data_ptr(), self.v_cache.data_ptr(),
-                                  self.block_table.data_ptr(), self.context, BLOCK_SIZE,
-                                  self.cache_blocks, self.cos_sin.data_ptr(),
-                                  self.q_norm.data_ptr(), self.k_norm.data_ptr(),
-                                  partials.data_ptr(), self.head_done.data_ptr(),
-                                  self.attn.data_ptr())
+        attention = AttentionArgs(self.cache_pointers[0].data_ptr(),
+                                  self.cache_pointers[1].data_ptr(), self.block_table.data_ptr(),
+                                  self.position.data_ptr(), 0, BLOCK_SIZE,
+                                  self.cos_sin.data_ptr(), self.q_norm.data_ptr(),
+                                  self.k_norm.data_ptr(), partials.data_ptr(),
+                                  self.head_done.data_ptr(), self.attn.data_ptr())
         tagged = TaggedArgs(*(t.data_ptr() for t in self.tagged.values()))
-        return [self.w_qkv.data_ptr(), self.w_o.data_ptr(), self.w_gate_up.data_ptr(),
-                self.w_down.data_ptr(), self.residual.data_ptr(), self.qkv.data_ptr(),
+        weights = Weights(*(p.data_ptr() for p in self.weight_pointers))
+        return [weights, self.residual.data_ptr(), self.qkv.data_ptr(),
                 self.act.data_ptr(), attention, tagged, self.arrived.data_ptr(),
                 self.failed.data_ptr(),
                 0 if stamps is None else stamps.data_ptr(), ctypes.c_int(self.layers),
@@ -194,7 +224,7 @@ class Stack:
 
         def norm_rope(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
-            cos, sin = self.cos_sin[:HEAD_DIM // 2], self.cos_sin[HEAD_DIM // 2:]
+            cos, sin = self.cos_sin[self.current].chunk(2)
             first, second = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
             return torch.cat([first * cos - second * sin, second * cos + first * sin], -1).to(bf)
 
@@ -202,8 +232,8 @@ class Stack:
         k = norm_rope(qkv[Q:Q + KV_HEADS * HEAD_DIM].float().view(KV_HEADS, HEAD_DIM),
                       self.k_norm[layer])
         v = qkv[Q + KV_HEADS * HEAD_DIM:].view(KV_HEADS, HEAD_DIM)
-        keys = torch.cat([self.cached(self.k_cache, layer), k[None]]).float()
-        values = torch.cat([self.cached(self.v_cache, layer), v[None]]).float()
+        keys = torch.cat([self.cached(self.k_caches[layer]), k[None]]).float()
+        values = torch.cat([self.cached(self.v_caches[layer]), v[None]]).float()
         group = HEADS // KV_HEADS
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         scores = torch.einsum("hd,jhd->hj", q.float(), keys) * HEAD_DIM ** -0.5
@@ -227,7 +257,7 @@ class Stack:
             h = (h.float() + (self.w_o[layer].float() @ attn.float()).to(bf).float()).to(bf)
             x = h.float()
             gate_up = self.w_gate_up[layer].float() @ x * torch.rsqrt(x.square().mean() + eps)
-            gate, up = gate_up[0::2], gate_up[1::2]
+            gate, up = gate_up.chunk(2)
             act = (gate * torch.sigmoid(gate) * up).to(bf)
             h = (h.float() + (self.w_down[layer].float() @ act.float()).to(bf).float()).to(bf)
         want = {"residual": h, "qkv": qkv, "act": act}
@@ -238,9 +268,10 @@ class Stack:
 
     def got(self, variant: Variant) -> dict[str, torch.Tensor]:
         """The kernel's outputs under the reference's names."""
-        block, i = self.slot(self.context)
+        block, i = self.slot(self.current)
         got = {"residual": self.residual, "qkv": self.qkv, "act": self.act, "attn": self.attn,
-               "new_keys": self.k_cache[:, block, i], "new_values": self.v_cache[:, block, i]}
+               "new_keys": torch.stack([c[block, i] for c in self.k_caches]),
+               "new_values": torch.stack([c[block, i] for c in self.v_caches])}
         if variant.tagged:
             got.update({name: untag(self.tagged[name]) for name in ("qkv", "act", "attn")})
         return got
@@ -341,10 +372,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=384,
                         help="cached keys (a split holds at most KEYS_PER_WARP, by default 4, "
                              "keys per consumer warp)")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="decode steps checked, the later ones by replaying the timed graph "
+                             "at the next positions (the kernel reads the position from memory)")
     args = parser.parse_args()
 
     env = environment()
-    stack = Stack(args.layers, args.context)
+    stack = Stack(args.layers, args.context, args.steps)
+    first_input = stack.h0.clone()
     references = {attention: stack.reference(args.eps, attention) for attention in (True, False)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with tempfile.TemporaryDirectory() as build:
@@ -359,11 +394,14 @@ def main() -> None:
                     emit(record)
                     continue
                 split_keys = variant.keys_per_warp * variant.warps
-                if variant.attention and args.context + 1 > split_keys * variant.splits:
-                    record["skipped"] = f"{args.context + 1} keys do not fit {variant.splits} " \
+                keys = args.context + args.steps
+                if variant.attention and keys > split_keys * variant.splits:
+                    record["skipped"] = f"{keys} keys do not fit {variant.splits} " \
                                         f"splits of {split_keys}"
                     emit(record)
                     continue
+                stack.position.fill_(args.context)
+                stack.h0.copy_(first_input)
                 stack.failed.zero_()
                 stack.run(variant, grid, args.eps)
                 torch.cuda.synchronize()
@@ -388,6 +426,16 @@ def main() -> None:
                     if args.save_stamps is not None:
                         args.save_stamps.mkdir(parents=True, exist_ok=True)
                         torch.save(stamps.cpu(), args.save_stamps / f"{spec}-{grid}.pt")
+                later = []
+                for step in range(1, args.steps):
+                    stack.step(step)
+                    graph.replay()
+                    want = stack.reference(args.eps, variant.attention)
+                    got = stack.got(variant)
+                    later.append({"position": stack.current, **{
+                        f"error_{name}": relative_error(got[name], w) for name, w in want.items()}})
+                if later:
+                    record["later_steps"] = later
                 record["failed"] = record["failed"] or bool(stack.failed.item())
                 emit(record)
 

@@ -328,11 +328,12 @@ for step in "$@"; do
       python3 benchmarks/split_decode_chain.py --batch 1 --contexts 385 --replays 300 \
         --variants default none 2>&1 | grep '^{' | tee -a "$OUT/cuda_chain.log" ;;
     taggedchain)  # the CUDA layer chain, tagged data (default) against grid barriers (TAGGED=0):
-      # one layer's check, then 28 layers twice with stamps, then the engine's forward
-      python3 benchmarks/cuda_layer_chain.py --layers 1 --variants default TAGGED=0 2>&1 \
+      # one layer's check over three decode steps, then 28 layers twice with stamps (and three
+      # steps checked), then the engine's forward
+      python3 benchmarks/cuda_layer_chain.py --layers 1 --steps 3 --variants default TAGGED=0 2>&1 \
         | tee -a "$OUT/tagged_chain.log"
       for pass in 1 2; do
-        python3 benchmarks/cuda_layer_chain.py --stamps --variants default TAGGED=0 INFLIGHT=2 \
+        python3 benchmarks/cuda_layer_chain.py --stamps --steps 3 --variants default TAGGED=0 INFLIGHT=2 \
           TAGGED=0,INFLIGHT=2 ATTENTION=0,INFLIGHT=2 TAGGED=0,ATTENTION=0,INFLIGHT=2 \
           NO_WEIGHTS=1 TAGGED=0,NO_WEIGHTS=1 2>&1 | tee -a "$OUT/tagged_chain.log"
       done
