@@ -1,7 +1,8 @@
 """The persistent CUDA layer-chain experiment (benchmarks/cuda_layer_chain.*) off the device:
 the kernel builds for sm_90 without spilling in every variant the device runs, a variant that
-would deadlock is refused at build time, and the per-phase profile reads the kernel's stamps
-as documented. The kernel itself runs only on the H200 (docs/kernels.md)."""
+would deadlock is refused at build time, the profiles read the kernel's stamps as documented,
+tagged words decode, and the PyTorch reference the device check trusts agrees with naive
+loops. The kernel itself runs only on the H200 (docs/kernels.md)."""
 from __future__ import annotations
 
 import shutil
@@ -105,3 +106,58 @@ def test_stamp_timeline_reads_ready_done_and_handoffs():
         assert row["done"] == pytest.approx([5 * p + 1.501, 5 * p + 1.5 + last / 1e3], abs=1e-3)
         # from the stage before's last outputs, 5 * (p - 1) + 1.503, to the median block's inputs
         assert row["handoff"] == pytest.approx(5 - 1.002, abs=1e-3)
+
+
+def test_reference_attention_matches_a_naive_loop_at_a_later_step():
+    """The reference the device check trusts: its attention for the current position (after a
+    step, so through the block table and RoPE's row for that position) against a per-head,
+    per-position loop over the engine-layout caches."""
+    stack = chain.Stack(layers=2, context=37, steps=3, device="cpu")
+    stack.step(2)
+    position, eps = stack.current, 1e-6
+    assert position == 39
+    qkv = torch.randn(chain.QKV).to(torch.bfloat16)
+    out, k_new, v_new = stack.attention(qkv, 1, eps)
+    cos, sin = stack.cos_sin[position].chunk(2)
+    half = chain.HEAD_DIM // 2
+    angles = position * chain.ROPE_THETA ** (-torch.arange(0, chain.HEAD_DIM, 2) / chain.HEAD_DIM)
+    assert torch.allclose(cos, angles.cos()) and torch.allclose(sin, angles.sin())
+
+    def norm_rope(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = x.float() * torch.rsqrt(x.float().square().mean() + eps) * weight
+        return torch.cat([x[:half] * cos - x[half:] * sin,
+                          x[half:] * cos + x[:half] * sin]).to(torch.bfloat16)
+
+    q_size, group = chain.HEADS * chain.HEAD_DIM, chain.HEADS // chain.KV_HEADS
+    for head in range(chain.HEADS):
+        kv = head // group
+        q = norm_rope(qkv[head * chain.HEAD_DIM:][:chain.HEAD_DIM], stack.q_norm[1]).float()
+        k = norm_rope(qkv[q_size + kv * chain.HEAD_DIM:][:chain.HEAD_DIM], stack.k_norm[1])
+        v = qkv[q_size + (chain.KV_HEADS + kv) * chain.HEAD_DIM:][:chain.HEAD_DIM]
+        keys, values = [], []
+        for p in range(position):
+            block, i = stack.slot(p)
+            keys.append(stack.k_caches[1][block, i, kv].float())
+            values.append(stack.v_caches[1][block, i, kv].float())
+        keys, values = torch.stack(keys + [k.float()]), torch.stack(values + [v.float()])
+        weights = torch.softmax(keys @ q * chain.HEAD_DIM ** -0.5, 0)
+        want = (weights @ values).to(torch.bfloat16)
+        got = out[head * chain.HEAD_DIM:][:chain.HEAD_DIM]
+        assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+        assert torch.equal(k_new[kv], k) and torch.equal(v_new[kv], v)
+
+
+def test_reference_mlp_takes_gate_rows_then_up_rows():
+    """One layer without attention, by hand: gate/up's first INTER rows are the gate, the rest
+    the up projection, as the engine packs them."""
+    stack = chain.Stack(layers=1, context=5, device="cpu")
+    want = stack.reference(1e-6, attention=False)
+    x = stack.h0.float()
+    qkv = (stack.w_qkv[0].float() @ x * torch.rsqrt(x.square().mean() + 1e-6)).to(torch.bfloat16)
+    mid = (x + (stack.w_o[0].float() @ qkv[:chain.Q].float()).to(torch.bfloat16).float()) \
+        .to(torch.bfloat16).float()
+    scale = torch.rsqrt(mid.square().mean() + 1e-6)
+    gate = stack.w_gate_up[0, :chain.INTER].float() @ mid * scale
+    up = stack.w_gate_up[0, chain.INTER:].float() @ mid * scale
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(want["act"].float(), expected, rtol=1e-2, atol=1e-3)
