@@ -24,8 +24,8 @@
 // gate/up as gate's rows then up's, the position in device memory (one graph, every step).
 //
 // Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): the whole layer
-// in about 15.1-15.3 µs with tagged data against 16.5-17.0 with grid barriers and 19.5 for the
-// engine's forward (runs 221-229, 384 cached keys).
+// in 15.1-15.5 µs with tagged data against 16.5-16.9 with grid barriers and 19.5 for the
+// engine's forward (runs 227-230, 384 cached keys).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -250,8 +250,8 @@ __device__ __forceinline__ const __nv_bfloat16* phase_weight(const Weights& w, i
   return per_layer[layer];
 }
 
-// The block's slice of a phase: rows [first_row, end_row) of its weight (phase 2: in units of
-// a gate row and its up row, 2f and 2f + 1 for feature f), each k long.
+// The block's slice of a phase: rows [first_row, end_row) of its weight, each k long (phase 2
+// counts two rows per feature f, its gate row f and its up row INTER + f).
 struct Phase {
   int first_row;
   int end_row;
