@@ -28,7 +28,15 @@
 // engine's forward (runs 227-230, 384 cached keys).
 
 #include <cuda_bf16.h>
+#ifdef __CUDACC_RTC__  // NVRTC (cuda_layer_chain.py --compiler nvrtc) has no C library headers
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#define INFINITY __int_as_float(0x7f800000)
+#else
 #include <stdint.h>
+#endif
 
 namespace {
 

@@ -74,7 +74,7 @@ def untag(words: torch.Tensor) -> torch.Tensor:
 class Variant:
     """One build of the kernel: its -D settings, the cubin and the driver's handle to it."""
 
-    def __init__(self, spec: str, build_dir: Path):
+    def __init__(self, spec: str, build_dir: Path, compiler: str = "nvcc"):
         self.spec = spec
         self.defines = dict(item.split("=") for item in spec.split(",")) if spec != "default" \
             else {}
@@ -86,11 +86,7 @@ class Variant:
         self.shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
             self.defines.get("SLOT_BYTES", 16384))
         cubin = build_dir / f"{spec.replace('=', '_').replace(',', '-')}.cubin"
-        flags = [f"-D{k}={v}" for k, v in self.defines.items()]
-        built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-lineinfo",
-                                "--resource-usage", *flags, "-o", str(cubin), str(SOURCE)],
-                               capture_output=True, text=True, check=True)
-        self.resources = [line.strip() for line in built.stderr.splitlines() if "Used" in line]
+        self.resources = build_cubin(self.defines, cubin, compiler)
         self.function = _load(cubin, "layer_chain", self.shared_bytes)
 
     def launch(self, args: list, grid: int) -> None:
@@ -101,6 +97,62 @@ class Variant:
         check_cuda(cuda_driver().cuLaunchKernel(self.function, grid, 1, 1, 32 * (self.warps + 1),
                                                 1, 1, self.shared_bytes, stream, pointers, None),
                    "cuLaunchKernel")
+
+
+def build_cubin(defines: dict[str, str], cubin: Path, compiler: str) -> list[str]:
+    """Compile the kernel for sm_90 into ``cubin`` with nvcc (the CUDA toolkit) or NVRTC (the
+    ``nvidia-cuda-nvrtc`` and ``nvidia-cuda-runtime`` wheels, which pip's CUDA builds of torch
+    pull in; no toolkit); returns ptxas's resource lines."""
+    flags = [f"-D{k}={v}" for k, v in defines.items()]
+    if compiler == "nvcc":
+        built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-lineinfo",
+                                "--resource-usage", *flags, "-o", str(cubin), str(SOURCE)],
+                               capture_output=True, text=True, check=True)
+        log = built.stderr
+    else:
+        binary, log = nvrtc_cubin(SOURCE.read_text(), [
+            "--gpu-architecture=sm_90", "--std=c++17", "-lineinfo", "--ptxas-options=-v",
+            f"-I{nvidia_wheel_file('*/include/cuda_bf16.h').parent}", *flags])
+        cubin.write_bytes(binary)
+    return [line.strip() for line in log.splitlines() if "Used" in line]
+
+
+def nvidia_wheel_file(pattern: str) -> Path:
+    """The first file matching ``pattern`` under the ``nvidia`` wheels' package folders."""
+    import nvidia  # a namespace package: one folder per installed NVIDIA wheel
+
+    for base in nvidia.__path__:
+        found = sorted(Path(base).glob(pattern))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no NVIDIA wheel holds {pattern}")
+
+
+def nvrtc_cubin(source: str, options: list[str]) -> tuple[bytes, str]:
+    """``source`` compiled by NVRTC: the cubin and the compiler's log."""
+    nvrtc = ctypes.CDLL(str(nvidia_wheel_file("*/lib/libnvrtc.so*")))
+    program = ctypes.c_void_p()
+
+    def check(status: int, call: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{call} failed with nvrtcResult {status}")
+
+    check(nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), SOURCE.name.encode(),
+                                   0, None, None), "nvrtcCreateProgram")
+    encoded = [o.encode() for o in options]
+    status = nvrtc.nvrtcCompileProgram(program, len(encoded),
+                                       (ctypes.c_char_p * len(encoded))(*encoded))
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    if status != 0:
+        raise RuntimeError(f"NVRTC could not compile {SOURCE.name}:\n{log.value.decode()}")
+    check(nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
+    binary = ctypes.create_string_buffer(size.value)
+    check(nvrtc.nvrtcGetCUBIN(program, binary), "nvrtcGetCUBIN")
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    return binary.raw, log.value.decode()
 
 
 def _load(cubin: Path, name: str, shared_bytes: int) -> ctypes.c_void_p:
@@ -372,6 +424,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=384,
                         help="cached keys (a split holds at most KEYS_PER_WARP, by default 4, "
                              "keys per consumer warp)")
+    parser.add_argument("--compiler", choices=("nvcc", "nvrtc"), default="nvcc",
+                        help="nvrtc: NVRTC from the nvidia-cuda-nvrtc wheel, no CUDA toolkit")
     parser.add_argument("--steps", type=int, default=1,
                         help="decode steps checked, the later ones by replaying the timed graph "
                              "at the next positions (the kernel reads the position from memory)")
@@ -384,7 +438,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with tempfile.TemporaryDirectory() as build:
         for spec in args.variants:
-            variant = Variant(spec, Path(build))
+            variant = Variant(spec, Path(build), args.compiler)
             for grid in (g or sms for g in args.grid):
                 record = {"bench": "cuda_layer_chain", "variant": spec, "grid": grid,
                           "layers": args.layers, "context": args.context,

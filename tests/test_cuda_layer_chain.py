@@ -40,6 +40,27 @@ def test_kernel_builds_for_sm90_without_spills(tmp_path, defines):
         built.stderr
 
 
+def _nvrtc_wheels() -> bool:
+    try:
+        chain.nvidia_wheel_file("*/lib/libnvrtc.so*")
+        chain.nvidia_wheel_file("*/include/cuda_bf16.h")
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
+@needs_nvcc
+@pytest.mark.skipif(not _nvrtc_wheels(), reason="no nvidia-cuda-nvrtc / -runtime wheels here")
+@pytest.mark.parametrize("defines", [{}, {"TAGGED": "0"}, {"ATTENTION": "0"}])
+def test_nvrtc_from_the_torch_cuda_wheels_builds_what_nvcc_builds(tmp_path, defines):
+    """Run-time compilation needs no CUDA toolkit: NVRTC and the bf16 header from the
+    nvidia-cuda-nvrtc / -runtime wheels give a cubin using nvcc's registers and shared memory."""
+    by_nvrtc = chain.build_cubin(defines, tmp_path / "rtc.cubin", "nvrtc")
+    by_nvcc = chain.build_cubin(defines, tmp_path / "cc.cubin", "nvcc")
+    assert (tmp_path / "rtc.cubin").read_bytes()[:4] == b"\x7fELF"
+    assert by_nvrtc and by_nvrtc == by_nvcc
+
+
 @needs_nvcc
 def test_barrier_only_without_no_weights_is_refused(tmp_path):
     built = build(tmp_path, "TAGGED=0", "BARRIER_ONLY=1")
