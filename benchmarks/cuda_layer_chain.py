@@ -333,6 +333,20 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def stages_that_ran(stamps: torch.Tensor) -> list[int]:
+    """The stages a variant ran (the others' stamps stay zero)."""
+    return [p for p in range(STAGES) if stamps[:, :, p, GT_START].any()]
+
+
+def sm_clock_ghz(stamps: torch.Tensor) -> float:
+    """The SM clock the run shows: each block's cycles over nanoseconds from its first stage's
+    start to its last stage's end, averaged over blocks."""
+    s, ran = stamps.double(), stages_that_ran(stamps)
+    first, last = s[:, 0, ran[0]], s[:, -1, ran[-1]]
+    return ((last[:, CLK_ARRIVED] - first[:, CLK_START])
+            / (last[:, GT_DONE] - first[:, GT_START])).mean().item()
+
+
 def stamp_profile(stamps: torch.Tensor) -> dict:
     """µs per layer and stage, averaged over all layers but the first, for the stages that ran.
     From the GPU's nanosecond clock (coarse, but common to all blocks): the span from the first
@@ -343,11 +357,10 @@ def stamp_profile(stamps: torch.Tensor) -> dict:
     arrival; and the slowest block's whole stage."""
     s = stamps.double()  # [grid, layers, STAGES, STAMPS]
     grid, layers = s.shape[0], s.shape[1]
-    ran = [p for p in range(STAGES) if s[:, :, p, GT_START].any()]
+    ran = stages_that_ran(stamps)
     order = [(layer, p) for layer in range(layers) for p in ran]
     flat = torch.stack([s[:, layer, p] for layer, p in order], 1)  # [grid, steps, STAMPS]
-    ghz = ((flat[:, -1, CLK_ARRIVED] - flat[:, 0, CLK_START])
-           / (flat[:, -1, GT_DONE] - flat[:, 0, GT_START])).mean().item()
+    ghz = sm_clock_ghz(stamps)
     us = flat / 1e3
     cycles_us = flat / (ghz * 1e3)
     rows: dict = {"sm_clock_ghz": round(ghz, 3)}
@@ -377,13 +390,13 @@ def stamp_timeline(stamps: torch.Tensor, attention_blocks: int) -> dict:
     their outputs written ("done": median and last), in µs from the layer's first stage start,
     averaged over all layers but the first and the last; and each stage's "handoff": from the
     last block writing the previous stage's outputs to the median block having them in (the
-    previous layer's last stage for the first). SM cycles become nanoseconds at the rate
-    stamp_profile finds. Attention counts only its first ``attention_blocks`` blocks, which
+    previous layer's last stage for the first). SM cycles become nanoseconds at
+    ``sm_clock_ghz``. Attention counts only its first ``attention_blocks`` blocks, which
     have work; the others pass straight through."""
     s = stamps.double()  # [grid, layers, STAGES, STAMPS]
     layers = s.shape[1]
-    ran = [p for p in range(STAGES) if s[:, :, p, GT_START].any()]
-    ghz = stamp_profile(stamps)["sm_clock_ghz"]
+    ran = stages_that_ran(stamps)
+    ghz = sm_clock_ghz(stamps)
 
     def ns(which: int) -> torch.Tensor:  # [grid, layers, STAGES], on the common clock
         return s[..., GT_START] + (s[..., which] - s[..., CLK_START]) / ghz
