@@ -15,7 +15,8 @@
 //              and o_proj reads q as qkv wrote it, as split_decode_chain.py's "none" does)
 //   merge      the splits merged: attn (MERGE_AS_STAGE=0: merged at the end of attention)
 //   o_proj     h[r] = h[r] + bf16(W_o[r] . attn)
-//   gate_up    act[f] = silu(g) * u, g/u = (W_gu'[f] / W_gu'[INTER + f] . h) * rsqrt(mean(h^2) + eps)
+//   gate_up    act[f] = silu(g) * u,
+//              g/u = (W_gu'[f] / W_gu'[INTER + f] . h) * rsqrt(mean(h^2) + eps)
 //   down       h[r] = h[r] + bf16(W_down[r] . act)
 // The GEMV stages are "phases" 0-3 below (qkv, o_proj, gate_up, down).
 // Block b owns rows [b*N/G, (b+1)*N/G) of each phase (features for phase 2: their gate rows
@@ -506,10 +507,11 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
     const int within = unit - slot_index * (PER_SLOT / UNIT_ROWS);
     const uint8_t* row = ring + ((seq + slot_index) % SLOTS) * SLOT_BYTES + within * K * 2;
 #pragma unroll
-    for (int r = 0; r < UNIT_ROWS; ++r)
-      sums[t * UNIT_ROWS + r] = unit >= units ? 0.f
-                                : NO_DOTS     ? x[r]
-                                              : lane_dot<K>(row + r * (PER_SLOT / 2) * K * 2, lane, x);
+    for (int r = 0; r < UNIT_ROWS; ++r) {
+      const uint8_t* weights = row + r * (PER_SLOT / 2) * K * 2;
+      sums[t * UNIT_ROWS + r] =
+          unit >= units ? 0.f : NO_DOTS ? x[r] : lane_dot<K>(weights, lane, x);
+    }
   }
   if (!NO_DOTS) warp_sum(sums);
   if (lane != 0) return;
@@ -635,8 +637,9 @@ __device__ __forceinline__ void put_partial(const AttentionArgs& a, uint64_t* ta
 __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int layer,
                                                 const __nv_bfloat16* qkv,
                                                 const TaggedArgs& tagged, uint32_t tag,
-                                                const Prefetched& f, float eps, float* scratch, uint2* shared_bits,
-                                                int* last, uint64_t* stamp, int* failed) {
+                                                const Prefetched& f, float eps, float* scratch,
+                                                uint2* shared_bits, int* last, uint64_t* stamp,
+                                                int* failed) {
   if (blockIdx.x >= KV_HEADS * SPLITS) {
     stamp_clock(stamp, CLK_INPUTS);
     return;
@@ -647,18 +650,19 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
     atomicExch(failed, 1);  // keys past the warps' registers would be left out
   // The lane's 4 values of each q head of the group, then of k, then of v.
   auto offset = [&](int i) {
-    const int head = i < GROUP ? r.head * GROUP + i : (i == GROUP ? HEADS : HEADS + KV_HEADS) + r.head;
+    const int head = i < GROUP    ? r.head * GROUP + i
+                     : i == GROUP ? HEADS + r.head
+                                  : HEADS + KV_HEADS + r.head;
     return head * HEAD_DIM + 4 * lane;
   };
   uint2 bits[GROUP + 2];
   if (TAGGED) {  // warp 0 polls, the others read what it found from shared memory
-    const uint32_t* source = tagged.qkv;
     if (warp == 0) {
       uint4 words[GROUP + 2];
 #pragma unroll
-      for (int i = 0; i < GROUP + 2; ++i) words[i] = load_relaxed(source + offset(i));
+      for (int i = 0; i < GROUP + 2; ++i) words[i] = load_relaxed(tagged.qkv + offset(i));
       poll<GROUP + 2>([&](int i) { return has_tag(words[i], tag); },
-                      [&](int i) { words[i] = load_relaxed(source + offset(i)); }, failed);
+                      [&](int i) { words[i] = load_relaxed(tagged.qkv + offset(i)); }, failed);
 #pragma unroll
       for (int i = 0; i < GROUP + 2; ++i) shared_bits[i * 32 + lane] = untag(words[i]);
     }
@@ -758,7 +762,8 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
       put_partial(a, tagged.partials, partial + 1, sum, tag);
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) put_partial(a, tagged.partials, partial + 2 + 4 * lane + e, acc[e], tag);
+    for (int e = 0; e < 4; ++e)
+      put_partial(a, tagged.partials, partial + 2 + 4 * lane + e, acc[e], tag);
   }
   if (MERGE_AS_STAGE) return;
   consumers_sync();
@@ -839,7 +844,8 @@ __device__ __forceinline__ void merge_stage(const AttentionArgs& a, const Tagged
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     layer_chain(const Weights weights, __nv_bfloat16* residual,
                 __nv_bfloat16* qkv, __nv_bfloat16* act, AttentionArgs attention,
-                TaggedArgs tagged, unsigned int* arrived, int* failed, uint64_t* stamps, int layers, float eps) {
+                TaggedArgs tagged, unsigned int* arrived, int* failed, uint64_t* stamps,
+                int layers, float eps) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ uint64_t full[SLOTS];
   __shared__ uint64_t empty[SLOTS];
@@ -971,8 +977,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t* in = !TAGGED ? nullptr
                              : p == 2 ? tagged.residual_o
                              : layer > 0 ? tagged.residual_down : nullptr;
-        load_inputs<HIDDEN>(residual, in, p == 0 ? previous_tag : tag, staged, full, seq, slots, lane, x,
-                            failed);
+        load_inputs<HIDDEN>(residual, in, p == 0 ? previous_tag : tag, staged, full, seq, slots,
+                            lane, x, failed);
         stamp_clock(stamp, CLK_INPUTS);
         const float scale = rms_scale<HIDDEN>(x, eps);
         if (p == 0)

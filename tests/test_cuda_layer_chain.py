@@ -70,7 +70,8 @@ def test_barrier_only_without_no_weights_is_refused(tmp_path):
 
 @needs_nvcc
 def test_tagged_without_the_data_a_barrier_orders_is_refused(tmp_path):
-    for defines in (("TAGGED=1", "NO_WEIGHTS=1", "BARRIER_ONLY=1"), ("TAGGED=1", "MERGE_AS_STAGE=0")):
+    for defines in (("TAGGED=1", "NO_WEIGHTS=1", "BARRIER_ONLY=1"),
+                    ("TAGGED=1", "MERGE_AS_STAGE=0")):
         built = build(tmp_path, *defines)
         assert built.returncode != 0
         assert "TAGGED needs the data a barrier would order" in built.stderr
