@@ -52,7 +52,7 @@ def _nvrtc_wheels() -> bool:
 @needs_nvcc
 @pytest.mark.skipif(not _nvrtc_wheels(), reason="no nvidia-cuda-nvrtc / -runtime wheels here")
 @pytest.mark.parametrize("defines", [{}, {"TAGGED": "0"}, {"ATTENTION": "0"}])
-def test_nvrtc_from_the_torch_cuda_wheels_builds_what_nvcc_builds(tmp_path, defines):
+def test_nvrtc_from_the_nvidia_wheels_builds_what_nvcc_builds(tmp_path, defines):
     """Run-time compilation needs no CUDA toolkit: NVRTC and the bf16 header from the
     nvidia-cuda-nvrtc / -runtime wheels give a cubin using nvcc's registers and shared memory."""
     by_nvrtc = chain.build_cubin(defines, tmp_path / "rtc.cubin", "nvrtc")
