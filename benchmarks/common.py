@@ -2,7 +2,6 @@
 profiler kernel time, the CUDA driver, JSON output."""
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import platform
@@ -53,6 +52,10 @@ SHAPES["qwen3-moe-small"] = dict(
 
 # Qwen3-30B-A3B's whole shape (48 layers, ~61 GB in bf16): random weights on the device only.
 SHAPES["qwen3-30b-a3b"] = {**SHAPES["qwen3-moe-small"], "num_hidden_layers": 48}
+
+# Qwen3-0.6B's layers, two of them: the batch-1 layer kernel against the Triton layers
+# (tests/gpu/test_layer_chain_gpu.py) without 28 layers of rounding between them.
+SHAPES["qwen3-0.6b-2layers"] = {**SHAPES["qwen3-0.6b"], "num_hidden_layers": 2}
 
 # Qwen3-0.6B's config shrunk to one small layer: for host-side benchmarks, whose model forward
 # must cost next to nothing.
@@ -150,17 +153,6 @@ def environment() -> dict[str, str]:
 
 
 @functools.cache
-def cuda_driver() -> ctypes.CDLL:
-    """The CUDA driver library, for the calls torch does not expose (ctypes)."""
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def check_cuda(status: int, call: str) -> None:
-    """Raise if a driver call returned anything but CUDA_SUCCESS."""
-    if status != 0:
-        raise RuntimeError(f"{call} failed with CUresult {status}")
-
-
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 

@@ -1,21 +1,22 @@
-"""Batch-1 decode layers of Qwen3-0.6B's shape as one persistent CUDA kernel whose weights
-stream ahead into shared memory: an experiment, not used by the engine.
+"""The engine's batch-1 decode kernel (``src/nanoserve/kernels/layer_chain.cu``: every layer of
+Qwen3-0.6B's shape in one persistent CUDA kernel whose weights stream ahead into shared
+memory) on its own, in any build of its -D switches, against a PyTorch reference.
 
-The question it answers: how much cheaper than the engine's chain of programmatically
+The question it answered first: how much cheaper than the engine's chain of programmatically
 launched Triton kernels (``split_decode_chain.py``) does a batch-1 layer get once the weights
-no longer wait on the chain? The kernel (``cuda_layer_chain.cu``) is built here with nvcc and
-launched through the CUDA driver (ctypes), so it needs nothing beyond torch and the CUDA
-toolkit. A layer is qkv, attention over a paged cache of ``--context`` keys plus the new one
-in splits (q/k norms, RoPE, the new K/V stored), the splits' merge, o_proj, gate/up and down;
-``ATTENTION=0`` leaves attention out, as ``split_decode_chain.py --variants none`` does.
-Weights, caches and RoPE's table are laid out as the engine holds them (a tensor per layer,
-gate/up as gate's rows then up's), and the kernel reads the step's position from memory, so
-one captured graph serves successive decode steps (``--steps``). Per variant it prints one
-JSON line: the check against a PyTorch reference (at each step), microseconds per
-forward of ``--layers`` layers (CUDA graph replays, weights distinct per layer so that every
-replay streams them from HBM), the bandwidth that is, and with ``--stamps`` where a layer's
-time goes (every block reads the GPU's clocks as it starts a stage, has its inputs, has its
-sums, and is done) and when each stage's inputs were in and outputs out across the grid.
+no longer wait on the chain? The kernel is built with nvcc (or ``--compiler nvrtc``) and
+launched through the CUDA driver (nanoserve.kernels.cuda_build). A layer is qkv, attention
+over a paged cache of ``--context`` keys plus the new one in splits (q/k norms, RoPE, the new
+K/V stored), the splits' merge, o_proj, gate/up and down; ``ATTENTION=0`` leaves attention
+out, as ``split_decode_chain.py --variants none`` does. Weights, caches and RoPE's table are
+laid out as the engine holds them (a tensor per layer, gate/up as gate's rows then up's), and
+the kernel reads the step's position from memory, so one captured graph serves successive
+decode steps (``--steps``). Per variant it prints one JSON line: the check against a PyTorch
+reference (at each step), microseconds per forward of ``--layers`` layers (CUDA graph
+replays, weights distinct per layer so that every replay streams them from HBM), the
+bandwidth that is, and with ``--stamps`` where a layer's time goes (every block reads the
+GPU's clocks as it starts a stage, has its inputs, has its sums, and is done) and when each
+stage's inputs were in and outputs out across the grid.
 
     python benchmarks/cuda_layer_chain.py --variants default ATTENTION=0 STREAM_ONLY=1
 """
@@ -23,47 +24,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
-from common import check_cuda, cuda_driver, emit, environment, replay_ms
+from common import emit, environment, replay_ms
 
-SOURCE = Path(__file__).with_suffix(".cu")
-HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
-HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA, BLOCK_SIZE = 16, 8, 128, 1e6, 16
-KEYS_PER_WARP = 4  # the kernel's default: keys a consumer warp holds in registers
+from nanoserve.kernels.cuda_build import CudaKernel, build_cubin
+from nanoserve.kernels.layer_chain import (HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE as INTER,
+                                           KEYS_PER_WARP, KV_HEADS, QKV, SOURCE, AttentionArgs,
+                                           TaggedArgs, Weights, tagged_buffers)
+
+Q = HEADS * HEAD_DIM
+ROPE_THETA, BLOCK_SIZE = 1e6, 16
 # A layer's stages (enum Stage in the .cu file), whose stamps the kernel keeps.
 STAGE_NAMES = ("qkv", "attention", "merge", "o_proj", "gate_up", "down")
 STAGES = len(STAGE_NAMES)
 # The kernel's stamps per block, layer and stage (enum Stamp in the .cu file).
 GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(7)
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-
-
-class Weights(ctypes.Structure):
-    """The kernel's ``Weights``: per matrix, a device array of each layer's pointer."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")]
-
-
-class AttentionArgs(ctypes.Structure):
-    """The kernel's ``AttentionArgs``, passed by value (``context`` is the kernel's to fill)."""
-
-    _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p),
-                ("block_table", ctypes.c_void_p), ("position", ctypes.c_void_p),
-                ("context", ctypes.c_int), ("block_size", ctypes.c_int),
-                ("cos_sin", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("partials", ctypes.c_void_p),
-                ("head_done", ctypes.c_void_p), ("out", ctypes.c_void_p)]
-
-
-class TaggedArgs(ctypes.Structure):
-    """The kernel's ``TaggedArgs`` (``TAGGED=1``'s exchange buffers), passed by value."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("qkv", "partials", "attn", "residual_o", "act", "residual_down", "epoch")]
 
 
 def untag(words: torch.Tensor) -> torch.Tensor:
@@ -72,9 +49,9 @@ def untag(words: torch.Tensor) -> torch.Tensor:
 
 
 class Variant:
-    """One build of the kernel: its -D settings, the cubin and the driver's handle to it."""
+    """One build of the kernel: its -D settings, and the loaded kernel."""
 
-    def __init__(self, spec: str, build_dir: Path, compiler: str = "nvcc"):
+    def __init__(self, spec: str, compiler: str = "nvcc"):
         self.spec = spec
         self.defines = dict(item.split("=") for item in spec.split(",")) if spec != "default" \
             else {}
@@ -83,88 +60,13 @@ class Variant:
         self.keys_per_warp = int(self.defines.get("KEYS_PER_WARP", KEYS_PER_WARP))
         self.attention = self.defines.get("ATTENTION", "1") != "0"
         self.tagged = self.defines.get("TAGGED", "1") != "0"
-        self.shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
+        shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
             self.defines.get("SLOT_BYTES", 16384))
-        cubin = build_dir / f"{spec.replace('=', '_').replace(',', '-')}.cubin"
-        self.resources = build_cubin(self.defines, cubin, compiler)
-        self.function = _load(cubin, "layer_chain", self.shared_bytes)
+        cubin, self.resources = build_cubin(SOURCE, self.defines, compiler=compiler)
+        self.kernel = CudaKernel(cubin, "layer_chain", 32 * (self.warps + 1), shared_bytes)
 
     def launch(self, args: list, grid: int) -> None:
-        values = [ctypes.c_void_p(a) if isinstance(a, int) else a for a in args]
-        pointers = (ctypes.c_void_p * len(values))(
-            *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        check_cuda(cuda_driver().cuLaunchKernel(self.function, grid, 1, 1, 32 * (self.warps + 1),
-                                                1, 1, self.shared_bytes, stream, pointers, None),
-                   "cuLaunchKernel")
-
-
-def build_cubin(defines: dict[str, str], cubin: Path, compiler: str) -> list[str]:
-    """Compile the kernel for sm_90 into ``cubin`` with nvcc (the CUDA toolkit) or NVRTC (the
-    ``nvidia-cuda-nvrtc`` and ``nvidia-cuda-runtime`` wheels, which pip's CUDA builds of torch
-    pull in; no toolkit); returns ptxas's resource lines."""
-    flags = [f"-D{k}={v}" for k, v in defines.items()]
-    if compiler == "nvcc":
-        built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-lineinfo",
-                                "--resource-usage", *flags, "-o", str(cubin), str(SOURCE)],
-                               capture_output=True, text=True, check=True)
-        log = built.stderr
-    else:
-        binary, log = nvrtc_cubin(SOURCE.read_text(), [
-            "--gpu-architecture=sm_90", "--std=c++17", "-lineinfo", "--ptxas-options=-v",
-            f"-I{nvidia_wheel_file('*/include/cuda_bf16.h').parent}", *flags])
-        cubin.write_bytes(binary)
-    return [line.strip() for line in log.splitlines() if "Used" in line]
-
-
-def nvidia_wheel_file(pattern: str) -> Path:
-    """The first file matching ``pattern`` under the ``nvidia`` wheels' package folders."""
-    import nvidia  # a namespace package: one folder per installed NVIDIA wheel
-
-    for base in nvidia.__path__:
-        found = sorted(Path(base).glob(pattern))
-        if found:
-            return found[0]
-    raise FileNotFoundError(f"no NVIDIA wheel holds {pattern}")
-
-
-def nvrtc_cubin(source: str, options: list[str]) -> tuple[bytes, str]:
-    """``source`` compiled by NVRTC: the cubin and the compiler's log."""
-    nvrtc = ctypes.CDLL(str(nvidia_wheel_file("*/lib/libnvrtc.so*")))
-    program = ctypes.c_void_p()
-
-    def check(status: int, call: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{call} failed with nvrtcResult {status}")
-
-    check(nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), SOURCE.name.encode(),
-                                   0, None, None), "nvrtcCreateProgram")
-    encoded = [o.encode() for o in options]
-    status = nvrtc.nvrtcCompileProgram(program, len(encoded),
-                                       (ctypes.c_char_p * len(encoded))(*encoded))
-    size = ctypes.c_size_t()
-    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetProgramLog(program, log)
-    if status != 0:
-        raise RuntimeError(f"NVRTC could not compile {SOURCE.name}:\n{log.value.decode()}")
-    check(nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
-    binary = ctypes.create_string_buffer(size.value)
-    check(nvrtc.nvrtcGetCUBIN(program, binary), "nvrtcGetCUBIN")
-    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
-    return binary.raw, log.value.decode()
-
-
-def _load(cubin: Path, name: str, shared_bytes: int) -> ctypes.c_void_p:
-    torch.cuda.init()
-    torch.zeros(1, device="cuda")  # makes the primary context current on this thread
-    cu, module, function = cuda_driver(), ctypes.c_void_p(), ctypes.c_void_p()
-    check_cuda(cu.cuModuleLoad(ctypes.byref(module), str(cubin).encode()), "cuModuleLoad")
-    check_cuda(cu.cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
-               "cuModuleGetFunction")
-    check_cuda(cu.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                     shared_bytes), "cuFuncSetAttribute")
-    return function
+        self.kernel.launch(grid, args)
 
 
 class Stack:
@@ -205,7 +107,7 @@ class Stack:
         angles = positions[:, None] * ROPE_THETA ** (
             -torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
         self.cos_sin = torch.cat([angles.cos(), angles.sin()], -1)  # as RotaryEmbedding's
-        self.position = torch.full((1,), context, dtype=torch.int32, device=device)
+        self.position = torch.full((1,), context, dtype=torch.int64, device=device)
         self.h0 = randn(HIDDEN).to(torch.bfloat16)
         self.residual = torch.empty_like(self.h0)
         self.qkv = torch.empty(QKV, dtype=torch.bfloat16, device=device)
@@ -213,11 +115,7 @@ class Stack:
         self.attn = torch.empty(HEADS * HEAD_DIM, dtype=torch.bfloat16, device=device)
         self.head_done = torch.zeros(KV_HEADS, dtype=torch.int32, device=device)
         self.partials: dict[int, torch.Tensor] = {}  # per split count
-        words = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
-        # TAGGED=1's buffers, in 32-bit words (partials: 64-bit, for up to 32 splits).
-        self.tagged = {"qkv": words(QKV), "partials": words(2 * HEADS * 32 * (HEAD_DIM + 2)),
-                       "attn": words(Q), "residual_o": words(HIDDEN), "act": words(INTER),
-                       "residual_down": words(HIDDEN), "epoch": words(1)}
+        self.tagged = tagged_buffers(device)  # TAGGED=1's
         self.arrived = torch.zeros(1, dtype=torch.int32, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -449,62 +347,61 @@ def main() -> None:
     first_input = stack.h0.clone()
     references = {attention: stack.reference(args.eps, attention) for attention in (True, False)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    with tempfile.TemporaryDirectory() as build:
-        for spec in args.variants:
-            variant = Variant(spec, Path(build), args.compiler)
-            for grid in (g or sms for g in args.grid):
-                record = {"bench": "cuda_layer_chain", "variant": spec, "grid": grid,
-                          "layers": args.layers, "context": args.context,
-                          "resources": variant.resources, **env}
-                if grid > sms:
-                    record["skipped"] = f"{grid} blocks cannot all be resident on {sms} SMs"
-                    emit(record)
-                    continue
-                split_keys = variant.keys_per_warp * variant.warps
-                keys = args.context + args.steps
-                if variant.attention and keys > split_keys * variant.splits:
-                    record["skipped"] = f"{keys} keys do not fit {variant.splits} " \
-                                        f"splits of {split_keys}"
-                    emit(record)
-                    continue
-                stack.position.fill_(args.context)
-                stack.h0.copy_(first_input)
-                stack.failed.zero_()
-                stack.run(variant, grid, args.eps)
-                torch.cuda.synchronize()
-                record["failed"] = bool(stack.failed.item())
-                got = stack.got(variant)
-                for name, want in references[variant.attention].items():
-                    record[f"error_{name}"] = relative_error(got[name], want)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    stack.run(variant, grid, args.eps)
-                ms = replay_ms(graph, args.replays)
-                record["forward_us"] = round(ms * 1e3, 2)
-                record["us_per_layer"] = round(ms * 1e3 / args.layers, 3)
-                record["weight_tbps"] = round(stack.weight_bytes() / ms / 1e9, 3)
-                if args.stamps:
-                    stamps = torch.zeros(grid, args.layers, STAGES, STAMPS, dtype=torch.int64,
-                                         device="cuda")
-                    stack.run(variant, grid, args.eps, stamps)
-                    torch.cuda.synchronize()
-                    record["per_layer_us"] = stamp_profile(stamps)
-                    record["timeline_us"] = stamp_timeline(stamps, KV_HEADS * variant.splits)
-                    if args.save_stamps is not None:
-                        args.save_stamps.mkdir(parents=True, exist_ok=True)
-                        torch.save(stamps.cpu(), args.save_stamps / f"{spec}-{grid}.pt")
-                later = []
-                for step in range(1, args.steps):
-                    stack.step(step)
-                    graph.replay()
-                    want = stack.reference(args.eps, variant.attention)
-                    got = stack.got(variant)
-                    later.append({"position": stack.current, **{
-                        f"error_{name}": relative_error(got[name], w) for name, w in want.items()}})
-                if later:
-                    record["later_steps"] = later
-                record["failed"] = record["failed"] or bool(stack.failed.item())
+    for spec in args.variants:
+        variant = Variant(spec, args.compiler)
+        for grid in (g or sms for g in args.grid):
+            record = {"bench": "cuda_layer_chain", "variant": spec, "grid": grid,
+                      "layers": args.layers, "context": args.context,
+                      "resources": variant.resources, **env}
+            if grid > sms:
+                record["skipped"] = f"{grid} blocks cannot all be resident on {sms} SMs"
                 emit(record)
+                continue
+            split_keys = variant.keys_per_warp * variant.warps
+            keys = args.context + args.steps
+            if variant.attention and keys > split_keys * variant.splits:
+                record["skipped"] = f"{keys} keys do not fit {variant.splits} " \
+                                    f"splits of {split_keys}"
+                emit(record)
+                continue
+            stack.position.fill_(args.context)
+            stack.h0.copy_(first_input)
+            stack.failed.zero_()
+            stack.run(variant, grid, args.eps)
+            torch.cuda.synchronize()
+            record["failed"] = bool(stack.failed.item())
+            got = stack.got(variant)
+            for name, want in references[variant.attention].items():
+                record[f"error_{name}"] = relative_error(got[name], want)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                stack.run(variant, grid, args.eps)
+            ms = replay_ms(graph, args.replays)
+            record["forward_us"] = round(ms * 1e3, 2)
+            record["us_per_layer"] = round(ms * 1e3 / args.layers, 3)
+            record["weight_tbps"] = round(stack.weight_bytes() / ms / 1e9, 3)
+            if args.stamps:
+                stamps = torch.zeros(grid, args.layers, STAGES, STAMPS, dtype=torch.int64,
+                                     device="cuda")
+                stack.run(variant, grid, args.eps, stamps)
+                torch.cuda.synchronize()
+                record["per_layer_us"] = stamp_profile(stamps)
+                record["timeline_us"] = stamp_timeline(stamps, KV_HEADS * variant.splits)
+                if args.save_stamps is not None:
+                    args.save_stamps.mkdir(parents=True, exist_ok=True)
+                    torch.save(stamps.cpu(), args.save_stamps / f"{spec}-{grid}.pt")
+            later = []
+            for step in range(1, args.steps):
+                stack.step(step)
+                graph.replay()
+                want = stack.reference(args.eps, variant.attention)
+                got = stack.got(variant)
+                later.append({"position": stack.current, **{
+                    f"error_{name}": relative_error(got[name], w) for name, w in want.items()}})
+            if later:
+                record["later_steps"] = later
+            record["failed"] = record["failed"] or bool(stack.failed.item())
+            emit(record)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import ctypes
 from collections.abc import Callable
 
 import torch
-from common import check_cuda, cuda_driver
+
+from nanoserve.kernels.cuda_build import check_cuda, cuda_driver
 
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC and CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC

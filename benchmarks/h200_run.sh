@@ -10,7 +10,7 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
-#   [taggedchain]
+#   [taggedchain] [layerchain]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -339,6 +339,18 @@ for step in "$@"; do
       done
       python3 benchmarks/split_decode_chain.py --batch 1 --contexts 385 --replays 300 \
         --variants default none 2>&1 | grep '^{' | tee -a "$OUT/tagged_chain.log" ;;
+    layerchain)  # the batch-1 layer kernel in the engine: its GPU tests, the 0.6B one-at-a-time
+      # parity, the kernel alone once (one layer over three steps), then latency with and without
+      python3 -m pytest tests/gpu/test_layer_chain_gpu.py -q -s -p no:cacheprovider 2>&1 \
+        | grep -E "context|identical|passed|failed|FAILED|Error|assert" | tee "$OUT/layer_chain_tests.log"
+      python3 benchmarks/cuda_layer_chain.py --layers 1 --steps 3 --replays 50 2>&1 | grep '^{' \
+        | tee -a "$OUT/layer_chain_alone.jsonl"
+      for pass in 1 2; do
+        for flag in "" --no-persistent-decode; do
+          python3 benchmarks/latency.py --shape qwen3-0.6b $flag 2>&1 | grep '^{' \
+            | tee -a "$OUT/layer_chain_latency.jsonl"
+        done
+      done ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 \
         | grep -E "identical|passed|failed|FAILED|Error" | tee "$OUT/epilogue_gpu_tests.log"

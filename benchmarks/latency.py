@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--variant", default="default",
                         help="a split-decode variant (split_decode_chain.py's syntax), e.g. "
                              "caps=0,num_stages=3 or none")
+    parser.add_argument("--no-persistent-decode", action="store_true",
+                        help="batch-1 steps on the Triton kernels, not layer_chain.cu")
     parser.add_argument("--host-timing", action="store_true",
                         help="then as many generations again, each with its steps' host time, "
                              "wait for the device and device time (throughput.py's)")
@@ -133,7 +135,10 @@ def main() -> None:
                   tensor_parallel_size=args.tensor_parallel_size,
                   # Passed only when set, so that older builds (A/B runs) take the script.
                   **({"kv_cache_dtype": args.kv_cache_dtype}
-                     if args.kv_cache_dtype != "auto" else {}))
+                     if args.kv_cache_dtype != "auto" else {}),
+                  **({"persistent_decode": False} if args.no_persistent_decode else {}))
+        chain = getattr(llm.engine.executor, "model", None) and getattr(
+            llm.engine.executor.model.model, "layer_chain", None)
         time_generate(llm, prompt, 8, 1)  # warm-up
         collections: list[dict] = []
         fulls = time_generate(llm, prompt, args.new_tokens, args.repeats, collections)
@@ -161,7 +166,8 @@ def main() -> None:
           "fraction_of_floor": round(floor_ms / per_token_ms, 3),
           "bandwidth_gbs": round(bandwidth, 1), "cuda_graphs": not args.enforce_eager,
           "tensor_parallel_size": args.tensor_parallel_size,
-          "kv_cache_dtype": args.kv_cache_dtype,
+          "kv_cache_dtype": args.kv_cache_dtype, "layer_chain": chain is not None,
+          "layer_chain_failed": chain is not None and chain.has_failed(),
           **environment()})
 
 

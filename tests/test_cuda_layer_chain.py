@@ -1,17 +1,20 @@
-"""The persistent CUDA layer-chain experiment (benchmarks/cuda_layer_chain.*) off the device:
-the kernel builds for sm_90 without spilling in every variant the device runs, a variant that
-would deadlock is refused at build time, the profiles read the kernel's stamps as documented,
-tagged words decode, and the PyTorch reference the device check trusts agrees with naive
-loops. The kernel itself runs only on the H200 (docs/kernels.md)."""
+"""The engine's persistent CUDA layer kernel (src/nanoserve/kernels/layer_chain.cu) and its
+benchmark driver (benchmarks/cuda_layer_chain.py) off the device: the kernel builds for sm_90
+without spilling in every variant the device runs, a variant that would deadlock is refused at
+build time, the profiles read the kernel's stamps as documented, tagged words decode, and the
+PyTorch reference the device check trusts agrees with naive loops. The kernel itself runs
+only on the H200 (tests/gpu/test_layer_chain_gpu.py, docs/kernels.md)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from nanoserve.kernels.cuda_build import CudaBuildError, build_cubin
+from nanoserve.kernels.layer_chain import SOURCE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import cuda_layer_chain as chain  # noqa: E402
@@ -19,10 +22,9 @@ import cuda_layer_chain as chain  # noqa: E402
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler here")
 
 
-def build(tmp_path: Path, *defines: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--resource-usage",
-                           *(f"-D{d}" for d in defines), "-o", str(tmp_path / "k.cubin"),
-                           str(chain.SOURCE)], capture_output=True, text=True)
+def build(*defines: str) -> list[str]:
+    """ptxas's resource lines for the kernel built with ``defines`` (NAME=VALUE) by nvcc."""
+    return build_cubin(SOURCE, dict(d.split("=") for d in defines), compiler="nvcc")[1]
 
 
 @needs_nvcc
@@ -32,19 +34,19 @@ def build(tmp_path: Path, *defines: str) -> subprocess.CompletedProcess:
                                      ("INFLIGHT=0",), ("ATTENTION=0",), ("TAGGED=0", "ATTENTION=0"),
                                      ("SPLITS=8",), ("INFLIGHT=2",),
                                      ("TAGGED=0", "MERGE_AS_STAGE=0"), ("POLL_NS=0",)])
-def test_kernel_builds_for_sm90_without_spills(tmp_path, defines):
-    built = build(tmp_path, *defines)
-    assert built.returncode == 0, built.stderr
-    usage = [line for line in built.stderr.splitlines() if "spill" in line]
-    assert usage and all("0 bytes spill stores, 0 bytes spill loads" in line for line in usage), \
-        built.stderr
+def test_kernel_builds_for_sm90_without_spills(defines):
+    resources = build(*defines)
+    spills = [line for line in resources if "spill" in line]
+    assert spills and all("0 bytes spill stores, 0 bytes spill loads" in line
+                          for line in spills), resources
 
 
 def _nvrtc_wheels() -> bool:
+    from nanoserve.kernels.cuda_build import nvidia_wheel_file
     try:
-        chain.nvidia_wheel_file("*/lib/libnvrtc.so*")
-        chain.nvidia_wheel_file("*/include/cuda_bf16.h")
-    except (ImportError, FileNotFoundError):
+        nvidia_wheel_file("*/lib/libnvrtc.so*")
+        nvidia_wheel_file("*/include/cuda_bf16.h")
+    except FileNotFoundError:
         return False
     return True
 
@@ -52,29 +54,35 @@ def _nvrtc_wheels() -> bool:
 @needs_nvcc
 @pytest.mark.skipif(not _nvrtc_wheels(), reason="no nvidia-cuda-nvrtc / -runtime wheels here")
 @pytest.mark.parametrize("defines", [{}, {"TAGGED": "0"}, {"ATTENTION": "0"}])
-def test_nvrtc_from_the_nvidia_wheels_builds_what_nvcc_builds(tmp_path, defines):
+def test_nvrtc_from_the_nvidia_wheels_builds_what_nvcc_builds(defines):
     """Run-time compilation needs no CUDA toolkit: NVRTC and the bf16 header from the
     nvidia-cuda-nvrtc / -runtime wheels give a cubin using nvcc's registers and shared memory."""
-    by_nvrtc = chain.build_cubin(defines, tmp_path / "rtc.cubin", "nvrtc")
-    by_nvcc = chain.build_cubin(defines, tmp_path / "cc.cubin", "nvcc")
-    assert (tmp_path / "rtc.cubin").read_bytes()[:4] == b"\x7fELF"
-    assert by_nvrtc and by_nvrtc == by_nvcc
+    cubin, by_nvrtc = build_cubin(SOURCE, defines, compiler="nvrtc")
+    by_nvcc = build_cubin(SOURCE, defines, compiler="nvcc")[1]
+    assert cubin[:4] == b"\x7fELF"
+    used = [[line for line in lines if "Used" in line] for lines in (by_nvrtc, by_nvcc)]
+    assert used[0] and used[0] == used[1]
 
 
 @needs_nvcc
-def test_barrier_only_without_no_weights_is_refused(tmp_path):
-    built = build(tmp_path, "TAGGED=0", "BARRIER_ONLY=1")
-    assert built.returncode != 0
-    assert "BARRIER_ONLY needs NO_WEIGHTS=1" in built.stderr
+def test_barrier_only_without_no_weights_is_refused():
+    with pytest.raises(CudaBuildError, match="BARRIER_ONLY needs NO_WEIGHTS=1"):
+        build("TAGGED=0", "BARRIER_ONLY=1")
 
 
 @needs_nvcc
-def test_tagged_without_the_data_a_barrier_orders_is_refused(tmp_path):
+def test_tagged_without_the_data_a_barrier_orders_is_refused():
     for defines in (("TAGGED=1", "NO_WEIGHTS=1", "BARRIER_ONLY=1"),
                     ("TAGGED=1", "MERGE_AS_STAGE=0")):
-        built = build(tmp_path, *defines)
-        assert built.returncode != 0
-        assert "TAGGED needs the data a barrier would order" in built.stderr
+        with pytest.raises(CudaBuildError, match="TAGGED needs the data a barrier would order"):
+            build(*defines)
+
+
+def test_without_any_compiler_the_build_says_so(monkeypatch):
+    import nanoserve.kernels.cuda_build as cuda_build
+    monkeypatch.setattr(cuda_build, "available_compiler", lambda: None)
+    with pytest.raises(CudaBuildError, match="no CUDA compiler"):
+        cuda_build.build_cubin(SOURCE, {})
 
 
 def test_untag_reads_the_value_half_of_each_word():

@@ -3,7 +3,8 @@
 Llama: no biases. Qwen2: q/k/v biases. Qwen3: RMSNorm on each head of q and k before RoPE.
 Qwen3-MoE: Qwen3 with a mixture of experts in place of the MLP in some or all layers.
 Everything device- or parallelism-specific comes in through the layer classes and the
-attention metadata, never through branches here.
+attention metadata, never through branches here; the one exception is a whole-stack kernel
+(``layer_chain``) that the runner may attach in place of the layer loop for batch-1 decode.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from nanoserve.attention.backend import AttentionBackend, SplitPartials
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
+from nanoserve.kernels.layer_chain import LayerChain, runs_step
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear, ShardId)
@@ -111,6 +113,9 @@ class DecoderModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sum_squares: torch.Tensor | None = None  # see track_sum_squares
+        # All layers of a batch-1 decode step as one kernel, where the runner attached one
+        # (nanoserve.kernels.layer_chain): it replaces the loop below for the steps it runs.
+        self.layer_chain: LayerChain | None = None
 
     def track_sum_squares(self) -> None:
         """Give each o_proj and down_proj float32 slots where its skinny GEMV sums the squares
@@ -125,6 +130,10 @@ class DecoderModel(nn.Module):
             producer.sum_squares = self.sum_squares[i]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.layer_chain is not None:
+            meta = get_attention_metadata()
+            if runs_step(ids, meta):
+                return self.norm(self.layer_chain(self.embed_tokens(ids), positions, meta))
         if self.sum_squares is not None:
             self.sum_squares.zero_()
         x, residual = self.embed_tokens(ids), None

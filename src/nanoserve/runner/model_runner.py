@@ -61,6 +61,10 @@ class ModelRunner:
             self.model.load_weights(iter_weights(path, self.dtype))
         if self.device.type == "cuda":  # the batch-1 GEMVs then apply the pre-norms themselves
             self.model.fold_norm_weights()
+            if config.persistent_decode:
+                from nanoserve.kernels.layer_chain import attach_layer_chain
+                attach_layer_chain(self.model, model_config, self.dtype, self.kv_cache_dtype,
+                                   self.device, get_tp_group().size)
         self.model.eval()
         self.sampler = Sampler()
         tp = get_tp_group()

@@ -1,5 +1,7 @@
-// Batch-1 decode layers of Qwen3-0.6B's shape as one persistent CUDA kernel (an experiment,
-// driven by cuda_layer_chain.py; the engine does not use it).
+// Batch-1 decode layers of Qwen3-0.6B's shape as one persistent CUDA kernel: the engine's
+// batch-1 decode path on sm_90 (layer_chain.py; EngineConfig.persistent_decode). The -D
+// switches below are benchmarks/cuda_layer_chain.py's experiments; the engine builds the
+// defaults.
 //
 // The Triton persistent kernel (persistent_layers.py) tied the engine's chain of launches
 // because each program could hold only one tile of the next phase's weights, in registers.
@@ -29,11 +31,12 @@
 // engine's forward (runs 227-230, 384 cached keys).
 
 #include <cuda_bf16.h>
-#ifdef __CUDACC_RTC__  // NVRTC (cuda_layer_chain.py --compiler nvrtc) has no C library headers
+#ifdef __CUDACC_RTC__  // NVRTC (cuda_build.py) has no C library headers
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
+typedef long long int64_t;
 #define INFINITY __int_as_float(0x7f800000)
 #else
 #include <stdint.h>
@@ -155,7 +158,7 @@ struct AttentionArgs {
   __nv_bfloat16* const* k_caches;  // per layer: [cache blocks, block_size, KV_HEADS, HEAD_DIM]
   __nv_bfloat16* const* v_caches;
   const int* block_table;   // the sequence's cache blocks
-  const int* position;      // the new token's position: the cached keys before it
+  const int64_t* position;  // the new token's position: the cached keys before it
   int context;              // *position, read by the kernel as it starts
   int block_size;
   const float* cos_sin;     // [positions, HEAD_DIM]: cos, then sin, of each position's angles
