@@ -1,8 +1,7 @@
 """Shared benchmark helpers: model folders of real shapes, device bandwidth, CUDA-graph timing,
-profiler kernel time, the CUDA driver, JSON output."""
+profiler kernel time, JSON output."""
 from __future__ import annotations
 
-import functools
 import json
 import platform
 import shutil
@@ -152,7 +151,6 @@ def environment() -> dict[str, str]:
             "date": time.strftime("%Y-%m-%d")}
 
 
-@functools.cache
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
