@@ -80,15 +80,6 @@ def test_tagged_without_the_data_a_barrier_orders_is_refused():
             build(*defines)
 
 
-@needs_nvcc
-@pytest.mark.parametrize("head_inflight", ["0", "6"])
-def test_lm_head_copies_in_flight_past_the_parity_waits_reach_are_refused(head_inflight):
-    """13 slots, 8 warps: more than 5 LM head copies in flight would let a warp's parity wait
-    pass on a slot's previous use."""
-    with pytest.raises(CudaBuildError, match="LM_HEAD needs 1 <= HEAD_INFLIGHT"):
-        build("LM_HEAD=1", f"HEAD_INFLIGHT={head_inflight}")
-
-
 def test_without_any_compiler_the_build_says_so(monkeypatch):
     import nanoserve.kernels.cuda_build as cuda_build
     monkeypatch.setattr(cuda_build, "available_compiler", lambda: None)

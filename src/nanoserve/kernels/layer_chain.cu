@@ -128,20 +128,12 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 #define LM_HEAD 0
 #endif
 // Bulk copies of the LM head a block keeps in flight: it is the one phase that streams at the
-// memory's pace rather than the handoffs', so it needs several. At most SLOTS - CONSUMER_WARPS:
-// each warp takes every CONSUMER_WARPS-th slot and waits for it by parity once its previous
-// one landed, and a parity wait on a slot whose previous use (SLOTS before) has not landed
-// yet would pass at once, on that use's phase. Metered to SLOTS - CONSUMER_WARPS copies, the
-// copy SLOTS before has landed whenever the one CONSUMER_WARPS before has. (Unmetered, the
-// first launch failed its waits; 1 and 4 ran 300 steps.)
+// memory's pace rather than the handoffs', so it needs many (0: as many as the ring holds).
 #ifndef HEAD_INFLIGHT
-#define HEAD_INFLIGHT (SLOTS - CONSUMER_WARPS)
+#define HEAD_INFLIGHT 0
 #endif
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
-#endif
-#if LM_HEAD && (HEAD_INFLIGHT < 1 || HEAD_INFLIGHT > SLOTS - CONSUMER_WARPS)
-#error "LM_HEAD needs 1 <= HEAD_INFLIGHT <= SLOTS - CONSUMER_WARPS (see HEAD_INFLIGHT)"
 #endif
 #if TAGGED && (BARRIER_ONLY || !MERGE_AS_STAGE)
 #error "TAGGED needs the data a barrier would order: no BARRIER_ONLY, the merge as a stage"
@@ -987,7 +979,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       for (int first = ph.first_row; first < ph.end_row; first += per_slot, ++seq) {
         const int slot = seq % SLOTS;
         if (seq >= SLOTS) mbarrier_wait(&empty[slot], (seq / SLOTS - 1) & 1, failed);
-        if (seq >= HEAD_INFLIGHT) {
+        if (HEAD_INFLIGHT > 0 && seq >= HEAD_INFLIGHT) {
           const uint32_t landed = seq - HEAD_INFLIGHT;
           mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
         }
