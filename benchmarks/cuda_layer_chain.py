@@ -32,7 +32,7 @@ from common import emit, environment, replay_ms
 from nanoserve.kernels.cuda_build import CudaKernel, build_cubin
 from nanoserve.kernels.layer_chain import (HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE as INTER,
                                            KEYS_PER_WARP, KV_HEADS, QKV, SOURCE, AttentionArgs,
-                                           Head, TaggedArgs, Weights, tagged_buffers)
+                                           TaggedArgs, Weights, tagged_buffers)
 
 Q = HEADS * HEAD_DIM
 ROPE_THETA, BLOCK_SIZE = 1e6, 16
@@ -155,7 +155,7 @@ class Stack:
         tagged = TaggedArgs(*(t.data_ptr() for t in self.tagged.values()))
         weights = Weights(*(p.data_ptr() for p in self.weight_pointers))
         return [weights, self.residual.data_ptr(), self.qkv.data_ptr(),
-                self.act.data_ptr(), attention, tagged, Head(), self.arrived.data_ptr(),
+                self.act.data_ptr(), attention, tagged, self.arrived.data_ptr(),
                 self.failed.data_ptr(),
                 0 if stamps is None else stamps.data_ptr(), ctypes.c_int(self.layers),
                 ctypes.c_float(eps)]

@@ -121,17 +121,6 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 #ifndef POLL_NS
 #define POLL_NS 256
 #endif
-// LM_HEAD=1 (the engine's build) goes on after the last layer: the final RMSNorm and the LM
-// head's GEMV over the vocabulary, whose weights the stream starts on while the last layer
-// still computes, written as bf16 logits. LM_HEAD=0 stops at the residual.
-#ifndef LM_HEAD
-#define LM_HEAD 0
-#endif
-// Bulk copies of the LM head a block keeps in flight: it is the one phase that streams at the
-// memory's pace rather than the handoffs', so it needs many (0: as many as the ring holds).
-#ifndef HEAD_INFLIGHT
-#define HEAD_INFLIGHT 0
-#endif
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
 #endif
@@ -189,15 +178,6 @@ struct TaggedArgs {
   uint32_t* act;           // [INTER]
   uint32_t* residual_down; // [HIDDEN], down's
   unsigned int* epoch;     // launches so far: tags differ from the previous launch's
-};
-
-// LM_HEAD's operands: the final norm and the LM head, and where their results go.
-struct Head {
-  const __nv_bfloat16* weight;  // [vocab, HIDDEN] (the embedding's, where tied)
-  const float* norm;            // [HIDDEN], the final RMSNorm's weight
-  __nv_bfloat16* normed;        // [HIDDEN]: the final hidden state (block 0 writes it)
-  __nv_bfloat16* logits;        // [vocab]
-  int vocab;
 };
 
 // A stage's output: plain bf16 (the barrier build; TAGGED, where not null, the final
@@ -862,67 +842,13 @@ __device__ __forceinline__ void merge_stage(const AttentionArgs& a, const Tagged
   if (mine && split == 0) put(Out{TAGGED ? nullptr : a.out, tagged.attn, tag}, output, out / sum);
 }
 
-// The block's rows of the LM head.
-__device__ __forceinline__ Phase head_slice(int vocab) {
-  const int b = blockIdx.x, g = gridDim.x;
-  return {(int)((long long)b * vocab / g), (int)((long long)(b + 1) * vocab / g), HIDDEN};
-}
-
-// The final RMSNorm of the last layer's residual and the block's rows of the LM head. Warp w
-// takes the block's slots w, w + CONSUMER_WARPS, ... and hands each back as soon as it has
-// summed its rows, so the stream never waits on the whole block (a slice is ~140 slots).
-__device__ __forceinline__ void head_stage(const Head& head, const __nv_bfloat16* residual,
-                                           const uint32_t* tagged, uint32_t tag, uint4* staged,
-                                           uint64_t* full, uint64_t* empty, const uint8_t* ring,
-                                           uint32_t seq, float eps, int* failed) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float x[HIDDEN / 32];
-  load_inputs<HIDDEN>(residual, tagged, tag, staged, full, seq, 0, lane, x, failed);
-  const float scale = rms_scale<HIDDEN>(x, eps);
-  // As the norm rounds its output to bf16 before the LM head reads it.
-#pragma unroll
-  for (int j = 0; j < HIDDEN / 256; ++j) {
-    const int base = (j * 32 + lane) * 8;
-    const float4 w0 = reinterpret_cast<const float4*>(head.norm + base)[0];
-    const float4 w1 = reinterpret_cast<const float4*>(head.norm + base)[1];
-    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const __nv_bfloat16 b = __float2bfloat16(x[j * 8 + e] * scale * w[e]);
-      x[j * 8 + e] = __bfloat162float(b);
-      if (blockIdx.x == 0 && warp == 0) head.normed[base + e] = b;
-    }
-  }
-  const Phase ph = head_slice(head.vocab);
-  constexpr int PER_SLOT = SLOT_BYTES / (HIDDEN * 2);
-  const int slots = ceil_div(ph.end_row - ph.first_row, PER_SLOT);
-  for (int i = warp; i < slots; i += CONSUMER_WARPS) {
-    const uint32_t s = seq + i;
-    mbarrier_wait(&full[s % SLOTS], (s / SLOTS) & 1, failed);
-    const uint8_t* rows = ring + (s % SLOTS) * SLOT_BYTES;
-    const int first = ph.first_row + i * PER_SLOT, n = min(PER_SLOT, ph.end_row - first);
-    float sums[PER_SLOT];
-#pragma unroll
-    for (int r = 0; r < PER_SLOT; ++r)
-      sums[r] = r < n ? lane_dot<HIDDEN>(rows + r * HIDDEN * 2, lane, x) : 0.f;
-    warp_sum(sums);
-    __syncwarp();  // every lane's reads of the slot are done before it is handed back
-    if (lane == 0) {
-      mbarrier_arrive(&empty[s % SLOTS]);
-#pragma unroll
-      for (int r = 0; r < PER_SLOT; ++r)
-        if (r < n) head.logits[first + r] = __float2bfloat16(sums[r]);
-    }
-  }
-}
-
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     layer_chain(const Weights weights, __nv_bfloat16* residual,
                 __nv_bfloat16* qkv, __nv_bfloat16* act, AttentionArgs attention,
-                TaggedArgs tagged, Head head, unsigned int* arrived, int* failed,
-                uint64_t* stamps, int layers, float eps) {
+                TaggedArgs tagged, unsigned int* arrived, int* failed, uint64_t* stamps,
+                int layers, float eps) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ uint64_t full[SLOTS];
   __shared__ uint64_t empty[SLOTS];
@@ -971,22 +897,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             bulk_copy(to, weight + (size_t)first * ph.k, rows * ph.k * 2, &full[slot]);
           }
         }
-      }
-    }
-    if (LM_HEAD) {
-      const Phase ph = head_slice(head.vocab);
-      const int per_slot = rows_per_slot(HIDDEN);
-      for (int first = ph.first_row; first < ph.end_row; first += per_slot, ++seq) {
-        const int slot = seq % SLOTS;
-        if (seq >= SLOTS) mbarrier_wait(&empty[slot], (seq / SLOTS - 1) & 1, failed);
-        if (HEAD_INFLIGHT > 0 && seq >= HEAD_INFLIGHT) {
-          const uint32_t landed = seq - HEAD_INFLIGHT;
-          mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
-        }
-        const uint32_t bytes = min(per_slot, ph.end_row - first) * HIDDEN * 2;
-        mbarrier_expect_bytes(&full[slot], bytes);
-        bulk_copy(ring + slot * SLOT_BYTES, head.weight + (size_t)first * HIDDEN, bytes,
-                  &full[slot]);
       }
     }
     return;
@@ -1103,12 +1013,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       stamp_clock(stamp, CLK_ARRIVED);
       if (stamp != nullptr && threadIdx.x == 0) stamp[GT_DONE] = now_ns();
     }
-  }
-  if (LM_HEAD && !STREAM_ONLY && !BARRIER_ONLY) {
-    if (!TAGGED) grid_wait(arrived, ++barriers * gridDim.x, failed);
-    const uint32_t last_tag = (epoch * layers + layers - 1) % 65535u + 1u;
-    head_stage(head, residual, TAGGED ? tagged.residual_down : nullptr, last_tag, staged, full,
-               empty, ring, seq, eps, failed);
   }
   // Every block read the epoch before its first output, which block 0's last stage waited on.
   if (TAGGED && blockIdx.x == 0 && threadIdx.x == 0) *tagged.epoch = epoch + 1;
