@@ -48,6 +48,32 @@ def test_a_cpu_device_is_refused():
     assert device_unsupported_reason(torch.device("cpu")) == "not a CUDA device"
 
 
+@pytest.mark.parametrize("capability, sms, mps, compiler, reason", [
+    ((9, 0), 132, None, "nvcc", None),  # an H100 / H200
+    ((9, 0), 132, "100", "nvrtc", None),
+    ((8, 0), 108, None, "nvcc", "sm_90"),  # an A100
+    ((10, 0), 148, None, "nvcc", "sm_90"),  # a B200: no tuned build
+    ((9, 0), 114, None, "nvcc", "at least 128 SMs"),  # an H100 PCIe
+    ((9, 0), 132, "50", "nvcc", "MPS"),
+    ((9, 0), 132, None, None, "no CUDA compiler"),
+])
+def test_the_device_needs_sm90_every_sm_and_a_compiler(monkeypatch, capability, sms, mps,
+                                                        compiler, reason):
+    import types
+
+    import nanoserve.kernels.layer_chain as layer_chain
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=sms))
+    monkeypatch.setattr(layer_chain, "available_compiler", lambda: compiler)
+    if mps is None:
+        monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", mps)
+    got = device_unsupported_reason(torch.device("cuda"))
+    assert got is None if reason is None else reason in got
+
+
 def _meta(num_seqs: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
     empty = torch.zeros(num_seqs, dtype=torch.int32)
     return AttentionMetadata(torch.zeros(num_seqs + 1, dtype=torch.int32), empty,
@@ -76,3 +102,48 @@ def test_persistent_decode_is_on_by_default_and_must_be_a_bool():
     assert EngineConfig(persistent_decode=False).persistent_decode is False
     with pytest.raises(ValueError, match="persistent_decode must be a bool"):
         EngineConfig(persistent_decode="no")
+
+
+class TorchLayerChain:
+    """The kernel's contract in PyTorch: the residual stream after every layer, from the
+    embedded token; it records the steps it is handed."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.steps = model, []
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        self.steps.append((hidden.shape[0], int(positions[0]), meta.max_seq_len))
+        x, residual = hidden, None
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual)
+        return x + residual
+
+
+def _greedy(llm, prompts: list[list[int]]) -> list[list[int]]:
+    from nanoserve import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_an_attached_chain_takes_exactly_the_single_sequence_decode_steps(tiny_qwen3):
+    """The model hands one-token steps of one sequence to the attached chain, and its output
+    through the final norm gives the tokens the layer loop gives (fp32, CPU)."""
+    from nanoserve import LLM
+
+    llm = LLM(str(tiny_qwen3), device="cpu", dtype="float32", max_num_seqs=2)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    want = _greedy(llm, prompts) + [_greedy(llm, [p])[0] for p in prompts]
+    model = llm.engine.executor.model.model
+    chain = TorchLayerChain(model)
+    model.layer_chain = chain
+    try:
+        together = _greedy(llm, prompts)
+        assert chain.steps == []  # two sequences: every step has two rows
+        one_at_a_time = [_greedy(llm, [p])[0] for p in prompts]
+    finally:
+        model.layer_chain = None
+    assert together + one_at_a_time == want
+    # Each sequence's 5 decode steps (its prefill samples the first of 6 tokens).
+    assert chain.steps == [(1, p, p + 1) for p in range(3, 8)] + [(1, p, p + 1)
+                                                                   for p in range(5, 10)]

@@ -116,21 +116,26 @@ def nvrtc_cubin(source: Path, options: list[str]) -> tuple[bytes, str]:
 
 
 class CudaKernel:
-    """A kernel of a loaded cubin, launched on torch's current stream (and so capturable)."""
+    """A kernel of a loaded cubin, launched on torch's current stream (and so capturable).
 
-    def __init__(self, cubin: bytes, name: str, threads: int, shared_bytes: int):
-        torch.cuda.init()
-        torch.zeros(1, device="cuda")  # makes torch's primary context current on this thread
-        cu = cuda_driver()
-        self._module, self.function = ctypes.c_void_p(), ctypes.c_void_p()
-        self._image = ctypes.create_string_buffer(cubin, len(cubin))
-        check_cuda(cu.cuModuleLoadData(ctypes.byref(self._module), self._image),
-                   "cuModuleLoadData")
-        check_cuda(cu.cuModuleGetFunction(ctypes.byref(self.function), self._module,
-                                          name.encode()), "cuModuleGetFunction")
-        check_cuda(cu.cuFuncSetAttribute(self.function,
-                                         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         shared_bytes), "cuFuncSetAttribute")
+    The module lives in ``device``'s primary context (torch's), which loads and launches make
+    current, so an engine on another GPU than the current one launches on its own."""
+
+    def __init__(self, cubin: bytes, name: str, threads: int, shared_bytes: int,
+                 device: torch.device | str = "cuda"):
+        self.device = torch.device(device)
+        with torch.cuda.device(self.device):
+            torch.zeros(1, device=self.device)  # makes the primary context current here
+            cu = cuda_driver()
+            self._module, self.function = ctypes.c_void_p(), ctypes.c_void_p()
+            self._image = ctypes.create_string_buffer(cubin, len(cubin))
+            check_cuda(cu.cuModuleLoadData(ctypes.byref(self._module), self._image),
+                       "cuModuleLoadData")
+            check_cuda(cu.cuModuleGetFunction(ctypes.byref(self.function), self._module,
+                                              name.encode()), "cuModuleGetFunction")
+            check_cuda(cu.cuFuncSetAttribute(self.function,
+                                             CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             shared_bytes), "cuFuncSetAttribute")
         self.threads, self.shared_bytes = threads, shared_bytes
 
     def blocks_per_sm(self) -> int:
@@ -146,7 +151,8 @@ class CudaKernel:
         values = [ctypes.c_void_p(a) if isinstance(a, int) else a for a in args]
         pointers = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        check_cuda(cuda_driver().cuLaunchKernel(self.function, grid, 1, 1, self.threads, 1, 1,
-                                                self.shared_bytes, stream, pointers, None),
-                   "cuLaunchKernel")
+        with torch.cuda.device(self.device):
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            check_cuda(cuda_driver().cuLaunchKernel(self.function, grid, 1, 1, self.threads,
+                                                    1, 1, self.shared_bytes, stream, pointers,
+                                                    None), "cuLaunchKernel")

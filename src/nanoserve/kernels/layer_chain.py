@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -101,6 +102,8 @@ def device_unsupported_reason(device: torch.device) -> str | None:
         return "the kernel's bulk copies are written for sm_90 (H100/H200)"
     if torch.cuda.get_device_properties(device).multi_processor_count < MIN_GRID:
         return f"the kernel needs at least {MIN_GRID} SMs"
+    if float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", 100)) < 100:
+        return "MPS gives this process part of the SMs; the kernel needs a block on each at once"
     if available_compiler() is None:
         return "no CUDA compiler (nvcc, or the nvidia-cuda-nvrtc wheel)"
     return None
@@ -126,7 +129,7 @@ class LayerChain:
         device = model.embed_tokens.weight.device
         cubin, self.resources = build_cubin(SOURCE, {})
         self.kernel = CudaKernel(cubin, "layer_chain", 32 * (CONSUMER_WARPS + 1),
-                                 SLOTS * SLOT_BYTES)
+                                 SLOTS * SLOT_BYTES, device)
         if self.kernel.blocks_per_sm() < 1:
             raise RuntimeError(f"layer_chain does not fit an SM: {self.resources}")
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
