@@ -147,6 +147,8 @@ class LayerChain:
         self.k_norm = torch.stack([a.k_norm.weight.float() for a in self.attention_layers])
         self.cos_sin = self.attention_layers[0].rotary.cos_sin
         self.tagged = tagged_buffers(device)
+        # The plain buffers and counters of the kernel's barrier build (TAGGED=0), which its
+        # signature takes in every build; the tagged build leaves them be.
         self.plain = {name: torch.empty(n, dtype=torch.bfloat16, device=device)
                       for name, n in (("qkv", QKV), ("act", INTERMEDIATE),
                                       ("attn", HEADS * HEAD_DIM))}
@@ -155,6 +157,7 @@ class LayerChain:
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.cache_pointers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cache_addresses: list[int] = []
+        self.block_size = 0  # the caches', once bound
 
     def _bind_caches(self) -> None:
         """Point the kernel at the layers' current K/V caches (the runner re-allocates them
