@@ -90,6 +90,9 @@ def build_cubin(source: Path, defines: dict[str, str], arch: str = "sm_90",
 
 def nvrtc_cubin(source: Path, options: list[str]) -> tuple[bytes, str]:
     """``source`` compiled by NVRTC: the cubin and the compiler's log."""
+    # NVRTC opens its builtins library by name when it compiles; the wheel's folder is not on
+    # the loader's path, so load it first (the loader then finds it by its soname).
+    ctypes.CDLL(str(nvidia_wheel_file("*/lib/libnvrtc-builtins.so*")), mode=ctypes.RTLD_GLOBAL)
     nvrtc = ctypes.CDLL(str(nvidia_wheel_file("*/lib/libnvrtc.so*")))
     program = ctypes.c_void_p()
 
