@@ -147,3 +147,34 @@ def test_an_attached_chain_takes_exactly_the_single_sequence_decode_steps(tiny_q
     # Each sequence's 5 decode steps (its prefill samples the first of 6 tokens).
     assert chain.steps == [(1, p, p + 1) for p in range(3, 8)] + [(1, p, p + 1)
                                                                    for p in range(5, 10)]
+
+
+@pytest.mark.parametrize("error", ["build", "driver", None])
+def test_a_kernel_that_does_not_build_or_load_leaves_the_triton_path(monkeypatch, caplog,
+                                                                     error):
+    import logging
+    import types
+
+    import nanoserve.kernels.layer_chain as layer_chain
+    from nanoserve.kernels.cuda_build import CudaBuildError, CudaDriverError
+
+    class Chain:
+        resources = ["Used 168 registers"]
+
+        def __init__(self, model, eps):
+            if error == "build":
+                raise CudaBuildError("nvcc could not compile layer_chain.cu")
+            if error == "driver":
+                raise CudaDriverError("cuModuleLoadData failed with CUresult 209")
+
+    monkeypatch.setattr(layer_chain, "device_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(layer_chain, "LayerChain", Chain)
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layer_chain=None))
+    with caplog.at_level(logging.INFO, logger=layer_chain.__name__):
+        layer_chain.attach_layer_chain(model, QWEN3_0_6B, BF16, BF16, torch.device("cuda"), 1)
+    if error is None:
+        assert isinstance(model.model.layer_chain, Chain)
+        assert "run layer_chain.cu" in caplog.text
+    else:
+        assert model.model.layer_chain is None
+        assert "keeps the Triton kernels" in caplog.text and "did not build or load" in caplog.text

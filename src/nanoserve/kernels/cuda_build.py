@@ -26,6 +26,10 @@ class CudaBuildError(RuntimeError):
     """No compiler could build the kernel (no toolkit and no NVRTC wheel, or a compile error)."""
 
 
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed (loading, configuring or launching a kernel)."""
+
+
 @cache
 def cuda_driver() -> ctypes.CDLL:
     """The CUDA driver library, for the calls torch does not expose."""
@@ -35,7 +39,7 @@ def cuda_driver() -> ctypes.CDLL:
 def check_cuda(status: int, call: str) -> None:
     """Raise if a driver call returned anything but CUDA_SUCCESS."""
     if status != 0:
-        raise RuntimeError(f"{call} failed with CUresult {status}")
+        raise CudaDriverError(f"{call} failed with CUresult {status}")
 
 
 def nvidia_wheel_file(pattern: str) -> Path:

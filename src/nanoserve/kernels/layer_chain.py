@@ -25,7 +25,8 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.config import ModelConfig
-from nanoserve.kernels.cuda_build import CudaKernel, available_compiler, build_cubin
+from nanoserve.kernels.cuda_build import (CudaBuildError, CudaDriverError, CudaKernel,
+                                          available_compiler, build_cubin)
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class LayerChain:
         self.kernel = CudaKernel(cubin, "layer_chain", 32 * (CONSUMER_WARPS + 1),
                                  SLOTS * SLOT_BYTES, device)
         if self.kernel.blocks_per_sm() < 1:
-            raise RuntimeError(f"layer_chain does not fit an SM: {self.resources}")
+            raise CudaDriverError(f"layer_chain does not fit an SM: {self.resources}")
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
         self.eps, self.num_layers, self.device = eps, len(layers), device
 
@@ -201,12 +202,20 @@ class LayerChain:
 def attach_layer_chain(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                        kv_cache_dtype: torch.dtype, device: torch.device, tp_size: int) -> None:
     """Give ``model`` (a DecoderForCausalLM) a LayerChain for its batch-1 decode steps where
-    the kernel supports the model and device; otherwise log why and leave it on Triton."""
+    the kernel supports the model and device; otherwise log why and leave it on Triton. A
+    kernel that does not build or load (an old compiler, a driver that refuses it) is a
+    warning, not a failed start: the Triton path runs every step anyway."""
     reason = (model_unsupported_reason(cfg, dtype, kv_cache_dtype, tp_size)
               or device_unsupported_reason(device))
     if reason is not None:
         logger.info("batch-1 decode keeps the Triton kernels: %s", reason)
         return
-    model.model.layer_chain = LayerChain(model.model, cfg.rms_norm_eps)
+    try:
+        chain = LayerChain(model.model, cfg.rms_norm_eps)
+    except (CudaBuildError, CudaDriverError) as e:
+        logger.warning("batch-1 decode keeps the Triton kernels: layer_chain.cu did not "
+                       "build or load: %s", e)
+        return
+    model.model.layer_chain = chain
     logger.info("batch-1 decode steps of up to %d keys run layer_chain.cu (%s)", MAX_KEYS,
-                "; ".join(model.model.layer_chain.resources))
+                "; ".join(chain.resources))
