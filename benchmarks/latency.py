@@ -1,5 +1,9 @@
 """Batch-1 decode latency (ms per output token) against the weight-read floor. One JSON line.
 
+``ms_per_token`` is (t(N tokens) - t(1 token)) / (N - 1), best of the repeats;
+``ms_per_token_second_half`` is (t(N) - t(N / 2)) / (N / 2), which does not carry the first
+token's swing between processes (added after runs 233-238; not yet run).
+
 ``--skinny N:K:BLOCK_N:BLOCK_K[:defer][:wWARPS]`` (repeatable) replaces the batch-1 projection
 tiles for an (N, K) shape, to check a sweep's winners inside the model's chain of kernels;
 ``--variant SPEC`` runs a split-decode variant of ``split_decode_chain.py`` (``none``: attention
@@ -143,6 +147,7 @@ def main() -> None:
         collections: list[dict] = []
         fulls = time_generate(llm, prompt, args.new_tokens, args.repeats, collections)
         firsts = time_generate(llm, prompt, 1, args.repeats)
+        halves = time_generate(llm, prompt, args.new_tokens // 2, args.repeats)
         timed = [timed_generate(llm, prompt, args.new_tokens) for _ in range(args.repeats)] \
             if args.host_timing else None
         graphs = graph_ms(llm, args.prompt_len + args.new_tokens - 1)
@@ -151,10 +156,15 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbs()
     full, first = min(fulls), min(firsts)
     per_token_ms = (full - first) / (args.new_tokens - 1) * 1e3
+    # The first token's time swings between processes (9-23 ms on the H200, runs 233-238),
+    # and the figure above subtracts it; the second half of the tokens less the first
+    # subtracts a generation that includes it too.
+    late_ms = (full - min(halves)) / (args.new_tokens - args.new_tokens // 2) * 1e3
     # Each tensor-parallel GPU reads its share of the weights at the same time.
     floor_ms = weight_bytes(shape) / (bandwidth * 1e9 * args.tensor_parallel_size) * 1e3
     emit({"bench": "latency", "shape": args.shape, "prompt_len": args.prompt_len,
           "new_tokens": args.new_tokens, "ms_per_token": round(per_token_ms, 3),
+          "ms_per_token_second_half": round(late_ms, 3),
           "ttft_ms": round(first * 1e3, 2), "floor_ms_per_token": round(floor_ms, 3),
           "each_run_ms_per_token": [round((t - first) / (args.new_tokens - 1) * 1e3, 3)
                                     for t in fulls],
