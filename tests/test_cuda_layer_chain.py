@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve.kernels.cuda_build import CudaBuildError, build_cubin
+from nanoserve.kernels.cuda_build import CudaBuildError, build_cubin, nvrtc_available
 from nanoserve.kernels.layer_chain import SOURCE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -41,18 +41,8 @@ def test_kernel_builds_for_sm90_without_spills(defines):
                           for line in spills), resources
 
 
-def _nvrtc_wheels() -> bool:
-    from nanoserve.kernels.cuda_build import nvidia_wheel_file
-    try:
-        nvidia_wheel_file("*/lib/libnvrtc.so*")
-        nvidia_wheel_file("*/include/cuda_bf16.h")
-    except FileNotFoundError:
-        return False
-    return True
-
-
 @needs_nvcc
-@pytest.mark.skipif(not _nvrtc_wheels(), reason="no nvidia-cuda-nvrtc / -runtime wheels here")
+@pytest.mark.skipif(not nvrtc_available(), reason="no nvidia-cuda-nvrtc / -runtime wheels here")
 @pytest.mark.parametrize("defines", [{}, {"TAGGED": "0"}, {"ATTENTION": "0"}])
 def test_nvrtc_from_the_nvidia_wheels_builds_what_nvcc_builds(defines):
     """Run-time compilation needs no CUDA toolkit: NVRTC and the bf16 header from the

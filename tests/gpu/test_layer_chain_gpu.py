@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_gpu_parity import assert_greedy_close_to_transformers, random_model_dir  # noqa: E402
 
+from cuda_layer_chain import relative_error  # noqa: E402  (benchmarks/, on the path from there)
+
 
 @pytest.fixture(scope="module")
 def two_layer_llm(tmp_path_factory):
@@ -30,10 +32,6 @@ def two_layer_llm(tmp_path_factory):
               max_num_seqs=1, gpu_memory_utilization=0.3, enforce_eager=True)
     yield llm
     llm.close()
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 @pytest.mark.parametrize("context", [0, 1, 15, 16, 17, 100, 383, 511])

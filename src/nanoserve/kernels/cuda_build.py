@@ -55,16 +55,21 @@ def nvidia_wheel_file(pattern: str) -> Path:
     raise FileNotFoundError(f"no NVIDIA wheel holds {pattern}")
 
 
-def available_compiler() -> str | None:
-    """"nvcc", "nvrtc" or None: what ``build_cubin`` would use here."""
-    if shutil.which("nvcc") is not None:
-        return "nvcc"
+def nvrtc_available() -> bool:
+    """Whether the NVRTC library and the bf16 header are installed as NVIDIA wheels."""
     try:
         nvidia_wheel_file("*/lib/libnvrtc.so*")
         nvidia_wheel_file("*/include/cuda_bf16.h")
     except FileNotFoundError:
-        return None
-    return "nvrtc"
+        return False
+    return True
+
+
+def available_compiler() -> str | None:
+    """"nvcc", "nvrtc" or None: what ``build_cubin`` would use here."""
+    if shutil.which("nvcc") is not None:
+        return "nvcc"
+    return "nvrtc" if nvrtc_available() else None
 
 
 def build_cubin(source: Path, defines: dict[str, str], arch: str = "sm_90",
