@@ -32,7 +32,7 @@ from common import emit, environment, replay_ms
 from nanoserve.kernels.cuda_build import CudaKernel, build_cubin
 from nanoserve.kernels.layer_chain import (HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE as INTER,
                                            KEYS_PER_WARP, KV_HEADS, QKV, SOURCE, AttentionArgs,
-                                           TaggedArgs, Weights, tagged_buffers)
+                                           TaggedArgs, Vocab, Weights, tagged_buffers)
 
 Q = HEADS * HEAD_DIM
 ROPE_THETA, BLOCK_SIZE = 1e6, 16
@@ -60,6 +60,7 @@ class Variant:
         self.keys_per_warp = int(self.defines.get("KEYS_PER_WARP", KEYS_PER_WARP))
         self.attention = self.defines.get("ATTENTION", "1") != "0"
         self.tagged = self.defines.get("TAGGED", "1") != "0"
+        self.vocab = self.defines.get("VOCAB", "0") != "0"
         shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
             self.defines.get("SLOT_BYTES", 16384))
         cubin, self.resources = build_cubin(SOURCE, self.defines, compiler=compiler)
@@ -75,7 +76,7 @@ class Stack:
     gate's rows then up's), room for ``steps`` decode steps, and the step's vectors."""
 
     def __init__(self, layers: int, context: int, steps: int = 1, seed: int = 0,
-                 device: str = "cuda"):
+                 vocab: int = 151936, device: str = "cuda"):
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def randn(*shape: int) -> torch.Tensor:
@@ -108,8 +109,15 @@ class Stack:
             -torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
         self.cos_sin = torch.cat([angles.cos(), angles.sin()], -1)  # as RotaryEmbedding's
         self.position = torch.full((1,), context, dtype=torch.int64, device=device)
-        self.h0 = randn(HIDDEN).to(torch.bfloat16)
+        # A tied embedding and LM head, the final norm; the step's token and its row (VOCAB=0
+        # builds start from the row, as the engine's embedding would hand it over).
+        self.table = randn(vocab, HIDDEN).to(torch.bfloat16)
+        self.final_norm = 1 + 0.1 * randn(HIDDEN)
+        self.token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.h0 = self.table[0].clone()
         self.residual = torch.empty_like(self.h0)
+        self.normed = torch.empty_like(self.h0)
+        self.logits = torch.empty(vocab, dtype=torch.bfloat16, device=device)
         self.qkv = torch.empty(QKV, dtype=torch.bfloat16, device=device)
         self.act = torch.empty(INTER, dtype=torch.bfloat16, device=device)
         self.attn = torch.empty(HEADS * HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -122,14 +130,17 @@ class Stack:
     def step(self, step: int) -> None:
         """Move to decode step ``step``: the next position, a fresh input row."""
         self.position.fill_(self.context + step)
-        self.h0.copy_(self.randn(HIDDEN).to(torch.bfloat16))
+        self.token.fill_(int(self.randn(1).abs().mul(1e4).long()) % self.table.shape[0])
+        self.h0.copy_(self.table[self.token[0]])
 
     @property
     def current(self) -> int:
         return int(self.position.item())
 
-    def weight_bytes(self) -> int:
-        return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down))
+    def weight_bytes(self, head: bool = False) -> int:
+        """Bytes of the layers' weights, and with ``head`` the LM head's."""
+        layers = sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down))
+        return layers + (self.table.numel() * 2 if head else 0)
 
     def slot(self, position: int) -> tuple[int, int]:
         return int(self.block_table[position // BLOCK_SIZE]), position % BLOCK_SIZE
@@ -154,18 +165,29 @@ class Stack:
                                   self.head_done.data_ptr(), self.attn.data_ptr())
         tagged = TaggedArgs(*(t.data_ptr() for t in self.tagged.values()))
         weights = Weights(*(p.data_ptr() for p in self.weight_pointers))
+        vocab = Vocab(self.token.data_ptr(), self.table.data_ptr(), self.table.data_ptr(),
+                      self.final_norm.data_ptr(), self.normed.data_ptr(),
+                      self.logits.data_ptr(), self.table.shape[0])
         return [weights, self.residual.data_ptr(), self.qkv.data_ptr(),
-                self.act.data_ptr(), attention, tagged, self.arrived.data_ptr(),
+                self.act.data_ptr(), attention, tagged, vocab, self.arrived.data_ptr(),
                 self.failed.data_ptr(),
                 0 if stamps is None else stamps.data_ptr(), ctypes.c_int(self.layers),
                 ctypes.c_float(eps)]
 
     def run(self, variant: Variant, grid: int, eps: float,
-            stamps: torch.Tensor | None = None) -> None:
-        self.residual.copy_(self.h0)
+            stamps: torch.Tensor | None = None, head: bool = False) -> None:
+        """One launch; with ``head`` a build without VOCAB is followed by the engine's final
+        norm and LM head in PyTorch (cuBLAS), so that it does the work VOCAB=1 does."""
+        if not variant.vocab:
+            self.residual.copy_(self.h0)
         self.arrived.zero_()
         self.head_done.zero_()
         variant.launch(self.args(variant, stamps, eps), grid)
+        if head and not variant.vocab:
+            normed = torch.nn.functional.rms_norm(self.residual.float(), (HIDDEN,),
+                                                  self.final_norm, eps).to(torch.bfloat16)
+            self.normed.copy_(normed)
+            torch.matmul(self.table, normed, out=self.logits)
 
     def attention(self, qkv: torch.Tensor, layer: int, eps: float) -> tuple[torch.Tensor, ...]:
         """Attention of the new token (float32, rounded where the kernel rounds): the output,
@@ -210,7 +232,10 @@ class Stack:
             gate, up = gate_up.chunk(2)
             act = (gate * torch.sigmoid(gate) * up).to(bf)
             h = (h.float() + (self.w_down[layer].float() @ act.float()).to(bf).float()).to(bf)
-        want = {"residual": h, "qkv": qkv, "act": act}
+        x = h.float()
+        normed = (x * torch.rsqrt(x.square().mean() + eps) * self.final_norm).to(bf)
+        want = {"residual": h, "qkv": qkv, "act": act, "normed": normed,
+                "logits": (self.table.float() @ normed.float()).to(bf)}
         if attention:
             want["attn"] = attn
             want["new_keys"], want["new_values"] = torch.stack(new_keys), torch.stack(new_values)
@@ -220,6 +245,7 @@ class Stack:
         """The kernel's outputs under the reference's names."""
         block, i = self.slot(self.current)
         got = {"residual": self.residual, "qkv": self.qkv, "act": self.act, "attn": self.attn,
+               "normed": self.normed, "logits": self.logits,
                "new_keys": torch.stack([c[block, i] for c in self.k_caches]),
                "new_values": torch.stack([c[block, i] for c in self.v_caches])}
         if variant.tagged:
@@ -340,11 +366,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1,
                         help="decode steps checked, the later ones by replaying the timed graph "
                              "at the next positions (the kernel reads the position from memory)")
+    parser.add_argument("--head", action="store_true",
+                        help="time and check the final norm and LM head too: VOCAB=1 builds run "
+                             "them inside, the others follow with PyTorch's (cuBLAS)")
     args = parser.parse_args()
 
     env = environment()
     stack = Stack(args.layers, args.context, args.steps)
-    first_input = stack.h0.clone()
+    first_input = stack.h0.clone()  # the row of token 0
     references = {attention: stack.reference(args.eps, attention) for attention in (True, False)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for spec in args.variants:
@@ -366,20 +395,24 @@ def main() -> None:
                 continue
             stack.position.fill_(args.context)
             stack.h0.copy_(first_input)
+            stack.token.zero_()
             stack.failed.zero_()
-            stack.run(variant, grid, args.eps)
+            head = args.head or variant.vocab
+            record["head"] = head
+            stack.run(variant, grid, args.eps, head=head)
             torch.cuda.synchronize()
             record["failed"] = bool(stack.failed.item())
             got = stack.got(variant)
             for name, want in references[variant.attention].items():
-                record[f"error_{name}"] = relative_error(got[name], want)
+                if head or name not in ("normed", "logits"):
+                    record[f"error_{name}"] = relative_error(got[name], want)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                stack.run(variant, grid, args.eps)
+                stack.run(variant, grid, args.eps, head=head)
             ms = replay_ms(graph, args.replays)
             record["forward_us"] = round(ms * 1e3, 2)
             record["us_per_layer"] = round(ms * 1e3 / args.layers, 3)
-            record["weight_tbps"] = round(stack.weight_bytes() / ms / 1e9, 3)
+            record["weight_tbps"] = round(stack.weight_bytes(head) / ms / 1e9, 3)
             if args.stamps:
                 stamps = torch.zeros(grid, args.layers, STAGES, STAMPS, dtype=torch.int64,
                                      device="cuda")
@@ -397,7 +430,8 @@ def main() -> None:
                 want = stack.reference(args.eps, variant.attention)
                 got = stack.got(variant)
                 later.append({"position": stack.current, **{
-                    f"error_{name}": relative_error(got[name], w) for name, w in want.items()}})
+                    f"error_{name}": relative_error(got[name], w) for name, w in want.items()
+                    if head or name not in ("normed", "logits")}})
             if later:
                 record["later_steps"] = later
             record["failed"] = record["failed"] or bool(stack.failed.item())

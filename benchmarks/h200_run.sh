@@ -10,7 +10,7 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
-#   [taggedchain] [layerchain]
+#   [taggedchain] [layerchain] [vocabchain]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -349,6 +349,21 @@ for step in "$@"; do
         for flag in "" --no-persistent-decode; do
           python3 benchmarks/latency.py --shape qwen3-0.6b $flag 2>&1 | grep '^{' \
             | tee -a "$OUT/layer_chain_latency.jsonl"
+        done
+      done ;;
+    vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
+      # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
+      # head after it; then the engine's latency with and without (run 239 also timed LM head
+      # rows kept in L2 by an evict-last policy, HEAD_L2_ROWS, since removed: no gain)
+      timeout 300 python3 -m pytest tests/gpu/test_layer_chain_gpu.py -q -s -p no:cacheprovider 2>&1 \
+        | grep -E "context|identical|passed|failed|FAILED|Error|assert" | tee "$OUT/vocab_chain_tests.log"
+      timeout 150 python3 benchmarks/cuda_layer_chain.py --head --steps 3 --variants default VOCAB=1 \
+        default VOCAB=1 \
+        2>&1 | grep -E '^\{|Error' | tee -a "$OUT/vocab_chain_alone.jsonl"
+      for pass in 1 2; do
+        for flag in "" --no-persistent-decode; do
+          timeout 90 python3 benchmarks/latency.py --shape qwen3-0.6b $flag 2>&1 | grep -E '^\{|Error' \
+            | tee -a "$OUT/vocab_chain_latency.jsonl"
         done
       done ;;
     epiloguecheck)  # the 8-row rule's tree: all GPU tests, then two throughput pairs against BASE

@@ -33,7 +33,9 @@ def build(*defines: str) -> list[str]:
                                      ("TAGGED=0", "NO_WEIGHTS=1", "BARRIER_ONLY=1"),
                                      ("INFLIGHT=0",), ("ATTENTION=0",), ("TAGGED=0", "ATTENTION=0"),
                                      ("SPLITS=8",), ("INFLIGHT=2",),
-                                     ("TAGGED=0", "MERGE_AS_STAGE=0"), ("POLL_NS=0",)])
+                                     ("TAGGED=0", "MERGE_AS_STAGE=0"), ("POLL_NS=0",),
+                                     ("VOCAB=1",), ("VOCAB=1", "TAGGED=0"),
+                                     ("VOCAB=1", "HEAD_INFLIGHT=4")])
 def test_kernel_builds_for_sm90_without_spills(defines):
     resources = build(*defines)
     spills = [line for line in resources if "spill" in line]

@@ -105,19 +105,26 @@ def test_persistent_decode_is_on_by_default_and_must_be_a_bool():
 
 
 class TorchLayerChain:
-    """The kernel's contract in PyTorch: the residual stream after every layer, from the
-    embedded token; it records the steps it is handed."""
+    """The kernel's contract in PyTorch: from the token id, the final hidden state after the
+    last norm, with its logits scored alongside; it records the steps it is handed."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.steps = model, []
+    def __init__(self, causal_lm: torch.nn.Module):
+        self.causal_lm, self.steps = causal_lm, []
+        self.normed = self.logits = None
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        self.steps.append((hidden.shape[0], int(positions[0]), meta.max_seq_len))
-        x, residual = hidden, None
-        for layer in self.model.layers:
+        model = self.causal_lm.model
+        self.steps.append((ids.shape[0], int(positions[0]), meta.max_seq_len))
+        x, residual = model.embed_tokens(ids), None
+        for layer in model.layers:
             x, residual = layer(positions, x, residual)
-        return x + residual
+        self.normed, _ = model.norm(x, residual)
+        self.logits = self.causal_lm.lm_head(self.normed)
+        return self.normed
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.logits if hidden is self.normed else None
 
 
 def _greedy(llm, prompts: list[list[int]]) -> list[list[int]]:
@@ -134,8 +141,9 @@ def test_an_attached_chain_takes_exactly_the_single_sequence_decode_steps(tiny_q
     llm = LLM(str(tiny_qwen3), device="cpu", dtype="float32", max_num_seqs=2)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     want = _greedy(llm, prompts) + [_greedy(llm, [p])[0] for p in prompts]
-    model = llm.engine.executor.model.model
-    chain = TorchLayerChain(model)
+    causal_lm = llm.engine.executor.model
+    model = causal_lm.model
+    chain = TorchLayerChain(causal_lm)
     model.layer_chain = chain
     try:
         together = _greedy(llm, prompts)

@@ -1,8 +1,8 @@
 """On an sm_90 GPU: the batch-1 layer kernel (nanoserve.kernels.layer_chain) in the engine.
 
-One decode step through the kernel against the same step through the Triton layers, at
-contexts from none to the kernel's last key, over shuffled cache blocks: the hidden states and
-the K/V it stores. Then whole generations of one sequence at a time against transformers
+One decode step through the kernel against the same step through the Triton layers and the
+LM head, at contexts from none to the kernel's last key, over shuffled cache blocks: the final
+hidden state, the logits and the K/V it stores. Then whole generations of one sequence at a time against transformers
 (vLLM's logprobs-close rule), through the decode graphs and eagerly, with prompts short enough
 for the kernel and long enough to cross into the Triton graphs. Skipped elsewhere.
 """
@@ -62,20 +62,22 @@ def test_a_decode_step_matches_the_triton_layers(two_layer_llm, context):
             try:
                 with attention_metadata(meta):
                     hidden = runner.model(ids, positions)
+                    logits = runner.model.compute_logits(hidden)
             finally:
                 model.layer_chain = chain
-            outputs[name] = (hidden.float(), torch.stack([a.k_cache[slot] for a in layers]),
+            outputs[name] = (hidden.float(), logits.float(),
+                             torch.stack([a.k_cache[slot] for a in layers]),
                              torch.stack([a.v_cache[slot] for a in layers]))
     torch.cuda.synchronize()
     assert not chain.has_failed()
-    (hidden, keys, values), (want_hidden, want_keys, want_values) = \
-        outputs["chain"], outputs["triton"]
-    errors = [relative_error(hidden, want_hidden), relative_error(keys, want_keys),
-              relative_error(values, want_values)]
-    print(f"context {context}: hidden, new keys, new values off by {errors}")
+    errors = [relative_error(got, want) for got, want in zip(outputs["chain"], outputs["triton"])]
+    print(f"context {context}: hidden, logits, new keys, new values off by {errors}")
     # Both round to bf16 at the same points; two layers of differently ordered sums stay
     # within a few bf16 ulps (2^-8 relative).
-    assert errors[0] < 1.5e-2 and errors[1] < 1.5e-2 and errors[2] < 1.5e-2, errors
+    assert max(errors) < 1.5e-2, errors
+    logits, want_logits = outputs["chain"][1], outputs["triton"][1]
+    assert logits.shape == want_logits.shape == (1, runner.model_config.vocab_size)
+    assert int(logits.argmax()) in want_logits[0].topk(5).indices.tolist()
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

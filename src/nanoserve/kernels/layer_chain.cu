@@ -122,6 +122,19 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 #ifndef POLL_NS
 #define POLL_NS 256
 #endif
+// VOCAB=1 (the engine's build) runs the whole step between the token and its logits: the
+// kernel reads the token's embedding row itself, and after the last layer it goes on to the
+// final RMSNorm and the LM head's GEMV over the vocabulary, whose weights the stream starts
+// on while the last layer still computes, written as bf16 logits. VOCAB=0 runs the layers
+// from a residual row in memory to the residual after the last layer.
+#ifndef VOCAB
+#define VOCAB 0
+#endif
+// Bulk copies of the LM head a block keeps in flight: it is the one phase that streams at the
+// memory's pace rather than the handoffs', so it needs many (0: as many as the ring holds).
+#ifndef HEAD_INFLIGHT
+#define HEAD_INFLIGHT 0
+#endif
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
 #endif
@@ -179,6 +192,18 @@ struct TaggedArgs {
   uint32_t* act;           // [INTER]
   uint32_t* residual_down; // [HIDDEN], down's
   unsigned int* epoch;     // launches so far: tags differ from the previous launch's
+};
+
+// VOCAB's operands: the step's token and the embedding it reads, the final norm and the LM
+// head, and where their results go.
+struct Vocab {
+  const int64_t* token;          // the step's token id
+  const __nv_bfloat16* embed;    // [size, HIDDEN]
+  const __nv_bfloat16* head;     // [size, HIDDEN] (the embedding, where tied)
+  const float* norm;             // [HIDDEN], the final RMSNorm's weight
+  __nv_bfloat16* normed;         // [HIDDEN]: the final hidden state (block 0 writes it)
+  __nv_bfloat16* logits;         // [size]
+  int size;
 };
 
 // A stage's output: plain bf16 (the barrier build; TAGGED, where not null, the final
@@ -843,13 +868,72 @@ __device__ __forceinline__ void merge_stage(const AttentionArgs& a, const Tagged
   if (mine && split == 0) put(Out{TAGGED ? nullptr : a.out, tagged.attn, tag}, output, out / sum);
 }
 
+// The block's rows of the LM head.
+__device__ __forceinline__ Phase head_slice(int size) {
+  const int b = blockIdx.x, g = gridDim.x;
+  return {(int)((long long)b * size / g), (int)((long long)(b + 1) * size / g), HIDDEN};
+}
+
+// The final RMSNorm of the last layer's residual and the block's rows of the LM head. Warp w
+// takes the block's slots w, w + CONSUMER_WARPS, ... and hands each back as soon as it has
+// summed its rows, so the stream never waits on the whole block (a slice is ~140 slots).
+__device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat16* residual,
+                                           const uint32_t* tagged, uint32_t tag, uint4* staged,
+                                           uint64_t* full, uint64_t* empty, const uint8_t* ring,
+                                           uint32_t seq, float eps, int* failed) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float x[HIDDEN / 32];
+  load_inputs<HIDDEN>(residual, tagged, tag, staged, full, seq, 0, lane, x, failed);
+  const float scale = rms_scale<HIDDEN>(x, eps);
+  // As the norm rounds its output to bf16 before the LM head reads it.
+#pragma unroll
+  for (int j = 0; j < HIDDEN / 256; ++j) {
+    const int base = (j * 32 + lane) * 8;
+    const float4 w0 = reinterpret_cast<const float4*>(vocab.norm + base)[0];
+    const float4 w1 = reinterpret_cast<const float4*>(vocab.norm + base)[1];
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const __nv_bfloat16 b = __float2bfloat16(x[j * 8 + e] * scale * w[e]);
+      x[j * 8 + e] = __bfloat162float(b);
+      if (blockIdx.x == 0 && warp == 0) vocab.normed[base + e] = b;
+    }
+  }
+  const Phase ph = head_slice(vocab.size);
+  constexpr int PER_SLOT = SLOT_BYTES / (HIDDEN * 2);
+  const int slots = ceil_div(ph.end_row - ph.first_row, PER_SLOT);
+  for (int i = warp; i < slots; i += CONSUMER_WARPS) {
+    const uint32_t s = seq + i, slot = s % SLOTS, use = s / SLOTS;
+    // The slot's previous use (SLOTS before) is another warp's, and may not have landed yet:
+    // a parity wait for this use would then pass at once, on that use's phase. Its release
+    // (which follows its landing) is waited for first; the producer is then at most this use
+    // ahead, so the parity wait is for the right phase.
+    if (s >= SLOTS) mbarrier_wait(&empty[slot], (use - 1) & 1, failed);
+    mbarrier_wait(&full[slot], use & 1, failed);
+    const uint8_t* rows = ring + slot * SLOT_BYTES;
+    const int first = ph.first_row + i * PER_SLOT, n = min(PER_SLOT, ph.end_row - first);
+    float sums[PER_SLOT];
+#pragma unroll
+    for (int r = 0; r < PER_SLOT; ++r)
+      sums[r] = r < n ? lane_dot<HIDDEN>(rows + r * HIDDEN * 2, lane, x) : 0.f;
+    warp_sum(sums);
+    __syncwarp();  // every lane's reads of the slot are done before it is handed back
+    if (lane == 0) {
+      mbarrier_arrive(&empty[slot]);
+#pragma unroll
+      for (int r = 0; r < PER_SLOT; ++r)
+        if (r < n) vocab.logits[first + r] = __float2bfloat16(sums[r]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     layer_chain(const Weights weights, __nv_bfloat16* residual,
                 __nv_bfloat16* qkv, __nv_bfloat16* act, AttentionArgs attention,
-                TaggedArgs tagged, unsigned int* arrived, int* failed, uint64_t* stamps,
-                int layers, float eps) {
+                TaggedArgs tagged, Vocab vocab, unsigned int* arrived, int* failed,
+                uint64_t* stamps, int layers, float eps) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ uint64_t full[SLOTS];
   __shared__ uint64_t empty[SLOTS];
@@ -900,12 +984,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
+    if (VOCAB) {
+      const Phase ph = head_slice(vocab.size);
+      const int per_slot = rows_per_slot(HIDDEN);
+      for (int first = ph.first_row; first < ph.end_row; first += per_slot, ++seq) {
+        const int slot = seq % SLOTS;
+        if (seq >= SLOTS) mbarrier_wait(&empty[slot], (seq / SLOTS - 1) & 1, failed);
+        if (HEAD_INFLIGHT > 0 && seq >= HEAD_INFLIGHT) {
+          const uint32_t landed = seq - HEAD_INFLIGHT;
+          mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
+        }
+        const uint32_t bytes = min(per_slot, ph.end_row - first) * HIDDEN * 2;
+        mbarrier_expect_bytes(&full[slot], bytes);
+        bulk_copy(ring + slot * SLOT_BYTES, vocab.head + (size_t)first * HIDDEN, bytes,
+                  &full[slot]);
+      }
+    }
     return;
   }
 
   // The step's position, from device memory so that a captured graph serves every step.
   attention.context = *attention.position;
   attention.cos_sin += (size_t)attention.context * HEAD_DIM;
+  // The first layer's input: VOCAB, the token's embedding row; else the residual row given.
+  const __nv_bfloat16* const input =
+      VOCAB ? vocab.embed + (size_t)*vocab.token * HIDDEN : residual;
   // The residual rows this warp updates in phases 1 and 3 (the same partition of HIDDEN).
   float own[OWN_ROWS];
   {
@@ -913,7 +1016,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int t = 0; t < OWN_ROWS; ++t) {
       const int row = ph.first_row + warp + t * CONSUMER_WARPS;
-      own[t] = row < ph.end_row ? __bfloat162float(residual[row]) : 0.f;
+      own[t] = row < ph.end_row ? __bfloat162float(input[row]) : 0.f;
     }
   }
   // Each phase's slice once (the divisions by the grid are not free: run 211's profile), and
@@ -981,7 +1084,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t* in = !TAGGED ? nullptr
                              : p == 2 ? tagged.residual_o
                              : layer > 0 ? tagged.residual_down : nullptr;
-        load_inputs<HIDDEN>(residual, in, p == 0 ? previous_tag : tag, staged, full, seq, slots,
+        load_inputs<HIDDEN>(p == 0 && layer == 0 ? input : residual, in,
+                            p == 0 ? previous_tag : tag, staged, full, seq, slots,
                             lane, x, failed);
         stamp_clock(stamp, CLK_INPUTS);
         const float scale = rms_scale<HIDDEN>(x, eps);
@@ -1014,6 +1118,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       stamp_clock(stamp, CLK_ARRIVED);
       if (stamp != nullptr && threadIdx.x == 0) stamp[GT_DONE] = now_ns();
     }
+  }
+  if (VOCAB && !STREAM_ONLY && !BARRIER_ONLY) {
+    if (!TAGGED) grid_wait(arrived, ++barriers * gridDim.x, failed);
+    const uint32_t last_tag = (epoch * layers + layers - 1) % 65535u + 1u;
+    head_stage(vocab, residual, TAGGED ? tagged.residual_down : nullptr, last_tag, staged, full,
+               empty, ring, seq, eps, failed);
   }
   // Every block read the epoch before its first output, which block 0's last stage waited on.
   if (TAGGED && blockIdx.x == 0 && threadIdx.x == 0) *tagged.epoch = epoch + 1;

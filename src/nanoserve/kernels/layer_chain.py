@@ -1,4 +1,5 @@
-"""Every decoder layer of a batch-1 decode step in one launch of a persistent CUDA kernel.
+"""A batch-1 decode step's layers, final norm and LM head in one launch of a persistent CUDA
+kernel.
 
 At batch 1 a layer's GEMVs read ~31 MB of weights in a handful of microseconds, and the
 Triton chain of six launches per layer spends much of its time between them: each kernel
@@ -6,7 +7,9 @@ waits for the last before it streams its weights. ``layer_chain.cu`` keeps one b
 alive for all layers; a warp per block streams the block's weight slices of every layer into
 shared memory as far ahead as its ring allows, while the other warps compute and hand their
 outputs to the next stage through tagged words instead of launches (docs/kernels.md,
-"Batch-1 layers as one persistent CUDA kernel"). It runs the engine's tensors as they are:
+"Batch-1 layers as one persistent CUDA kernel"). After the last layer it normalises the
+residual and scores the vocabulary, the LM head's weights streaming in while the last layer
+still computes. It runs the engine's tensors as they are:
 the folded weights, the paged K/V caches, RoPE's table, the step's position and block table
 in device memory, so one CUDA graph serves every step.
 
@@ -66,6 +69,15 @@ class TaggedArgs(ctypes.Structure):
                 ("qkv", "partials", "attn", "residual_o", "act", "residual_down", "epoch")]
 
 
+class Vocab(ctypes.Structure):
+    """The kernel's ``Vocab``: the step's token and embedding, the final norm and LM head it
+    runs after the layers, and where the final hidden state and logits go (VOCAB=1; all zero
+    for builds without)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("token", "embed", "head", "norm", "normed", "logits")] + [("size", ctypes.c_int)]
+
+
 def tagged_buffers(device: torch.device | str, max_splits: int = 32) -> dict[str, torch.Tensor]:
     """The tagged exchange buffers in 32-bit words, zeroed (no word carries a tag yet);
     partials are 64-bit words, room for ``max_splits`` splits."""
@@ -117,23 +129,25 @@ def runs_step(ids: torch.Tensor, meta: AttentionMetadata) -> bool:
 
 
 class LayerChain:
-    """Runs a DecoderModel's layers for one decode token as one kernel launch.
+    """Runs a decoder's layers, final norm and LM head for one decode token as one launch.
 
     Holds what the kernel reads beside the model's own tensors: a device array of each
-    layer's weight and cache pointers, float32 copies of the q/k norm weights, and the tagged
-    exchange buffers, whose launch count lives on the device so that graph replays get fresh
-    tags. The model's weights must already carry their norms (``fold_norm_weights``).
+    layer's weight and cache pointers, float32 copies of the q/k and final norm weights, and
+    the tagged exchange buffers, whose launch count lives on the device so that graph replays
+    get fresh tags; and what it writes: the final hidden state and the logits. The model's
+    weights must already carry their pre-norms (``fold_norm_weights``).
     """
 
-    def __init__(self, model: torch.nn.Module, eps: float):
+    def __init__(self, causal_lm: torch.nn.Module, eps: float):
+        model = causal_lm.model
         layers = model.layers
         device = model.embed_tokens.weight.device
-        cubin, self.resources = build_cubin(SOURCE, {})
+        self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+        cubin, self.resources = build_cubin(SOURCE, {"VOCAB": "1"})
         self.kernel = CudaKernel(cubin, "layer_chain", 32 * (CONSUMER_WARPS + 1),
                                  SLOTS * SLOT_BYTES, device)
         if self.kernel.blocks_per_sm() < 1:
             raise CudaDriverError(f"layer_chain does not fit an SM: {self.resources}")
-        self.grid = torch.cuda.get_device_properties(device).multi_processor_count
         self.eps, self.num_layers, self.device = eps, len(layers), device
 
         def pointers(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -154,6 +168,13 @@ class LayerChain:
                       for name, n in (("qkv", QKV), ("act", INTERMEDIATE),
                                       ("attn", HEADS * HEAD_DIM))}
         self.partials = torch.empty(HEADS * SPLITS * PARTIAL, device=device)
+        self.embed = model.embed_tokens.weight
+        self.head_weight = causal_lm.lm_head.weight
+        self.vocab = causal_lm.lm_head.vocab_size
+        self.final_norm = model.norm.weight.float()
+        self.residual = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device=device)
+        self.normed = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device=device)
+        self.logits = torch.empty(1, self.vocab, dtype=torch.bfloat16, device=device)
         self.counters = torch.zeros(1 + KV_HEADS, dtype=torch.int32, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.cache_pointers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -170,15 +191,16 @@ class LayerChain:
             self._cache_addresses = addresses
             self.block_size = self.attention_layers[0].k_cache.shape[1]
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """The residual stream after every layer, from the embedded token ``hidden`` ([1,
-        HIDDEN], bf16), which it overwrites and returns; stores the token's K/V in the cache."""
+        """The final hidden state (after the last norm; ``normed``, [1, HIDDEN] bf16) of the
+        token ``ids`` ([1] int64); stores the token's K/V in the cache, its logits in
+        ``logits`` and the residual stream after the last layer in ``residual``."""
         self._bind_caches()
-        hidden = hidden.contiguous()
         tables = meta.block_tables
         if positions.dtype != torch.int64 or tables.dtype != torch.int32 or tables.stride(-1) != 1:
             raise ValueError("layer_chain reads int64 positions and an int32 block table row")
+        ids = ids.to(torch.int64)
         attention = AttentionArgs(
             self.cache_pointers[0].data_ptr(), self.cache_pointers[1].data_ptr(),
             tables.data_ptr(), positions.data_ptr(), 0, self.block_size,
@@ -186,12 +208,19 @@ class LayerChain:
             self.partials.data_ptr(), self.counters[1:].data_ptr(),
             self.plain["attn"].data_ptr())
         self.kernel.launch(self.grid, [
-            Weights(*(p.data_ptr() for p in self.weight_pointers)), hidden.data_ptr(),
+            Weights(*(p.data_ptr() for p in self.weight_pointers)), self.residual.data_ptr(),
             self.plain["qkv"].data_ptr(), self.plain["act"].data_ptr(), attention,
             TaggedArgs(*(t.data_ptr() for t in self.tagged.values())),
+            Vocab(ids.data_ptr(), self.embed.data_ptr(), self.head_weight.data_ptr(),
+                  self.final_norm.data_ptr(), self.normed.data_ptr(), self.logits.data_ptr(),
+                  self.vocab),
             self.counters.data_ptr(), self.failed.data_ptr(), 0,
             ctypes.c_int(self.num_layers), ctypes.c_float(self.eps)])
-        return hidden
+        return self.normed
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits the last launch scored, where ``hidden`` is its output; else None."""
+        return self.logits if hidden is self.normed else None
 
     def has_failed(self) -> bool:
         """Whether a launch gave up waiting (a bug, or blocks that could not all be resident);
@@ -211,7 +240,7 @@ def attach_layer_chain(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dt
         logger.info("batch-1 decode keeps the Triton kernels: %s", reason)
         return
     try:
-        chain = LayerChain(model.model, cfg.rms_norm_eps)
+        chain = LayerChain(model, cfg.rms_norm_eps)
     except (CudaBuildError, CudaDriverError) as e:
         logger.warning("batch-1 decode keeps the Triton kernels: layer_chain.cu did not "
                        "build or load: %s", e)

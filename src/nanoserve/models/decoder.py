@@ -113,8 +113,9 @@ class DecoderModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sum_squares: torch.Tensor | None = None  # see track_sum_squares
-        # All layers of a batch-1 decode step as one kernel, where the runner attached one
-        # (nanoserve.kernels.layer_chain): it replaces the loop below for the steps it runs.
+        # All layers, the final norm and the LM head of a batch-1 decode step as one kernel,
+        # where the runner attached one (nanoserve.kernels.layer_chain): it replaces the loop
+        # below for the steps it runs, and compute_logits returns the logits it scored.
         self.layer_chain: LayerChain | None = None
 
     def track_sum_squares(self) -> None:
@@ -133,7 +134,7 @@ class DecoderModel(nn.Module):
         if self.layer_chain is not None:
             meta = get_attention_metadata()
             if runs_step(ids, meta):
-                return self.norm(self.layer_chain(self.embed_tokens(ids), positions, meta))
+                return self.layer_chain(ids, positions, meta)
         if self.sum_squares is not None:
             self.sum_squares.zero_()
         x, residual = self.embed_tokens(ids), None
@@ -214,8 +215,11 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor | None:
         """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0. ``out``:
-        see ParallelLMHead.forward."""
-        return self.lm_head(hidden, out)
+        see ParallelLMHead.forward. Hidden states from the layer kernel come with their logits
+        already scored (not into ``out``)."""
+        chain = self.model.layer_chain
+        scored = chain.logits_of(hidden) if chain is not None else None
+        return scored if scored is not None else self.lm_head(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""
