@@ -114,6 +114,7 @@ class Stack:
         self.table = randn(vocab, HIDDEN).to(torch.bfloat16)
         self.final_norm = 1 + 0.1 * randn(HIDDEN)
         self.token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.token_index = torch.zeros(1, dtype=torch.int64, device=device)
         self.h0 = self.table[0].clone()
         self.residual = torch.empty_like(self.h0)
         self.normed = torch.empty_like(self.h0)
@@ -165,7 +166,8 @@ class Stack:
                                   self.head_done.data_ptr(), self.attn.data_ptr())
         tagged = TaggedArgs(*(t.data_ptr() for t in self.tagged.values()))
         weights = Weights(*(p.data_ptr() for p in self.weight_pointers))
-        vocab = Vocab(self.token.data_ptr(), self.table.data_ptr(), self.table.data_ptr(),
+        vocab = Vocab(self.token_index.data_ptr(), self.token.data_ptr(), self.table.data_ptr(),
+                      self.table.data_ptr(),
                       self.final_norm.data_ptr(), self.normed.data_ptr(),
                       self.logits.data_ptr(), self.table.shape[0])
         return [weights, self.residual.data_ptr(), self.qkv.data_ptr(),

@@ -112,11 +112,11 @@ class TorchLayerChain:
         self.causal_lm, self.steps = causal_lm, []
         self.normed = self.logits = None
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 token_table: torch.Tensor | None = None) -> torch.Tensor:
         model = self.causal_lm.model
         self.steps.append((ids.shape[0], int(positions[0]), meta.max_seq_len))
-        x, residual = model.embed_tokens(ids), None
+        x, residual = model.embed_tokens(ids if token_table is None else token_table[ids]), None
         for layer in model.layers:
             x, residual = layer(positions, x, residual)
         self.normed, _ = model.norm(x, residual)

@@ -197,7 +197,8 @@ struct TaggedArgs {
 // VOCAB's operands: the step's token and the embedding it reads, the final norm and the LM
 // head, and where their results go.
 struct Vocab {
-  const int64_t* token;          // the step's token id
+  const int64_t* token_index;    // where in `tokens` the step's token id is
+  const int64_t* tokens;
   const __nv_bfloat16* embed;    // [size, HIDDEN]
   const __nv_bfloat16* head;     // [size, HIDDEN] (the embedding, where tied)
   const float* norm;             // [HIDDEN], the final RMSNorm's weight
@@ -1008,7 +1009,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   attention.cos_sin += (size_t)attention.context * HEAD_DIM;
   // The first layer's input: VOCAB, the token's embedding row; else the residual row given.
   const __nv_bfloat16* const input =
-      VOCAB ? vocab.embed + (size_t)*vocab.token * HIDDEN : residual;
+      VOCAB ? vocab.embed + (size_t)vocab.tokens[*vocab.token_index] * HIDDEN : residual;
   // The residual rows this warp updates in phases 1 and 3 (the same partition of HIDDEN).
   float own[OWN_ROWS];
   {

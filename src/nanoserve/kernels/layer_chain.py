@@ -75,7 +75,7 @@ class Vocab(ctypes.Structure):
     for builds without)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("token", "embed", "head", "norm", "normed", "logits")] + [("size", ctypes.c_int)]
+                ("token_index", "tokens", "embed", "head", "norm", "normed", "logits")] + [("size", ctypes.c_int)]
 
 
 def tagged_buffers(device: torch.device | str, max_splits: int = 32) -> dict[str, torch.Tensor]:
@@ -173,6 +173,7 @@ class LayerChain:
         self.vocab = causal_lm.lm_head.vocab_size
         self.final_norm = model.norm.weight.float()
         self.residual = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device=device)
+        self.first_row = torch.zeros(1, dtype=torch.int64, device=device)
         self.normed = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device=device)
         self.logits = torch.empty(1, self.vocab, dtype=torch.bfloat16, device=device)
         self.counters = torch.zeros(1 + KV_HEADS, dtype=torch.int32, device=device)
@@ -191,16 +192,20 @@ class LayerChain:
             self._cache_addresses = addresses
             self.block_size = self.attention_layers[0].k_cache.shape[1]
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 token_table: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden state (after the last norm; ``normed``, [1, HIDDEN] bf16) of the
-        token ``ids`` ([1] int64); stores the token's K/V in the cache, its logits in
-        ``logits`` and the residual stream after the last layer in ``residual``."""
+        token ``ids`` ([1]), or with ``token_table`` (int64) of ``token_table[ids]``; stores the
+        token's K/V in the cache, its logits in ``logits`` and the residual stream after the
+        last layer in ``residual``."""
         self._bind_caches()
         tables = meta.block_tables
         if positions.dtype != torch.int64 or tables.dtype != torch.int32 or tables.stride(-1) != 1:
             raise ValueError("layer_chain reads int64 positions and an int32 block table row")
-        ids = ids.to(torch.int64)
+        if token_table is None:
+            token_table, ids = ids.to(torch.int64), self.first_row
+        elif token_table.dtype != torch.int64 or ids.dtype != torch.int64:
+            raise ValueError("layer_chain reads an int64 token table and index")
         attention = AttentionArgs(
             self.cache_pointers[0].data_ptr(), self.cache_pointers[1].data_ptr(),
             tables.data_ptr(), positions.data_ptr(), 0, self.block_size,
@@ -211,7 +216,8 @@ class LayerChain:
             Weights(*(p.data_ptr() for p in self.weight_pointers)), self.residual.data_ptr(),
             self.plain["qkv"].data_ptr(), self.plain["act"].data_ptr(), attention,
             TaggedArgs(*(t.data_ptr() for t in self.tagged.values())),
-            Vocab(ids.data_ptr(), self.embed.data_ptr(), self.head_weight.data_ptr(),
+            Vocab(ids.data_ptr(), token_table.data_ptr(), self.embed.data_ptr(),
+                  self.head_weight.data_ptr(),
                   self.final_norm.data_ptr(), self.normed.data_ptr(), self.logits.data_ptr(),
                   self.vocab),
             self.counters.data_ptr(), self.failed.data_ptr(), 0,

@@ -130,11 +130,17 @@ class DecoderModel(nn.Module):
         for i, producer in enumerate(producers):
             producer.sum_squares = self.sum_squares[i]
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                token_table: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of the step's tokens: ``ids``, or where ``token_table`` is
+        given, ``token_table[ids]`` (the decode graphs' arena, which holds the tokens the last
+        step sampled; the layer kernel reads through the index itself)."""
         if self.layer_chain is not None:
             meta = get_attention_metadata()
             if runs_step(ids, meta):
-                return self.layer_chain(ids, positions, meta)
+                return self.layer_chain(ids, positions, meta, token_table)
+        if token_table is not None:
+            ids = token_table[ids]
         if self.sum_squares is not None:
             self.sum_squares.zero_()
         x, residual = self.embed_tokens(ids), None
@@ -189,8 +195,9 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, positions)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                token_table: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(ids, positions, token_table)
 
     def fold_norm_weights(self) -> None:
         """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have

@@ -114,7 +114,7 @@ class DecodeGraphs:
                                  region.tables, max_query_len=1, max_seq_len=cap,
                                  seq_order=region.order)
         with attention_metadata(meta):
-            hidden = self.model(self.arena.int64[region.sources], region.positions)
+            hidden = self.model(region.sources, region.positions, self.arena.int64)
         if not self.sample:
             return DecodeOutput(hidden, None, None)
         from nanoserve.kernels.sampling import sample_tokens
