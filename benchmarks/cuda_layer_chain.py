@@ -189,7 +189,9 @@ class Stack:
             normed = torch.nn.functional.rms_norm(self.residual.float(), (HIDDEN,),
                                                   self.final_norm, eps).to(torch.bfloat16)
             self.normed.copy_(normed)
-            torch.matmul(self.table, normed, out=self.logits)
+            # x @ W^T as the engine's LM head calls it (F.linear's cuBLAS GEMM; runs 239 and
+            # 241 timed W @ x, a slower kernel)
+            torch.mm(normed[None], self.table.t(), out=self.logits[None])
 
     def attention(self, qkv: torch.Tensor, layer: int, eps: float) -> tuple[torch.Tensor, ...]:
         """Attention of the new token (float32, rounded where the kernel rounds): the output,
