@@ -1,4 +1,4 @@
-"""A batch-1 decode step's layers, final norm and LM head in one launch of a persistent CUDA
+"""A batch-1 decode step from its token to its logits in one launch of a persistent CUDA
 kernel.
 
 At batch 1 a layer's GEMVs read ~31 MB of weights in a handful of microseconds, and the
@@ -7,9 +7,10 @@ waits for the last before it streams its weights. ``layer_chain.cu`` keeps one b
 alive for all layers; a warp per block streams the block's weight slices of every layer into
 shared memory as far ahead as its ring allows, while the other warps compute and hand their
 outputs to the next stage through tagged words instead of launches (docs/kernels.md,
-"Batch-1 layers as one persistent CUDA kernel"). After the last layer it normalises the
-residual and scores the vocabulary, the LM head's weights streaming in while the last layer
-still computes. It runs the engine's tensors as they are:
+"Batch-1 layers as one persistent CUDA kernel"). It reads the token's embedding row itself,
+and after the last layer it normalises the residual and scores the vocabulary, the LM head's
+weights streaming in while the last layer still computes. It runs the engine's tensors as
+they are:
 the folded weights, the paged K/V caches, RoPE's table, the step's position and block table
 in device memory, so one CUDA graph serves every step.
 
