@@ -136,13 +136,6 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 #ifndef HEAD_INFLIGHT
 #define HEAD_INFLIGHT 0
 #endif
-// HEAD_SHARED=1: every warp reads every LM head slot, warp w its row w, and the last warp done
-// with a slot hands it back (counted in shared memory); 0: warp w takes whole slots w,
-// w + CONSUMER_WARPS, ... A slot's rows are then summed in ~1/8 of the time, so slots go back
-// to the stream sooner.
-#ifndef HEAD_SHARED
-#define HEAD_SHARED 0
-#endif
 #if BARRIER_ONLY && !NO_WEIGHTS
 #error "BARRIER_ONLY needs NO_WEIGHTS=1: nothing would release the weight slots"
 #endif
@@ -169,8 +162,6 @@ constexpr int OWN_ROWS = units_per_warp(HIDDEN);  // residual rows a warp update
 #endif
 constexpr int PARTIAL = HEAD_DIM + 2;  // a split's (max, sum, output) for one q head
 static_assert(KV_HEADS * SPLITS <= MIN_GRID, "one block per (KV head, split)");
-static_assert(!HEAD_SHARED || SLOT_BYTES / (HIDDEN * 2) == CONSUMER_WARPS,
-              "HEAD_SHARED gives each consumer warp one row of an LM head slot");
 static_assert(SPLITS <= 32 && (SPLITS & (SPLITS - 1)) == 0, "a split per lane, in groups");
 static_assert(ceil_div(HEADS * HEAD_DIM, MIN_GRID) * SPLITS <= CONSUMERS,
               "the merge gives each of a block's outputs SPLITS threads");
@@ -891,8 +882,7 @@ __device__ __forceinline__ Phase head_slice(int size) {
 __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat16* residual,
                                            const uint32_t* tagged, uint32_t tag, uint4* staged,
                                            uint64_t* full, uint64_t* empty, const uint8_t* ring,
-                                           int* head_readers, uint32_t seq, float eps,
-                                           int* failed) {
+                                           uint32_t seq, float eps, int* failed) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float x[HIDDEN / 32];
   load_inputs<HIDDEN>(residual, tagged, tag, staged, full, seq, 0, lane, x, failed);
@@ -914,28 +904,6 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
   const Phase ph = head_slice(vocab.size);
   constexpr int PER_SLOT = SLOT_BYTES / (HIDDEN * 2);
   const int slots = ceil_div(ph.end_row - ph.first_row, PER_SLOT);
-  if (HEAD_SHARED) {
-    for (int i = 0; i < slots; ++i) {
-      // This warp read the slot's previous use, so that use has landed: the parity wait is
-      // for the right phase.
-      const uint32_t s = seq + i, slot = s % SLOTS;
-      mbarrier_wait(&full[slot], (s / SLOTS) & 1, failed);
-      const int row = ph.first_row + i * PER_SLOT + warp;
-      float sum[1] = {row < ph.end_row
-                          ? lane_dot<HIDDEN>(ring + slot * SLOT_BYTES + warp * HIDDEN * 2, lane, x)
-                          : 0.f};
-      warp_sum(sum);
-      __syncwarp();
-      if (lane == 0) {
-        if (row < ph.end_row) vocab.logits[row] = __float2bfloat16(sum[0]);
-        if (atomicAdd(&head_readers[slot], 1) == CONSUMER_WARPS - 1) {
-          head_readers[slot] = 0;  // before the release: no warp counts the next use yet
-          mbarrier_arrive(&empty[slot]);
-        }
-      }
-    }
-    return;
-  }
   for (int i = warp; i < slots; i += CONSUMER_WARPS) {
     const uint32_t s = seq + i, slot = s % SLOTS, use = s / SLOTS;
     // The slot's previous use (SLOTS before) is another warp's, and may not have landed yet:
@@ -974,7 +942,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   __shared__ uint4 staged[INTER / 8];  // the phase's input vector
   __shared__ float scratch[2 * CONSUMER_WARPS * GROUP * (1 + HEAD_DIM / 2)];  // attention's
   __shared__ int last_split;
-  __shared__ int head_readers[SLOTS];  // HEAD_SHARED: warps done with each slot's current use
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (gridDim.x < MIN_GRID) {
@@ -985,7 +952,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     for (int s = 0; s < SLOTS; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], 1);
-      head_readers[s] = 0;
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -1159,7 +1125,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (!TAGGED) grid_wait(arrived, ++barriers * gridDim.x, failed);
     const uint32_t last_tag = (epoch * layers + layers - 1) % 65535u + 1u;
     head_stage(vocab, residual, TAGGED ? tagged.residual_down : nullptr, last_tag, staged, full,
-               empty, ring, head_readers, seq, eps, failed);
+               empty, ring, seq, eps, failed);
   }
   // Every block read the epoch before its first output, which block 0's last stage waited on.
   if (TAGGED && blockIdx.x == 0 && threadIdx.x == 0) *tagged.epoch = epoch + 1;
