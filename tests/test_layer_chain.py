@@ -113,8 +113,7 @@ class TorchLayerChain:
         self.normed = self.logits = None
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 token_table: torch.Tensor | None = None,
-                 temperature: torch.Tensor | None = None) -> torch.Tensor:
+                 token_table: torch.Tensor | None = None) -> torch.Tensor:
         model = self.causal_lm.model
         self.steps.append((ids.shape[0], int(positions[0]), meta.max_seq_len))
         x, residual = model.embed_tokens(ids if token_table is None else token_table[ids]), None
@@ -126,9 +125,6 @@ class TorchLayerChain:
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.logits if hidden is self.normed else None
-
-    def tile_stats_of(self, hidden: torch.Tensor) -> None:
-        return None  # the CPU engine samples eagerly: no temperature is ever handed over
 
 
 def _greedy(llm, prompts: list[list[int]]) -> list[list[int]]:

@@ -13,13 +13,12 @@ pytest.importorskip("triton")
 from nanoserve.kernels.sampling import (  # noqa: E402
     INTERPRETER_TILE,
     TILES_PER_CHUNK,
-    TileStats,
     sample_tokens,
 )
 from nanoserve.runner.sampler import _fused_path_applies, _fused_sample  # noqa: E402
 from nanoserve.runner.sampling_tensors import SamplingTensors  # noqa: E402
 from nanoserve.sampling_params import SamplingParams  # noqa: E402
-from sampling_stats import chi_square, tile_stats_reference  # noqa: E402
+from sampling_stats import chi_square  # noqa: E402
 
 TILE = INTERPRETER_TILE  # logits per tile on CPU (32)
 CHUNK = TILES_PER_CHUNK * TILE  # logits per program on CPU (64)
@@ -50,43 +49,6 @@ def test_greedy_is_torch_argmax(dtype, vocab_size):
     assert got.dtype == torch.int64 and got.shape == (7,)
     assert torch.equal(got, logits.argmax(dim=-1))
     assert got[2] == last and got[3] == 0
-
-
-def _with_stats(logits: torch.Tensor, temperature: torch.Tensor, tile: int,
-                seed: int = 0) -> torch.Tensor:
-    """The pick alone, from a first pass done elsewhere (as the batch-1 layer kernel does)."""
-    stats = TileStats(*tile_stats_reference(logits, temperature, tile), tile)
-    return sample_tokens(logits, temperature, seed=seed, stats=stats)
-
-
-@pytest.mark.parametrize("tile", [8, 128])
-def test_the_pick_from_stats_done_elsewhere_is_argmax_for_greedy_rows(tile):
-    gen = torch.Generator().manual_seed(tile)
-    vocab_size = 3 * tile + 5
-    logits = torch.randn(5, vocab_size, generator=gen)
-    logits[1, [2, tile + 2]] = logits[1].max() + 1  # a tie across tiles: the lower index
-    logits[2] = NEG_INF  # nothing finite: token 0
-    logits[3, 0] = float("nan")  # never picked
-    logits[3, 1] = logits[3].nan_to_num(nan=-9.0).max() + 1
-    logits[4, -1] = logits[4].max() + 1  # in the last, partial tile
-    want = logits.nan_to_num(nan=NEG_INF).argmax(-1)
-    assert torch.equal(_with_stats(logits, torch.zeros(5), tile), want)
-
-
-@pytest.mark.parametrize("tile", [8, 128])
-def test_draws_from_stats_done_elsewhere_follow_softmax(tile):
-    """As test_draws_across_tiles_follow_softmax, the first pass done by the reference of the
-    layer kernel's rules at its tile size (128) and a small one."""
-    gen = torch.Generator().manual_seed(3)
-    vocab_size, temperature, draws = 2 * tile + 3, 0.7, 1000
-    logits = torch.full((vocab_size,), NEG_INF)
-    finite = torch.tensor([0, tile - 1, tile, tile + 1, vocab_size - 1])
-    logits[finite] = 40 + torch.randn(len(finite), generator=gen)
-    ids = _with_stats(logits.expand(draws, -1).contiguous(), torch.full((draws,), temperature),
-                      tile, seed=9)
-    # 4 degrees of freedom: P(chi2 > 18.47) = 0.001 for a correct sampler.
-    assert chi_square(ids, (logits / temperature).softmax(-1)) < 18.47
-    assert chi_square(ids, (logits / (3 * temperature)).softmax(-1)) > 18.47
 
 
 def test_temperature_sampling_follows_softmax():

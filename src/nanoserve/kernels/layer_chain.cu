@@ -206,58 +206,7 @@ struct Vocab {
   __nv_bfloat16* normed;         // [HIDDEN]: the final hidden state (block 0 writes it)
   __nv_bfloat16* logits;         // [size]
   int size;
-  // Where not null, the sampler's first pass is done here too (kernels/sampling.py): for the
-  // row's temperature (0: greedy), each tile's statistics, [ceil(size / VOCAB_TILE)] each.
-  const float* temperature;
-  float* tile_max;
-  float* tile_sum;
-  int* tile_arg;
 };
-
-// The sampler's tiles: VOCAB_TILE logits each. A block's LM head rows are whole tiles, at most
-// MAX_BLOCK_TILES of them (a vocabulary of up to 16 * 128 * grid).
-constexpr int VOCAB_TILE = 128, MAX_BLOCK_TILES = 16;
-
-// A tile's statistics as the sampler's first pass keeps them: for a greedy row its largest
-// logit and that logit's lowest index; for a temperature row its largest score (the logit
-// times log2(e) / T) and the sum of 2^(score - that largest).
-struct TileScore {
-  float top, mass;
-  int arg;
-};
-
-// Adds logit x at `index` to a tile's statistics; `scale` is log2(e) / T, 0 for greedy. NaN
-// logits count as -inf and are never picked, as in the sampler.
-__device__ __forceinline__ void score_logit(TileScore& t, float x, int index, float scale) {
-  if (x != x) return;
-  if (scale == 0.f) {
-    if (x > t.top) t.top = x, t.arg = index;  // rows come in order: the first of equal ones
-    return;
-  }
-  const float score = fminf(x * scale, 3.4028234663852886e38f);
-  if (score == -INFINITY) return;
-  if (score > t.top) {
-    t.mass = t.mass * exp2f(t.top - score) + 1.f;
-    t.top = score;
-  } else {
-    t.mass += exp2f(score - t.top);
-  }
-}
-
-// Merges another warp's statistics of the same tile into t.
-__device__ __forceinline__ void combine_scores(TileScore& t, const TileScore& o, bool greedy) {
-  if (greedy) {
-    if (o.top > t.top || (o.top == t.top && o.arg < t.arg)) t.top = o.top, t.arg = o.arg;
-    return;
-  }
-  if (o.top == -INFINITY) return;
-  if (o.top > t.top) {
-    t.mass = t.mass * exp2f(t.top - o.top) + o.mass;
-    t.top = o.top;
-  } else {
-    t.mass += o.mass * exp2f(o.top - t.top);
-  }
-}
 
 // A stage's output: plain bf16 (the barrier build; TAGGED, where not null, the final
 // residual) and, TAGGED, tagged words.
@@ -921,22 +870,19 @@ __device__ __forceinline__ void merge_stage(const AttentionArgs& a, const Tagged
   if (mine && split == 0) put(Out{TAGGED ? nullptr : a.out, tagged.attn, tag}, output, out / sum);
 }
 
-// The block's rows of the LM head: whole tiles of the sampler's.
+// The block's rows of the LM head.
 __device__ __forceinline__ Phase head_slice(int size) {
-  const int b = blockIdx.x, g = gridDim.x, tiles = ceil_div(size, VOCAB_TILE);
-  return {b * tiles / g * VOCAB_TILE, min((b + 1) * tiles / g * VOCAB_TILE, size), HIDDEN};
+  const int b = blockIdx.x, g = gridDim.x;
+  return {(int)((long long)b * size / g), (int)((long long)(b + 1) * size / g), HIDDEN};
 }
 
 // The final RMSNorm of the last layer's residual and the block's rows of the LM head. Warp w
 // takes the block's slots w, w + CONSUMER_WARPS, ... and hands each back as soon as it has
 // summed its rows, so the stream never waits on the whole block (a slice is ~140 slots).
-// Where asked, each warp keeps statistics of the tiles it scored in `scores` (shared,
-// [CONSUMER_WARPS][MAX_BLOCK_TILES]), merged per tile at the end.
 __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat16* residual,
                                            const uint32_t* tagged, uint32_t tag, uint4* staged,
                                            uint64_t* full, uint64_t* empty, const uint8_t* ring,
-                                           TileScore* scores, uint32_t seq, float eps,
-                                           int* failed) {
+                                           uint32_t seq, float eps, int* failed) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float x[HIDDEN / 32];
   load_inputs<HIDDEN>(residual, tagged, tag, staged, full, seq, 0, lane, x, failed);
@@ -957,19 +903,7 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
   }
   const Phase ph = head_slice(vocab.size);
   constexpr int PER_SLOT = SLOT_BYTES / (HIDDEN * 2);
-  static_assert(VOCAB_TILE % PER_SLOT == 0, "a slot's rows lie in one tile");
   const int slots = ceil_div(ph.end_row - ph.first_row, PER_SLOT);
-  const int tiles = ceil_div(ph.end_row - ph.first_row, VOCAB_TILE);
-  bool score = vocab.temperature != nullptr;
-  if (score && tiles > MAX_BLOCK_TILES) {
-    if (threadIdx.x == 0) atomicExch(failed, 1);  // more tiles than `scores` holds
-    score = false;
-  }
-  const float temperature = score ? *vocab.temperature : 0.f;
-  const float score_scale = temperature > 0.f ? 1.4426950408889634f / temperature : 0.f;
-  TileScore* own = scores + warp * MAX_BLOCK_TILES;
-  if (score && lane < tiles) own[lane] = {-INFINITY, 0.f, ph.first_row + lane * VOCAB_TILE};
-  __syncwarp();  // lane 0 updates what the others set
   for (int i = warp; i < slots; i += CONSUMER_WARPS) {
     const uint32_t s = seq + i, slot = s % SLOTS, use = s / SLOTS;
     // The slot's previous use (SLOTS before) is another warp's, and may not have landed yet:
@@ -988,28 +922,10 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
     __syncwarp();  // every lane's reads of the slot are done before it is handed back
     if (lane == 0) {
       mbarrier_arrive(&empty[slot]);
-      TileScore t;
-      if (score) t = own[(first - ph.first_row) / VOCAB_TILE];
 #pragma unroll
-      for (int r = 0; r < PER_SLOT; ++r) {
-        if (r >= n) continue;
-        const __nv_bfloat16 logit = __float2bfloat16(sums[r]);
-        vocab.logits[first + r] = logit;
-        if (score) score_logit(t, __bfloat162float(logit), first + r, score_scale);
-      }
-      if (score) own[(first - ph.first_row) / VOCAB_TILE] = t;
+      for (int r = 0; r < PER_SLOT; ++r)
+        if (r < n) vocab.logits[first + r] = __float2bfloat16(sums[r]);
     }
-  }
-  if (!score) return;
-  consumers_sync();
-  if ((int)threadIdx.x < tiles) {
-    TileScore t = scores[threadIdx.x];
-    for (int w = 1; w < CONSUMER_WARPS; ++w)
-      combine_scores(t, scores[w * MAX_BLOCK_TILES + threadIdx.x], score_scale == 0.f);
-    const int tile = ph.first_row / VOCAB_TILE + threadIdx.x;
-    vocab.tile_max[tile] = t.top;
-    vocab.tile_sum[tile] = t.mass;
-    vocab.tile_arg[tile] = t.arg;
   }
 }
 
@@ -1026,7 +942,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   __shared__ uint4 staged[INTER / 8];  // the phase's input vector
   __shared__ float scratch[2 * CONSUMER_WARPS * GROUP * (1 + HEAD_DIM / 2)];  // attention's
   __shared__ int last_split;
-  __shared__ TileScore tile_scores[VOCAB ? CONSUMER_WARPS * MAX_BLOCK_TILES : 1];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (gridDim.x < MIN_GRID) {
@@ -1210,7 +1125,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (!TAGGED) grid_wait(arrived, ++barriers * gridDim.x, failed);
     const uint32_t last_tag = (epoch * layers + layers - 1) % 65535u + 1u;
     head_stage(vocab, residual, TAGGED ? tagged.residual_down : nullptr, last_tag, staged, full,
-               empty, ring, tile_scores, seq, eps, failed);
+               empty, ring, seq, eps, failed);
   }
   // Every block read the epoch before its first output, which block 0's last stage waited on.
   if (TAGGED && blockIdx.x == 0 && threadIdx.x == 0) *tagged.epoch = epoch + 1;

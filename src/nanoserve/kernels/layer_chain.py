@@ -31,7 +31,6 @@ from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.config import ModelConfig
 from nanoserve.kernels.cuda_build import (CudaBuildError, CudaDriverError, CudaKernel,
                                           available_compiler, build_cubin)
-from nanoserve.kernels.sampling import TileStats
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +42,6 @@ QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 # CONSUMER_WARPS * KEYS_PER_WARP keys; a ring of SLOTS shared-memory slots per block.
 SPLITS, CONSUMER_WARPS, KEYS_PER_WARP, SLOTS, SLOT_BYTES = 16, 8, 4, 13, 16384
 MAX_KEYS = SPLITS * CONSUMER_WARPS * KEYS_PER_WARP
-# The sampler's first pass, done by the kernel: tiles of VOCAB_TILE logits, at most
-# MAX_BLOCK_TILES of them per block.
-VOCAB_TILE, MAX_BLOCK_TILES = 128, 16
 MIN_GRID = 128  # the kernel refuses fewer blocks: they bound the rows a warp holds
 PARTIAL = HEAD_DIM + 2  # a split's (max, sum, output) per q head
 
@@ -79,11 +75,8 @@ class Vocab(ctypes.Structure):
     runs after the layers, and where the final hidden state and logits go (VOCAB=1; all zero
     for builds without)."""
 
-    _fields_ = ([(name, ctypes.c_void_p) for name in
-                 ("token_index", "tokens", "embed", "head", "norm", "normed", "logits")]
-                + [("size", ctypes.c_int)]
-                + [(name, ctypes.c_void_p) for name in
-                   ("temperature", "tile_max", "tile_sum", "tile_arg")])
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("token_index", "tokens", "embed", "head", "norm", "normed", "logits")] + [("size", ctypes.c_int)]
 
 
 def tagged_buffers(device: torch.device | str, max_splits: int = 32) -> dict[str, torch.Tensor]:
@@ -112,8 +105,6 @@ def model_unsupported_reason(cfg: ModelConfig, dtype: torch.dtype,
                 f"{INTERMEDIATE})")
     if not cfg.qk_norm or cfg.attention_bias or cfg.moe_layers:
         return "the kernel's layer has q/k norms, no biases and a dense MLP (Qwen3)"
-    if -(-cfg.vocab_size // VOCAB_TILE) > MAX_BLOCK_TILES * MIN_GRID:
-        return f"the kernel scores at most {MAX_BLOCK_TILES * MIN_GRID * VOCAB_TILE} logits"
     return None
 
 
@@ -186,12 +177,6 @@ class LayerChain:
         self.first_row = torch.zeros(1, dtype=torch.int64, device=device)
         self.normed = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device=device)
         self.logits = torch.empty(1, self.vocab, dtype=torch.bfloat16, device=device)
-        tiles = -(-self.vocab // VOCAB_TILE)
-        self.tile_stats = TileStats(torch.empty(1, tiles, device=device),
-                                    torch.empty(1, tiles, device=device),
-                                    torch.empty(1, tiles, dtype=torch.int32, device=device),
-                                    VOCAB_TILE)
-        self.scored_tiles = False  # whether the last launch left tile_stats
         self.counters = torch.zeros(1 + KV_HEADS, dtype=torch.int32, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.cache_pointers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -209,13 +194,11 @@ class LayerChain:
             self.block_size = self.attention_layers[0].k_cache.shape[1]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 token_table: torch.Tensor | None = None,
-                 temperature: torch.Tensor | None = None) -> torch.Tensor:
+                 token_table: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden state (after the last norm; ``normed``, [1, HIDDEN] bf16) of the
         token ``ids`` ([1]), or with ``token_table`` (int64) of ``token_table[ids]``; stores the
         token's K/V in the cache, its logits in ``logits`` and the residual stream after the
-        last layer in ``residual``. With ``temperature`` (float32 [1], read when the kernel
-        runs) it also leaves the sampler's first pass over the logits in ``tile_stats``."""
+        last layer in ``residual``."""
         self._bind_caches()
         tables = meta.block_tables
         if positions.dtype != torch.int64 or tables.dtype != torch.int32 or tables.stride(-1) != 1:
@@ -224,12 +207,6 @@ class LayerChain:
             token_table, ids = ids.to(torch.int64), self.first_row
         elif token_table.dtype != torch.int64 or ids.dtype != torch.int64:
             raise ValueError("layer_chain reads an int64 token table and index")
-        self.scored_tiles = temperature is not None
-        if temperature is not None and (temperature.dtype != torch.float32
-                                        or temperature.numel() != 1):
-            raise ValueError("layer_chain reads one float32 temperature")
-        scoring = ([temperature.data_ptr()] + [t.data_ptr() for t in self.tile_stats[:3]]
-                   if temperature is not None else [0, 0, 0, 0])
         attention = AttentionArgs(
             self.cache_pointers[0].data_ptr(), self.cache_pointers[1].data_ptr(),
             tables.data_ptr(), positions.data_ptr(), 0, self.block_size,
@@ -243,7 +220,7 @@ class LayerChain:
             Vocab(ids.data_ptr(), token_table.data_ptr(), self.embed.data_ptr(),
                   self.head_weight.data_ptr(),
                   self.final_norm.data_ptr(), self.normed.data_ptr(), self.logits.data_ptr(),
-                  self.vocab, *scoring),
+                  self.vocab),
             self.counters.data_ptr(), self.failed.data_ptr(), 0,
             ctypes.c_int(self.num_layers), ctypes.c_float(self.eps)])
         return self.normed
@@ -251,11 +228,6 @@ class LayerChain:
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits the last launch scored, where ``hidden`` is its output; else None."""
         return self.logits if hidden is self.normed else None
-
-    def tile_stats_of(self, hidden: torch.Tensor) -> TileStats | None:
-        """The sampler's first pass over those logits, where the last launch (whose output
-        ``hidden`` is) was given a temperature; else None."""
-        return self.tile_stats if hidden is self.normed and self.scored_tiles else None
 
     def has_failed(self) -> bool:
         """Whether a launch gave up waiting (a bug, or blocks that could not all be resident);

@@ -22,8 +22,6 @@ a decode graph's batch that needs the general sampler skips the pass.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -170,19 +168,6 @@ def _pick_kernel(
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
-class TileStats(NamedTuple):
-    """The first pass over rows of logits, done elsewhere (the batch-1 layer kernel does it as
-    it writes the logits): per row and tile of ``tile`` logits ([rows, tiles] each), a
-    temperature row's largest score (``x log2(e) / T``) and its sum of ``2^(score - that
-    largest)``; a greedy row's largest logit and that logit's lowest index. NaN counts as -inf;
-    a tile with nothing finite has its first index."""
-
-    tile_max: torch.Tensor
-    tile_sum: torch.Tensor
-    tile_arg: torch.Tensor
-    tile: int
-
-
 def tiles_per_chunk(batch: int) -> int:
     """Tiles per program: 2 up to 16 rows, doubling with the batch up to 16 tiles from 65 rows
     (five programs per row of a 152k vocabulary: 1,280 at 256 rows). Tiles' results do not
@@ -203,8 +188,7 @@ def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
-                  seed: int | torch.Tensor, out: torch.Tensor | None = None,
-                  stats: TileStats | None = None) -> torch.Tensor:
+                  seed: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row of ``logits [B, V]``; returns ``[B]`` int64 token ids (``out``
     when given).
 
@@ -218,8 +202,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     which yields token 0. NaN logits are never picked (``torch.argmax`` would pick them).
 
     ``logits`` may be bf16, fp16 or fp32 with any row stride, but a contiguous last dimension.
-    Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``. ``stats``: the
-    first pass already done for these logits and temperatures; only the pick runs.
+    Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
@@ -234,23 +217,17 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     assert token_ids.shape == (batch,) and token_ids.dtype == torch.int64
     if batch == 0:
         return token_ids
-    if stats is None:
-        tile = INTERPRETER_TILE if interpreted(logits.device) else TILE
-        num_tiles = triton.cdiv(vocab_size, tile)
-        tiles = tiles_per_chunk(batch)
-        tile_max = torch.empty(batch, num_tiles, dtype=torch.float32, device=logits.device)
-        tile_sum = torch.empty_like(tile_max)
-        tile_arg = torch.empty(batch, num_tiles, dtype=torch.int32, device=logits.device)
-        _tile_stats_kernel[(batch, triton.cdiv(num_tiles, tiles))](
-            logits, temperature, tile_max, tile_sum, tile_arg, seed, vocab_size,
-            logits.stride(0), num_tiles, TILE=tile, TILES_PER_CHUNK=tiles, num_warps=NUM_WARPS,
-        )
-    else:
-        tile_max, tile_sum, tile_arg, tile = stats
-        num_tiles = triton.cdiv(vocab_size, tile)
-        assert tile_max.shape == tile_sum.shape == tile_arg.shape == (batch, num_tiles), \
-            "stats must hold [rows, ceil(vocab / tile)] tiles"
+    tile = INTERPRETER_TILE if interpreted(logits.device) else TILE
+    num_tiles = triton.cdiv(vocab_size, tile)
+    tiles = tiles_per_chunk(batch)
+    tile_max = torch.empty(batch, num_tiles, dtype=torch.float32, device=logits.device)
+    tile_sum = torch.empty_like(tile_max)
+    tile_arg = torch.empty(batch, num_tiles, dtype=torch.int32, device=logits.device)
     common = (logits, temperature, tile_max, tile_sum, tile_arg, seed)
+    _tile_stats_kernel[(batch, triton.cdiv(num_tiles, tiles))](
+        *common, vocab_size, logits.stride(0), num_tiles, TILE=tile, TILES_PER_CHUNK=tiles,
+        num_warps=NUM_WARPS,
+    )
     _pick_kernel[(batch,)](
         *common, token_ids, vocab_size, logits.stride(0), num_tiles, TILE=tile,
         BLOCK_T=triton.next_power_of_2(num_tiles), num_warps=NUM_WARPS,

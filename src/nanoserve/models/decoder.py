@@ -27,7 +27,6 @@ from nanoserve.layers.norm import NormInput, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from nanoserve.kernels.sampling import TileStats
     from nanoserve.models.loader import CheckpointTensor
 
 
@@ -132,17 +131,14 @@ class DecoderModel(nn.Module):
             producer.sum_squares = self.sum_squares[i]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                token_table: torch.Tensor | None = None,
-                temperature: torch.Tensor | None = None) -> torch.Tensor:
+                token_table: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states of the step's tokens: ``ids``, or where ``token_table`` is
         given, ``token_table[ids]`` (the decode graphs' arena, which holds the tokens the last
-        step sampled; the layer kernel reads through the index itself). ``temperature``: the
-        rows' sampling temperatures where the caller samples on the device; the layer kernel
-        then also does the sampler's first pass (DecoderForCausalLM.tile_stats)."""
+        step sampled; the layer kernel reads through the index itself)."""
         if self.layer_chain is not None:
             meta = get_attention_metadata()
             if runs_step(ids, meta):
-                return self.layer_chain(ids, positions, meta, token_table, temperature)
+                return self.layer_chain(ids, positions, meta, token_table)
         if token_table is not None:
             ids = token_table[ids]
         if self.sum_squares is not None:
@@ -200,9 +196,8 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                token_table: torch.Tensor | None = None,
-                temperature: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(ids, positions, token_table, temperature)
+                token_table: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(ids, positions, token_table)
 
     def fold_norm_weights(self) -> None:
         """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have
@@ -232,12 +227,6 @@ class DecoderForCausalLM(nn.Module):
         chain = self.model.layer_chain
         scored = chain.logits_of(hidden) if chain is not None else None
         return scored if scored is not None else self.lm_head(hidden, out)
-
-    def tile_stats(self, hidden: torch.Tensor) -> TileStats | None:
-        """The sampler's first pass over ``hidden``'s logits where the layer kernel did it
-        (forward's ``temperature``); None where the sampler must do it."""
-        chain = self.model.layer_chain
-        return chain.tile_stats_of(hidden) if chain is not None else None
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""

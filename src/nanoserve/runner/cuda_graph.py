@@ -114,16 +114,14 @@ class DecodeGraphs:
                                  region.tables, max_query_len=1, max_seq_len=cap,
                                  seq_order=region.order)
         with attention_metadata(meta):
-            hidden = self.model(region.sources, region.positions, self.arena.int64,
-                                region.temperature if self.sample else None)
+            hidden = self.model(region.sources, region.positions, self.arena.int64)
         if not self.sample:
             return DecodeOutput(hidden, None, None)
         from nanoserve.kernels.sampling import sample_tokens
 
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
         return DecodeOutput(hidden, logits, sample_tokens(
-            logits, region.temperature, region.noise_seed, out=self.samples[:bs],
-            stats=self.model.tile_stats(hidden)))
+            logits, region.temperature, region.noise_seed, out=self.samples[:bs]))
 
     @torch.inference_mode()
     def _capture(self) -> None:
