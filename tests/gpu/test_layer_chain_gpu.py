@@ -2,9 +2,10 @@
 
 One decode step through the kernel against the same step through the Triton layers and the
 LM head, at contexts from none to the kernel's last key, over shuffled cache blocks: the final
-hidden state, the logits and the K/V it stores. Then whole generations of one sequence at a time against transformers
-(vLLM's logprobs-close rule), through the decode graphs and eagerly, with prompts short enough
-for the kernel and long enough to cross into the Triton graphs. Skipped elsewhere.
+hidden state, the logits and the K/V it stores. Then whole generations of one sequence at a
+time against transformers (vLLM's logprobs-close rule), through the decode graphs and eagerly,
+with prompts short enough for the kernel and long enough to cross into the Triton graphs.
+Skipped elsewhere.
 """
 from __future__ import annotations
 

@@ -75,8 +75,9 @@ class Vocab(ctypes.Structure):
     runs after the layers, and where the final hidden state and logits go (VOCAB=1; all zero
     for builds without)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("token_index", "tokens", "embed", "head", "norm", "normed", "logits")] + [("size", ctypes.c_int)]
+    _fields_ = ([(name, ctypes.c_void_p) for name in
+                 ("token_index", "tokens", "embed", "head", "norm", "normed", "logits")]
+                + [("size", ctypes.c_int)])
 
 
 def tagged_buffers(device: torch.device | str, max_splits: int = 32) -> dict[str, torch.Tensor]:
