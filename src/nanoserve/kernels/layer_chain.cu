@@ -354,6 +354,19 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// The producer's next slot for copy `seq`: waits for the slot's previous use to be handed
+// back and, where `inflight` > 0, for the copy `inflight` before to land (the meter).
+__device__ __forceinline__ int claim_slot(uint32_t seq, int inflight, uint64_t* full,
+                                          uint64_t* empty, int* failed) {
+  const int slot = seq % SLOTS;
+  if (seq >= SLOTS) mbarrier_wait(&empty[slot], (seq / SLOTS - 1) & 1, failed);
+  if (inflight > 0 && seq >= (uint32_t)inflight) {
+    const uint32_t landed = seq - inflight;
+    mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
+  }
+  return slot;
+}
+
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
 }
@@ -966,12 +979,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const __nv_bfloat16* weight = phase_weight(weights, p, layer);
         const int per_slot = rows_per_slot(ph.k);
         for (int first = ph.first_row; first < ph.end_row; first += per_slot, ++seq) {
-          const int slot = seq % SLOTS;
-          if (seq >= SLOTS) mbarrier_wait(&empty[slot], (seq / SLOTS - 1) & 1, failed);
-          if (INFLIGHT > 0 && seq >= INFLIGHT) {
-            const uint32_t landed = seq - INFLIGHT;
-            mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
-          }
+          const int slot = claim_slot(seq, INFLIGHT, full, empty, failed);
           const int rows = min(per_slot, ph.end_row - first);
           uint8_t* to = ring + slot * SLOT_BYTES;
           mbarrier_expect_bytes(&full[slot], rows * ph.k * 2);
@@ -990,12 +998,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       const Phase ph = head_slice(vocab.size);
       const int per_slot = rows_per_slot(HIDDEN);
       for (int first = ph.first_row; first < ph.end_row; first += per_slot, ++seq) {
-        const int slot = seq % SLOTS;
-        if (seq >= SLOTS) mbarrier_wait(&empty[slot], (seq / SLOTS - 1) & 1, failed);
-        if (HEAD_INFLIGHT > 0 && seq >= HEAD_INFLIGHT) {
-          const uint32_t landed = seq - HEAD_INFLIGHT;
-          mbarrier_wait(&full[landed % SLOTS], (landed / SLOTS) & 1, failed);
-        }
+        const int slot = claim_slot(seq, HEAD_INFLIGHT, full, empty, failed);
         const uint32_t bytes = min(per_slot, ph.end_row - first) * HIDDEN * 2;
         mbarrier_expect_bytes(&full[slot], bytes);
         bulk_copy(ring + slot * SLOT_BYTES, vocab.head + (size_t)first * HIDDEN, bytes,
