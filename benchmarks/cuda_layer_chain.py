@@ -32,7 +32,8 @@ from common import emit, environment, replay_ms
 from nanoserve.kernels.cuda_build import CudaKernel, build_cubin
 from nanoserve.kernels.layer_chain import (HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE as INTER,
                                            KEYS_PER_WARP, KV_HEADS, QKV, SOURCE, AttentionArgs,
-                                           TaggedArgs, Vocab, Weights, tagged_buffers)
+                                           TaggedArgs, Vocab, Weights, pointer_array,
+                                           tagged_buffers)
 
 Q = HEADS * HEAD_DIM
 ROPE_THETA, BLOCK_SIZE = 1e6, 16
@@ -85,14 +86,10 @@ class Stack:
         def weight(n: int, k: int) -> torch.Tensor:
             return (randn(layers, n, k) * k ** -0.5).to(torch.bfloat16)
 
-        def pointers(per_layer: list[torch.Tensor]) -> torch.Tensor:
-            return torch.tensor([t.data_ptr() for t in per_layer], dtype=torch.int64,
-                                device=device)
-
         self.randn, self.layers, self.context = randn, layers, context
         self.w_qkv, self.w_o = weight(QKV, HIDDEN), weight(HIDDEN, Q)
         self.w_gate_up, self.w_down = weight(2 * INTER, HIDDEN), weight(HIDDEN, INTER)
-        self.weight_pointers = [pointers(list(w)) for w in
+        self.weight_pointers = [pointer_array(list(w), device) for w in
                                 (self.w_qkv, self.w_o, self.w_gate_up, self.w_down)]
         self.q_norm = 1 + 0.1 * randn(layers, HEAD_DIM)
         self.k_norm = 1 + 0.1 * randn(layers, HEAD_DIM)
@@ -103,7 +100,8 @@ class Stack:
         shape = (cache_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
         self.k_caches = [randn(*shape).to(torch.bfloat16) for _ in range(layers)]
         self.v_caches = [randn(*shape).to(torch.bfloat16) for _ in range(layers)]
-        self.cache_pointers = pointers(self.k_caches), pointers(self.v_caches)
+        self.cache_pointers = (pointer_array(self.k_caches, device),
+                               pointer_array(self.v_caches, device))
         positions = torch.arange(context + steps, device=device).float()
         angles = positions[:, None] * ROPE_THETA ** (
             -torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)

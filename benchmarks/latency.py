@@ -2,7 +2,7 @@
 
 ``ms_per_token`` is (t(N tokens) - t(1 token)) / (N - 1), best of the repeats;
 ``ms_per_token_second_half`` is (t(N) - t(N / 2)) / (N / 2), which does not carry the first
-token's swing between processes (added after runs 233-238; not yet run).
+token's swing between processes (added after runs 233-238; runs 239-245 report it).
 
 ``--skinny N:K:BLOCK_N:BLOCK_K[:defer][:wWARPS]`` (repeatable) replaces the batch-1 projection
 tiles for an (N, K) shape, to check a sweep's winners inside the model's chain of kernels;

@@ -141,7 +141,7 @@ def test_reference_attention_matches_a_naive_loop_at_a_later_step():
     """The reference the device check trusts: its attention for the current position (after a
     step, so through the block table and RoPE's row for that position) against a per-head,
     per-position loop over the engine-layout caches."""
-    stack = chain.Stack(layers=2, context=37, steps=3, device="cpu")
+    stack = chain.Stack(layers=2, context=37, steps=3, vocab=1000, device="cpu")
     stack.step(2)
     position, eps = stack.current, 1e-6
     assert position == 39
@@ -179,7 +179,7 @@ def test_reference_attention_matches_a_naive_loop_at_a_later_step():
 def test_reference_mlp_takes_gate_rows_then_up_rows():
     """One layer without attention, by hand: gate/up's first INTER rows are the gate, the rest
     the up projection, as the engine packs them."""
-    stack = chain.Stack(layers=1, context=5, device="cpu")
+    stack = chain.Stack(layers=1, context=5, vocab=1000, device="cpu")
     want = stack.reference(1e-6, attention=False)
     x = stack.h0.float()
     qkv = (stack.w_qkv[0].float() @ x * torch.rsqrt(x.square().mean() + 1e-6)).to(torch.bfloat16)

@@ -80,6 +80,12 @@ class Vocab(ctypes.Structure):
                 + [("size", ctypes.c_int)])
 
 
+def pointer_array(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """A device array of the tensors' addresses: how the kernel takes a matrix or cache per
+    layer."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
 def tagged_buffers(device: torch.device | str, max_splits: int = 32) -> dict[str, torch.Tensor]:
     """The tagged exchange buffers in 32-bit words, zeroed (no word carries a tag yet);
     partials are 64-bit words, room for ``max_splits`` splits."""
@@ -152,12 +158,9 @@ class LayerChain:
             raise CudaDriverError(f"layer_chain does not fit an SM: {self.resources}")
         self.eps, self.num_layers, self.device = eps, len(layers), device
 
-        def pointers(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64,
-                                device=device)
-
         self.attention_layers = [layer.self_attn for layer in layers]
-        self.weight_pointers = [pointers([layer.get_submodule(name).weight for layer in layers])
+        self.weight_pointers = [pointer_array([layer.get_submodule(name).weight
+                                               for layer in layers], device)
                                 for name in ("self_attn.qkv_proj", "self_attn.o_proj",
                                              "mlp.gate_up_proj", "mlp.down_proj")]
         self.q_norm = torch.stack([a.q_norm.weight.float() for a in self.attention_layers])
@@ -189,8 +192,9 @@ class LayerChain:
         while it sizes the cache; graphs are captured after, with the final ones)."""
         addresses = [t.data_ptr() for a in self.attention_layers for t in (a.k_cache, a.v_cache)]
         if addresses != self._cache_addresses:
-            self.cache_pointers = (torch.tensor(addresses[0::2], device=self.device),
-                                   torch.tensor(addresses[1::2], device=self.device))
+            self.cache_pointers = (
+                pointer_array([a.k_cache for a in self.attention_layers], self.device),
+                pointer_array([a.v_cache for a in self.attention_layers], self.device))
             self._cache_addresses = addresses
             self.block_size = self.attention_layers[0].k_cache.shape[1]
 
