@@ -62,23 +62,10 @@ class Variant:
         self.attention = self.defines.get("ATTENTION", "1") != "0"
         self.tagged = self.defines.get("TAGGED", "1") != "0"
         self.vocab = self.defines.get("VOCAB", "0") != "0"
-        self.min_grid = int(self.defines.get("MIN_GRID", 128))
-        # CLUSTER_MERGE: the splits of a KV head are one cluster.
-        self.cluster = self.splits if self.defines.get("CLUSTER_MERGE", "0") != "0" else 1
         shared_bytes = int(self.defines.get("SLOTS", 13)) * int(
             self.defines.get("SLOT_BYTES", 16384))
         cubin, self.resources = build_cubin(SOURCE, self.defines, compiler=compiler)
-        self.kernel = CudaKernel(cubin, "layer_chain", 32 * (self.warps + 1), shared_bytes,
-                                 cluster=self.cluster)
-
-    def grid(self, asked: int, sms: int) -> int:
-        """The blocks to launch for ``asked`` (0: one per SM); in clusters, as many whole
-        clusters as are resident at once."""
-        grid = asked or sms
-        if self.cluster > 1:
-            whole = grid // self.cluster
-            grid = self.cluster * min(whole, self.kernel.resident_clusters(self.cluster * whole))
-        return grid
+        self.kernel = CudaKernel(cubin, "layer_chain", 32 * (self.warps + 1), shared_bytes)
 
     def launch(self, args: list, grid: int) -> None:
         self.kernel.launch(grid, args)
@@ -393,13 +380,12 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for spec in args.variants:
         variant = Variant(spec, args.compiler)
-        for grid in (variant.grid(g, sms) for g in args.grid):
+        for grid in (g or sms for g in args.grid):
             record = {"bench": "cuda_layer_chain", "variant": spec, "grid": grid,
                       "layers": args.layers, "context": args.context,
                       "resources": variant.resources, **env}
-            if grid > sms or grid < variant.min_grid:
-                record["skipped"] = f"{grid} blocks: not all resident on {sms} SMs, or fewer " \
-                                    f"than the build's {variant.min_grid}"
+            if grid > sms:
+                record["skipped"] = f"{grid} blocks cannot all be resident on {sms} SMs"
                 emit(record)
                 continue
             split_keys = variant.keys_per_warp * variant.warps

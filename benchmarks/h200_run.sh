@@ -10,7 +10,7 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
-#   [taggedchain] [layerchain] [vocabchain] [clustermerge]
+#   [taggedchain] [layerchain] [vocabchain]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -351,21 +351,6 @@ for step in "$@"; do
             | tee -a "$OUT/layer_chain_latency.jsonl"
         done
       done ;;
-    clustermerge)  # the attention splits merged without a stage of their own (CLUSTER_MERGE: the
-      # splits of a KV head one thread-block cluster, merged through distributed shared memory;
-      # grid 120, 15 clusters of 8, 9 consumer warps so that no warp owns two residual rows),
-      # against the engine's build; twice over, then with stamps (run 249; run 248 had 8 warps,
-      # which spill at MIN_GRID=120, and MERGE_BY_ATTENTION, since removed)
-      C="CLUSTER_MERGE=1,SPLITS=8,MIN_GRID=120,CONSUMER_WARPS=9"
-      V="VOCAB=1 VOCAB=1,CONSUMER_WARPS=9 VOCAB=1,$C,KEYS_PER_WARP=6 VOCAB=1,$C,KEYS_PER_WARP=8
-         VOCAB=1,SPLITS=8,MIN_GRID=120,CONSUMER_WARPS=9,KEYS_PER_WARP=6"
-      for round in 1 2; do
-        timeout 200 python3 benchmarks/cuda_layer_chain.py --head --grid 0 120 --variants $V 2>&1 \
-          | grep -E '^\{|Error|error' | tee -a "$OUT/cluster_merge.jsonl"
-      done
-      timeout 200 python3 benchmarks/cuda_layer_chain.py --head --stamps --variants VOCAB=1 \
-        VOCAB=1,$C,KEYS_PER_WARP=6 2>&1 | grep -E '^\{|Error|error' \
-        | tee -a "$OUT/cluster_merge_stamps.jsonl" ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 
 
 class CudaBuildError(RuntimeError):
@@ -128,31 +127,15 @@ def nvrtc_cubin(source: Path, options: list[str]) -> tuple[bytes, str]:
     return binary.raw, log.value.decode()
 
 
-class LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute`` holding a cluster shape (its value is a 64-byte union)."""
-
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("cluster", ctypes.c_uint * 3),
-                ("rest", ctypes.c_char * 52)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig``."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
 class CudaKernel:
-    """A kernel of a loaded cubin, launched on torch's current stream (and so capturable),
-    in thread-block clusters of ``cluster`` blocks where that is more than one.
+    """A kernel of a loaded cubin, launched on torch's current stream (and so capturable).
 
     The module lives in ``device``'s primary context (torch's), which loads and launches make
     current, so an engine on another GPU than the current one launches on its own."""
 
     def __init__(self, cubin: bytes, name: str, threads: int, shared_bytes: int,
-                 device: torch.device | str = "cuda", cluster: int = 1):
-        self.device, self.cluster = torch.device(device), cluster
+                 device: torch.device | str = "cuda"):
+        self.device = torch.device(device)
         with torch.cuda.device(self.device):
             torch.zeros(1, device=self.device)  # makes the primary context current here
             cu = cuda_driver()
@@ -175,28 +158,13 @@ class CudaKernel:
             "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return blocks.value
 
-    def _config(self, grid: int, attribute: LaunchAttribute) -> LaunchConfig:
-        attribute.cluster[:] = [self.cluster, 1, 1]
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        return LaunchConfig((grid, 1, 1), (self.threads, 1, 1), self.shared_bytes, stream,
-                            ctypes.pointer(attribute), 1 if self.cluster > 1 else 0)
-
-    def resident_clusters(self, grid: int) -> int:
-        """How many of this kernel's clusters the device holds at once."""
-        count, attribute = ctypes.c_int(), LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
-        with torch.cuda.device(self.device):
-            check_cuda(cuda_driver().cuOccupancyMaxActiveClusters(
-                ctypes.byref(count), self.function, ctypes.byref(self._config(grid, attribute))),
-                "cuOccupancyMaxActiveClusters")
-        return count.value
-
     def launch(self, grid: int, args: list) -> None:
         """Launch ``grid`` blocks with ``args`` (ints are pointers; ctypes values as they are)."""
         values = [ctypes.c_void_p(a) if isinstance(a, int) else a for a in args]
         pointers = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
         with torch.cuda.device(self.device):
-            config = self._config(grid, attribute)
-            check_cuda(cuda_driver().cuLaunchKernelEx(ctypes.byref(config), self.function,
-                                                      pointers, None), "cuLaunchKernelEx")
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            check_cuda(cuda_driver().cuLaunchKernel(self.function, grid, 1, 1, self.threads,
+                                                    1, 1, self.shared_bytes, stream, pointers,
+                                                    None), "cuLaunchKernel")

@@ -142,23 +142,6 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 #if TAGGED && (BARRIER_ONLY || !MERGE_AS_STAGE)
 #error "TAGGED needs the data a barrier would order: no BARRIER_ONLY, the merge as a stage"
 #endif
-// MERGE_BY_ATTENTION=1 gives the merge stage to the attention blocks alone, block (h, s)
-// merging its share of KV head h's outputs (run 248: no faster).
-#ifndef MERGE_BY_ATTENTION
-#define MERGE_BY_ATTENTION 0
-#endif
-// CLUSTER_MERGE=1 merges the splits inside the attention stage, with no merge stage: the
-// launch comes in thread-block clusters of SPLITS blocks, the splits of a KV head one cluster;
-// each keeps its partials in its own shared memory as tagged words and merges a share of the
-// head's outputs from all of them through distributed shared memory. The H200 holds at most
-// 15 clusters of 8 at one block per SM, so SPLITS=8 runs a grid of 120 (MIN_GRID=120), with
-// CONSUMER_WARPS=9 so that no warp owns two residual rows (8 warps spill). Runs 248-249.
-#ifndef CLUSTER_MERGE
-#define CLUSTER_MERGE 0
-#endif
-#if CLUSTER_MERGE && !(TAGGED && ATTENTION && !MERGE_BY_ATTENTION)
-#error "CLUSTER_MERGE polls tagged partials: it needs TAGGED=1, ATTENTION=1, no MERGE_BY_ATTENTION"
-#endif
 constexpr int CONSUMERS = CONSUMER_WARPS * 32;
 constexpr int THREADS = CONSUMERS + 32;  // the last warp streams the weights
 // Polls before a wait gives up and flags the launch, so a bug fails the check instead of
@@ -168,9 +151,7 @@ constexpr uint32_t FLAG_EVERY = 1024;
 
 // The fewest blocks the launch may have: it bounds the rows (phase 2: features) a warp owns
 // in a phase, which its registers hold.
-#ifndef MIN_GRID
-#define MIN_GRID 128
-#endif
+constexpr int MIN_GRID = 128;
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int units_per_warp(int n) {
   return ceil_div(ceil_div(n, MIN_GRID), CONSUMER_WARPS);
@@ -182,14 +163,8 @@ constexpr int OWN_ROWS = units_per_warp(HIDDEN);  // residual rows a warp update
 constexpr int PARTIAL = HEAD_DIM + 2;  // a split's (max, sum, output) for one q head
 static_assert(KV_HEADS * SPLITS <= MIN_GRID, "one block per (KV head, split)");
 static_assert(SPLITS <= 32 && (SPLITS & (SPLITS - 1)) == 0, "a split per lane, in groups");
-static_assert(ceil_div(HEADS * HEAD_DIM, MERGE_BY_ATTENTION ? KV_HEADS * SPLITS : MIN_GRID) *
-                      SPLITS <= CONSUMERS,
+static_assert(ceil_div(HEADS * HEAD_DIM, MIN_GRID) * SPLITS <= CONSUMERS,
               "the merge gives each of a block's outputs SPLITS threads");
-static_assert(!CLUSTER_MERGE || (MIN_GRID % SPLITS == 0 && SPLITS <= 16 &&
-                                 GROUP * HEAD_DIM % SPLITS == 0 &&
-                                 GROUP * HEAD_DIM <= CONSUMERS),
-              "CLUSTER_MERGE: clusters of SPLITS blocks, at most 16, each of a KV head's "
-              "outputs SPLITS threads");
 
 // The step's attention inputs; the caches and norm weights hold every layer.
 // In the engine's layout: a cache tensor per layer, the step's position in device memory (so
@@ -691,71 +666,6 @@ __device__ __forceinline__ void norm_rope(float (&x)[4], const float (&weight)[4
   for (int e = 0; e < 4; ++e) x[e] = rounded[e];
 }
 
-// CLUSTER_MERGE: a tagged word kept in this block's shared memory for its cluster, and one
-// read from a cluster block's (rank `rank`) through distributed shared memory.
-__device__ __forceinline__ void store_for_cluster(uint64_t* p, uint64_t word) {
-  asm volatile("st.relaxed.cluster.shared::cta.u64 [%0], %1;" ::"r"(shared_address(p)), "l"(word)
-               : "memory");
-}
-
-__device__ __forceinline__ uint32_t cluster_address(const void* p, int rank) {
-  uint32_t address;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(address)
-               : "r"(shared_address(p)), "r"(rank));
-  return address;
-}
-
-__device__ __forceinline__ uint64_t load_cluster(uint32_t address) {
-  uint64_t w;
-  asm volatile("ld.relaxed.cluster.shared::cluster.u64 %0, [%1];" : "=l"(w) : "r"(address)
-               : "memory");
-  return w;
-}
-
-// Every block of the cluster past this point before any goes on.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// CLUSTER_MERGE: this block's share of its KV head's GROUP * HEAD_DIM outputs, merged from
-// the partials (per q head: max, sum, HEAD_DIM outputs) that the cluster's SPLITS blocks keep
-// in `kept`; SPLITS neighbouring threads per output, a split each, as merge_stage.
-__device__ __forceinline__ void cluster_merge(const KeyRange& r, const uint64_t* kept,
-                                              const TaggedArgs& tagged, uint32_t tag,
-                                              int* failed) {
-  constexpr int SHARE = GROUP * HEAD_DIM / SPLITS;
-  const int output = threadIdx.x / SPLITS, split = threadIdx.x % SPLITS;
-  if (output >= SHARE) return;  // whole warps: SHARE * SPLITS is a multiple of 32
-  const int j = r.split * SHARE + output, g = j / HEAD_DIM, d = j % HEAD_DIM;
-  const int index[3] = {g * PARTIAL, g * PARTIAL + 1, g * PARTIAL + 2 + d};
-  uint32_t address[3];
-  uint64_t words[3];
-#pragma unroll
-  for (int i = 0; i < 3; ++i) {
-    address[i] = cluster_address(kept + index[i], split);
-    words[i] = load_cluster(address[i]);
-  }
-  poll<3>([&](int i) { return (uint32_t)(words[i] >> 32) == tag; },
-          [&](int i) { words[i] = load_cluster(address[i]); }, failed);
-  const float max = __uint_as_float((uint32_t)words[0]);
-  float sum = __uint_as_float((uint32_t)words[1]), out = __uint_as_float((uint32_t)words[2]);
-  float m = max;
-#pragma unroll
-  for (int offset = SPLITS / 2; offset > 0; offset >>= 1)
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  const float f = max == -INFINITY ? 0.f : exp2f(max - m);
-  sum *= f;
-  out *= f;
-#pragma unroll
-  for (int offset = SPLITS / 2; offset > 0; offset >>= 1) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    out += __shfl_xor_sync(0xffffffffu, out, offset);
-  }
-  if (split == 0) put(Out{nullptr, tagged.attn, tag}, (r.head * GROUP + g) * HEAD_DIM + d, out / sum);
-}
-
 // A split's partial value: plain float, or TAGGED, the float and its tag in one 64-bit word.
 __device__ __forceinline__ void put_partial(const AttentionArgs& a, uint64_t* tagged, size_t i,
                                             float value, uint32_t tag) {
@@ -772,8 +682,8 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
                                                 const __nv_bfloat16* qkv,
                                                 const TaggedArgs& tagged, uint32_t tag,
                                                 const Prefetched& f, float eps, float* scratch,
-                                                uint2* shared_bits, uint64_t* kept, int* last,
-                                                uint64_t* stamp, int* failed) {
+                                                uint2* shared_bits, int* last, uint64_t* stamp,
+                                                int* failed) {
   if (blockIdx.x >= KV_HEADS * SPLITS) {
     stamp_clock(stamp, CLK_INPUTS);
     return;
@@ -890,26 +800,14 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
       for (int e = 0; e < 4; ++e)
         acc[e] = fmaf(warp_acc[(w * GROUP + g) * HEAD_DIM + 4 * lane + e], f, acc[e]);
     }
-    if (CLUSTER_MERGE) {  // kept in shared memory, tagged, for the cluster to merge
-      uint64_t* partial = kept + g * PARTIAL;
-      auto word = [&](float v) { return (uint64_t)tag << 32 | __float_as_uint(v); };
-      if (lane == 0) store_for_cluster(partial, word(m)), store_for_cluster(partial + 1, word(sum));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) store_for_cluster(partial + 2 + 4 * lane + e, word(acc[e]));
-    } else {
-      const size_t partial = ((size_t)head * SPLITS + r.split) * PARTIAL;
-      if (lane == 0) {
-        put_partial(a, tagged.partials, partial, m, tag);
-        put_partial(a, tagged.partials, partial + 1, sum, tag);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        put_partial(a, tagged.partials, partial + 2 + 4 * lane + e, acc[e], tag);
+    const size_t partial = ((size_t)head * SPLITS + r.split) * PARTIAL;
+    if (lane == 0) {
+      put_partial(a, tagged.partials, partial, m, tag);
+      put_partial(a, tagged.partials, partial + 1, sum, tag);
     }
-  }
-  if (CLUSTER_MERGE) {
-    cluster_merge(r, kept, tagged, tag, failed);
-    return;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      put_partial(a, tagged.partials, partial + 2 + 4 * lane + e, acc[e], tag);
   }
   if (MERGE_AS_STAGE) return;
   consumers_sync();
@@ -949,10 +847,9 @@ __device__ __forceinline__ void attention_stage(const AttentionArgs& a, int laye
 __device__ __forceinline__ void merge_stage(const AttentionArgs& a, const TaggedArgs& tagged,
                                             uint32_t tag, uint64_t* stamp, int* failed) {
   constexpr int OUTPUTS = HEADS * HEAD_DIM;
-  const int mergers = MERGE_BY_ATTENTION ? KV_HEADS * SPLITS : gridDim.x;
-  const int first = blockIdx.x * OUTPUTS / mergers;
+  const int first = blockIdx.x * OUTPUTS / gridDim.x;
   const int output = first + threadIdx.x / SPLITS, split = threadIdx.x % SPLITS;
-  const bool mine = (int)blockIdx.x < mergers && output < (blockIdx.x + 1) * OUTPUTS / mergers;
+  const bool mine = output < (blockIdx.x + 1) * OUTPUTS / gridDim.x;
   const size_t partial = ((size_t)(output / HEAD_DIM) * SPLITS + split) * PARTIAL;
   const size_t index[3] = {partial, partial + 1, partial + 2 + output % HEAD_DIM};
   float max = -INFINITY, sum = 0.f, out = 0.f;
@@ -1058,10 +955,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   __shared__ uint4 staged[INTER / 8];  // the phase's input vector
   __shared__ float scratch[2 * CONSUMER_WARPS * GROUP * (1 + HEAD_DIM / 2)];  // attention's
   __shared__ int last_split;
-  __shared__ uint64_t kept[CLUSTER_MERGE ? GROUP * PARTIAL : 1];  // for the cluster's merge
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (gridDim.x < MIN_GRID || (CLUSTER_MERGE && gridDim.x % SPLITS != 0)) {
+  if (gridDim.x < MIN_GRID) {
     if (threadIdx.x == 0) atomicExch(failed, 1);
     return;
   }
@@ -1071,13 +967,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       mbarrier_init(&empty[s], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  if (CLUSTER_MERGE) {
-    // Fresh shared memory may hold any words, even a stale tag, and no block may read another's
-    // before it is zeroed. No block reads another's after writing its last merged outputs,
-    // which every block reads before it ends, so none reads one that has ended.
-    for (int i = threadIdx.x; i < GROUP * PARTIAL; i += THREADS) kept[i] = 0;
-    cluster_sync();
   }
   __syncthreads();
 
@@ -1150,7 +1039,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
       if ((stage == ATTENTION_STAGE && !ATTENTION) ||
-          (stage == MERGE_STAGE && !(ATTENTION && MERGE_AS_STAGE && !CLUSTER_MERGE)))
+          (stage == MERGE_STAGE && !(ATTENTION && MERGE_AS_STAGE)))
         continue;
       Prefetched prefetched;
       if (stage == ATTENTION_STAGE && !STREAM_ONLY && !BARRIER_ONLY)
@@ -1167,7 +1056,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (STREAM_ONLY || BARRIER_ONLY) stamp_clock(stamp, CLK_INPUTS);
         if (!STREAM_ONLY && !BARRIER_ONLY)
           attention_stage(attention, layer, qkv, tagged, tag, prefetched, eps, scratch,
-                          reinterpret_cast<uint2*>(staged), kept, &last_split, stamp, failed);
+                          reinterpret_cast<uint2*>(staged), &last_split, stamp, failed);
         stamp_clock(stamp, CLK_SUMS);
         grid_arrive(arrived);
         stamp_clock(stamp, CLK_ARRIVED);
