@@ -10,7 +10,7 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
-#   [taggedchain] [layerchain] [vocabchain]
+#   [taggedchain] [layerchain] [vocabchain] [dotissue]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -351,6 +351,19 @@ for step in "$@"; do
             | tee -a "$OUT/layer_chain_latency.jsonl"
         done
       done ;;
+    dotissue)  # the dot products with one integer op per bf16 (bf16_pair) and reduce-scatter warp
+      # sums (SCATTER_SUMS) against BASE (the tree before, git archive into abbase): the GPU
+      # tests, the kernel alone three rounds (and this tree with SCATTER_SUMS=0), the engine's
+      # latency both orders (run 251)
+      timeout 300 python3 -m pytest tests/gpu/test_layer_chain_gpu.py -q -s -p no:cacheprovider 2>&1 \
+        | grep -E "context|identical|passed|failed|FAILED|Error|assert" | tee "$OUT/dot_tests.log"
+      for round in 1 2 3; do
+        ab dot_chain.jsonl benchmarks/cuda_layer_chain.py --head --variants VOCAB=1
+        python3 benchmarks/cuda_layer_chain.py --head --variants VOCAB=1,SCATTER_SUMS=0 2>&1 \
+          | grep '^{' | tee -a "$OUT/dot_chain.jsonl"
+      done
+      ab dot_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b
+      AB_REVERSE=1 ab dot_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

@@ -80,7 +80,7 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 // Timing aids, each making the results wrong: STREAM_ONLY leaves the consumers nothing but
 // waiting for each slot and releasing it (the weight stream's own pace), NO_WEIGHTS skips the
 // weight stream (the barriers' and vectors' pace), NO_DOTS also skips the dot products (each
-// output is an input value), and BARRIER_ONLY (with NO_WEIGHTS) leaves nothing between the
+// output is an input value, still summed across the warp), and BARRIER_ONLY (with NO_WEIGHTS) leaves nothing between the
 // grid barriers.
 #ifndef STREAM_ONLY
 #define STREAM_ONLY 0
@@ -422,6 +422,14 @@ __device__ __forceinline__ void stamp_clock(uint64_t* stamp, int which) {
   if (stamp != nullptr && threadIdx.x == 0) stamp[which] = clock64();
 }
 
+// A word's two bf16 values (the first in the low half) as floats, exactly: a bf16 is a float's
+// high 16 bits. One integer op each, where __bfloat1622float2 spends three on the pair (the
+// high value extracted, then shifted): the dot products issue ~20% fewer instructions, and
+// they are issue-bound (run 250's warp samples: 39% issuing, 18% not selected).
+__device__ __forceinline__ float2 bf16_pair(uint32_t word) {
+  return {__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u)};
+}
+
 // The phase's inputs. Its weight slots: thread i waits for the phase's i-th slot, so the
 // waits overlap (a warp waiting on each of its slots in turn cost ~0.1 µs per wait, run 202),
 // and the barrier after makes the copies visible to every consumer. Its input vector: read
@@ -491,11 +499,11 @@ __device__ __forceinline__ float lane_dot(const uint8_t* row, int lane, const fl
   float acc[8] = {};  // independent chains, so the FMAs overlap
 #pragma unroll
   for (int j = 0; j < K / 256; ++j) {
-    uint4 piece = reinterpret_cast<const uint4*>(row)[j * 32 + lane];
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&piece);
+    const uint4 piece = reinterpret_cast<const uint4*>(row)[j * 32 + lane];
+    const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float2 w = __bfloat1622float2(pairs[e]);
+      const float2 w = bf16_pair(words[e]);
       acc[2 * e] = fmaf(w.x, x[j * 8 + 2 * e], acc[2 * e]);
       acc[2 * e + 1] = fmaf(w.y, x[j * 8 + 2 * e + 1], acc[2 * e + 1]);
     }
@@ -503,14 +511,39 @@ __device__ __forceinline__ float lane_dot(const uint8_t* row, int lane, const fl
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// Butterfly sums of n independent values at once, so their shuffles overlap.
-template <int N>
-__device__ __forceinline__ void warp_sum(float (&v)[N]) {
+__host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
+__host__ __device__ constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+
+// Warp sums of N values (N / KEEP a power of two) as a reduce-scatter butterfly: at each of the
+// first log2(N / KEEP) steps a lane sends half of the values it still holds and keeps the other
+// half, so a step shuffles half as many as the one before, then KEEP values go through the
+// remaining steps whole. Lane l ends with the sums of values [KEEP * g, KEEP * g + KEEP) in
+// v[0, KEEP), g (returned) being l's top log2(N / KEEP) bits, bit 4 first; KEEP = N is the
+// plain butterfly. For N = 4 that is 6 shuffles where the plain one takes 20, and 12 against 30
+// (gate/up, padded to 8) or 9 against 40 (the LM head's 8): the kernel alone 487 µs against
+// 497-503 (run 251).
+template <int N, int KEEP>
+__device__ __forceinline__ int warp_sum_scatter(float (&v)[N], int lane) {
+  constexpr int STEPS = log2_of(N / KEEP);
+  static_assert(KEEP << STEPS == N && STEPS <= 5, "N / KEEP a power of two, at most 32");
+  int group = 0;
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
+  for (int step = 0; step < STEPS; ++step) {
+    const int offset = 16 >> step, half = N >> (step + 1);
+    const bool upper = (lane & offset) != 0;
+    group = 2 * group + upper;
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half], keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
   }
+#pragma unroll
+  for (int offset = 16 >> STEPS; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int i = 0; i < KEEP; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+  }
+  return group;
 }
 
 template <int K>
@@ -530,9 +563,10 @@ __device__ __forceinline__ float add_rounded(float h, float product) {
 }
 
 // One phase's dot products, its slots all in. Warp w owns the slice's units (rows; phase 2:
-// gate/up row pairs) w, w + CONSUMER_WARPS, ... and sums their dot products in one butterfly.
-// Phases 1 and 3 add into the block's residual rows, which the warp keeps in `own` (lane 0)
-// across phases and layers.
+// gate/up row pairs) w, w + CONSUMER_WARPS, ... and sums their dot products in one butterfly,
+// phases 0 and 2 scattering the units' sums over its lanes (padded to a power of two), each
+// unit's lane storing it. Phases 1 and 3 add into the block's residual rows, which the warp
+// keeps in `own` (lane 0) across phases and layers.
 template <int K, int PHASE, int UNITS>
 __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[K / 32],
                                               float scale, const uint8_t* ring, uint32_t seq,
@@ -541,7 +575,14 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
   constexpr int UNIT_ROWS = PHASE == 2 ? 2 : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int units = (ph.end_row - ph.first_row) / UNIT_ROWS;
-  float sums[UNITS * UNIT_ROWS];
+  // Phases 0 and 2 scatter their units' sums over the warp's lanes (padded to a power of two);
+  // 1 and 3 keep every sum in lane 0, which holds the warp's residual rows.
+  constexpr bool SCATTER = PHASE % 2 == 0;
+  constexpr int SUMS = (SCATTER ? pow2_at_least(UNITS) : UNITS) * UNIT_ROWS;
+  constexpr int KEEP = SCATTER ? UNIT_ROWS : SUMS;
+  float sums[SUMS];
+#pragma unroll
+  for (int i = UNITS * UNIT_ROWS; i < SUMS; ++i) sums[i] = 0.f;
 #pragma unroll
   for (int t = 0; t < UNITS; ++t) {
     const int unit = warp + t * CONSUMER_WARPS;
@@ -557,7 +598,18 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
           unit >= units ? 0.f : NO_DOTS ? x[r] : lane_dot<K>(weights, lane, x);
     }
   }
-  if (!NO_DOTS) warp_sum(sums);
+  const int group = warp_sum_scatter<SUMS, KEEP>(sums, lane);
+  if constexpr (SCATTER) {
+    const int t = group, unit = warp + t * CONSUMER_WARPS;
+    if (lane % (32 >> log2_of(SUMS / KEEP)) != 0 || t >= UNITS || unit >= units) return;
+    if (PHASE == 0) {
+      put(out, ph.first_row + unit, sums[0] * scale);
+    } else {
+      const float g = sums[0] * scale, u = sums[1] * scale;
+      put(out, ph.first_row / 2 + unit, g / (1.f + __expf(-g)) * u);
+    }
+    return;
+  }
   if (lane != 0) return;
 #pragma unroll
   for (int t = 0; t < UNITS; ++t) {
@@ -631,8 +683,7 @@ __device__ __forceinline__ void prefetch_attention(const AttentionArgs& a, int l
 }
 
 __device__ __forceinline__ void unpack4(uint2 w, float (&x)[4]) {
-  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
-  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+  const float2 lo = bf16_pair(w.x), hi = bf16_pair(w.y);
   x[0] = lo.x, x[1] = lo.y, x[2] = hi.x, x[3] = hi.y;
 }
 
@@ -931,14 +982,10 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
 #pragma unroll
     for (int r = 0; r < PER_SLOT; ++r)
       sums[r] = r < n ? lane_dot<HIDDEN>(rows + r * HIDDEN * 2, lane, x) : 0.f;
-    warp_sum(sums);
+    const int r = warp_sum_scatter<PER_SLOT, 1>(sums, lane);
     __syncwarp();  // every lane's reads of the slot are done before it is handed back
-    if (lane == 0) {
-      mbarrier_arrive(&empty[slot]);
-#pragma unroll
-      for (int r = 0; r < PER_SLOT; ++r)
-        if (r < n) vocab.logits[first + r] = __float2bfloat16(sums[r]);
-    }
+    if (lane == 0) mbarrier_arrive(&empty[slot]);
+    if (lane % (32 / PER_SLOT) == 0 && r < n) vocab.logits[first + r] = __float2bfloat16(sums[0]);
   }
 }
 
