@@ -10,7 +10,7 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
-#   [taggedchain] [layerchain] [vocabchain] [dotissue]
+#   [taggedchain] [layerchain] [vocabchain] [dotissue] [dotfinal] [samplerflaky]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -364,6 +364,35 @@ for step in "$@"; do
       done
       ab dot_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b
       AB_REVERSE=1 ab dot_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b ;;
+    dotfinal)  # the x vector unpacked by bf16_pair too and the norm's sum of squares in four chains
+      # (this tree) against BASE (9b3f23c): the kernel alone three rounds (POLL_NS 192 and 320
+      # twice), the GPU tests of the kernel and of the graphs' sampling, the engine's latency
+      # three times (run 252)
+      for round in 1 2 3; do
+        ab final_chain.jsonl benchmarks/cuda_layer_chain.py --head --variants VOCAB=1
+        [ $round = 3 ] || python3 benchmarks/cuda_layer_chain.py --head --variants VOCAB=1,POLL_NS=192 \
+          VOCAB=1,POLL_NS=320 2>&1 | grep '^{' | tee -a "$OUT/final_chain.jsonl"
+      done
+      timeout 400 python3 -m pytest tests/gpu/test_layer_chain_gpu.py tests/gpu/test_graph_sampling.py \
+        -q -s -p no:cacheprovider 2>&1 | grep -E "context|identical|passed|failed|FAILED|Error|assert" \
+        | tee "$OUT/final_tests.log"
+      for round in 1 2 3; do
+        python3 benchmarks/latency.py --shape qwen3-0.6b 2>&1 | grep '^{' | tee -a "$OUT/final_latency.jsonl"
+      done ;;
+    samplerflaky)  # the seeded batch-of-four test three times with the kernel and three without
+      # (persistent_decode=False in a copy of the test), interleaved (run 253)
+      cp tests/gpu/test_graph_sampling.py /tmp/on.py
+      sed 's/gpu_memory_utilization=0.5)/gpu_memory_utilization=0.5, persistent_decode=False)/' \
+        /tmp/on.py > /tmp/off.py
+      for i in 1 2 3; do
+        for mode in on off; do
+          cp /tmp/$mode.py tests/gpu/test_graph_sampling.py
+          echo "== $mode $i" >> "$OUT/flaky.log"
+          timeout 150 python3 -m pytest tests/gpu/test_graph_sampling.py -q -p no:cacheprovider \
+            -k general_sampler 2>&1 | grep -E "passed|failed|^E " | head -3 >> "$OUT/flaky.log"
+        done
+      done
+      cp /tmp/on.py tests/gpu/test_graph_sampling.py ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

@@ -30,7 +30,8 @@
 // Measured (docs/kernels.md, "Batch-1 layers as one persistent CUDA kernel"): the whole layer
 // in 15.1-15.5 µs with tagged data against 16.5-16.9 with grid barriers and 19.5 for the
 // Triton chain's forward (runs 227-230, 384 cached keys); in the engine, a decode step in
-// 0.514-0.522 ms against 0.626-0.627 with VOCAB=1 (runs 239-242).
+// 0.514-0.522 ms against 0.626-0.627 with VOCAB=1 (runs 239-242), 0.485-0.491 since the dot
+// products issue fewer instructions (runs 251-252: bf16_pair, warp_sum_scatter).
 
 #include <cuda_bf16.h>
 #ifdef __CUDACC_RTC__  // NVRTC (cuda_build.py) has no C library headers
@@ -482,11 +483,11 @@ __device__ __forceinline__ void load_inputs(const __nv_bfloat16* v, const uint32
   consumers_sync();
 #pragma unroll
   for (int j = 0; j < K / 256; ++j) {
-    uint4 piece = staged[j * 32 + lane];
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&piece);
+    const uint4 piece = staged[j * 32 + lane];
+    const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float2 f = __bfloat1622float2(pairs[e]);
+      const float2 f = bf16_pair(words[e]);
       x[j * 8 + 2 * e] = f.x;
       x[j * 8 + 2 * e + 1] = f.y;
     }
@@ -548,9 +549,10 @@ __device__ __forceinline__ int warp_sum_scatter(float (&v)[N], int lane) {
 
 template <int K>
 __device__ __forceinline__ float rms_scale(const float (&x)[K / 32], float eps) {
-  float ss = 0.f;
+  float part[4] = {};  // independent chains, so the FMAs overlap
 #pragma unroll
-  for (int i = 0; i < K / 32; ++i) ss = fmaf(x[i], x[i], ss);
+  for (int i = 0; i < K / 32; ++i) part[i % 4] = fmaf(x[i], x[i], part[i % 4]);
+  float ss = (part[0] + part[1]) + (part[2] + part[3]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, offset);
   return rsqrtf(ss / K + eps);
