@@ -81,8 +81,8 @@ enum Stage { QKV_STAGE, ATTENTION_STAGE, MERGE_STAGE, O_STAGE, GATE_UP_STAGE, DO
 // Timing aids, each making the results wrong: STREAM_ONLY leaves the consumers nothing but
 // waiting for each slot and releasing it (the weight stream's own pace), NO_WEIGHTS skips the
 // weight stream (the barriers' and vectors' pace), NO_DOTS also skips the dot products (each
-// output is an input value, still summed across the warp), and BARRIER_ONLY (with NO_WEIGHTS) leaves nothing between the
-// grid barriers.
+// output is an input value, still summed across the warp), and BARRIER_ONLY (with
+// NO_WEIGHTS) leaves nothing between the grid barriers.
 #ifndef STREAM_ONLY
 #define STREAM_ONLY 0
 #endif
@@ -513,7 +513,9 @@ __device__ __forceinline__ float lane_dot(const uint8_t* row, int lane, const fl
 }
 
 __host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
-__host__ __device__ constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+__host__ __device__ constexpr int pow2_at_least(int n) {
+  return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2);
+}
 
 // Warp sums of N values (N / KEEP a power of two) as a reduce-scatter butterfly: at each of the
 // first log2(N / KEEP) steps a lane sends half of the values it still holds and keeps the other
@@ -577,8 +579,6 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
   constexpr int UNIT_ROWS = PHASE == 2 ? 2 : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int units = (ph.end_row - ph.first_row) / UNIT_ROWS;
-  // Phases 0 and 2 scatter their units' sums over the warp's lanes (padded to a power of two);
-  // 1 and 3 keep every sum in lane 0, which holds the warp's residual rows.
   constexpr bool SCATTER = PHASE % 2 == 0;
   constexpr int SUMS = (SCATTER ? pow2_at_least(UNITS) : UNITS) * UNIT_ROWS;
   constexpr int KEEP = SCATTER ? UNIT_ROWS : SUMS;
