@@ -521,10 +521,11 @@ __host__ __device__ constexpr int pow2_at_least(int n) {
 // first log2(N / KEEP) steps a lane sends half of the values it still holds and keeps the other
 // half, so a step shuffles half as many as the one before, then KEEP values go through the
 // remaining steps whole. Lane l ends with the sums of values [KEEP * g, KEEP * g + KEEP) in
-// v[0, KEEP), g (returned) being l's top log2(N / KEEP) bits, bit 4 first; KEEP = N is the
-// plain butterfly. For N = 4 that is 6 shuffles where the plain one takes 20, and 12 against 30
-// (gate/up, padded to 8) or 9 against 40 (the LM head's 8): the kernel alone 487 µs against
-// 497-503 (run 251).
+// v[0, KEEP), g being l's top log2(N / KEEP) bits, bit 4 first; the lanes that share a g hold
+// the same sums, and the first of them is the one to store them: it gets g back, the others
+// -1. KEEP = N is the plain butterfly, lane 0 storing. For N = 4 that is 6 shuffles where the
+// plain one takes 20, and 12 against 30 (gate/up, padded to 8) or 9 against 40 (the LM head's
+// 8): the kernel alone 487 µs against 497-503 (run 251).
 template <int N, int KEEP>
 __device__ __forceinline__ int warp_sum_scatter(float (&v)[N], int lane) {
   constexpr int STEPS = log2_of(N / KEEP);
@@ -546,7 +547,7 @@ __device__ __forceinline__ int warp_sum_scatter(float (&v)[N], int lane) {
 #pragma unroll
     for (int i = 0; i < KEEP; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
   }
-  return group;
+  return lane % (32 >> STEPS) == 0 ? group : -1;
 }
 
 template <int K>
@@ -600,29 +601,22 @@ __device__ __forceinline__ void consume_phase(const Phase& ph, const float (&x)[
           unit >= units ? 0.f : NO_DOTS ? x[r] : lane_dot<K>(weights, lane, x);
     }
   }
-  const int group = warp_sum_scatter<SUMS, KEEP>(sums, lane);
+  const int stored = warp_sum_scatter<SUMS, KEEP>(sums, lane);
+  if (stored < 0) return;
   if constexpr (SCATTER) {
-    const int t = group, unit = warp + t * CONSUMER_WARPS;
-    if (lane % (32 >> log2_of(SUMS / KEEP)) != 0 || t >= UNITS || unit >= units) return;
+    const int t = stored, unit = warp + t * CONSUMER_WARPS;
+    if (t >= UNITS || unit >= units) return;
     if (PHASE == 0) {
       put(out, ph.first_row + unit, sums[0] * scale);
     } else {
       const float g = sums[0] * scale, u = sums[1] * scale;
       put(out, ph.first_row / 2 + unit, g / (1.f + __expf(-g)) * u);
     }
-    return;
-  }
-  if (lane != 0) return;
+  } else {  // phases 1 and 3: lane 0 holds every sum
 #pragma unroll
-  for (int t = 0; t < UNITS; ++t) {
-    const int unit = warp + t * CONSUMER_WARPS;
-    if (unit >= units) continue;
-    if (PHASE == 0) {
-      put(out, ph.first_row + unit, sums[t] * scale);
-    } else if (PHASE == 2) {
-      const float g = sums[2 * t] * scale, u = sums[2 * t + 1] * scale;
-      put(out, ph.first_row / 2 + unit, g / (1.f + __expf(-g)) * u);
-    } else {
+    for (int t = 0; t < UNITS; ++t) {
+      const int unit = warp + t * CONSUMER_WARPS;
+      if (unit >= units) continue;
       own[t] = add_rounded(own[t], sums[t]);
       put(out, ph.first_row + unit, own[t]);
     }
@@ -987,7 +981,7 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
     const int r = warp_sum_scatter<PER_SLOT, 1>(sums, lane);
     __syncwarp();  // every lane's reads of the slot are done before it is handed back
     if (lane == 0) mbarrier_arrive(&empty[slot]);
-    if (lane % (32 / PER_SLOT) == 0 && r < n) vocab.logits[first + r] = __float2bfloat16(sums[0]);
+    if (r >= 0 && r < n) vocab.logits[first + r] = __float2bfloat16(sums[0]);
   }
 }
 
