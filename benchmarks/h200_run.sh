@@ -10,7 +10,8 @@
 #   [orderindirection] [noattention] [splitrule] [balanceab] [uniformsplits] [cublasltalgos]
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
-#   [taggedchain] [layerchain] [vocabchain] [dotissue] [dotfinal] [samplerflaky]
+#   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
+#   [samplerflaky]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -351,16 +352,24 @@ for step in "$@"; do
             | tee -a "$OUT/layer_chain_latency.jsonl"
         done
       done ;;
+    dotprofile)  # what the dot products cost: the kernel without them (NO_DOTS) and without the
+      # weight stream, then Nsight Compute's per-instruction warp samples of one launch (run 250;
+      # docs/results/...run250-warp-samples.txt is this SASS page summed by stall and opcode)
+      python3 benchmarks/cuda_layer_chain.py --variants default NO_DOTS=1 NO_WEIGHTS=1 \
+        NO_WEIGHTS=1,NO_DOTS=1 VOCAB=1 VOCAB=1,NO_DOTS=1 2>&1 | grep '^{' | tee "$OUT/nodots.jsonl"
+      timeout 300 ncu --set full --import-source yes -k regex:layer_chain -c 1 -f -o "$OUT/prof" \
+        python3 benchmarks/cuda_layer_chain.py --replays 3 --variants default > "$OUT/ncu_log.txt" 2>&1
+      ncu -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/src_sass.csv"
+      rm -f "$OUT/prof.ncu-rep"
+      gzip "$OUT/src_sass.csv" ;;
     dotissue)  # the dot products with one integer op per bf16 (bf16_pair) and reduce-scatter warp
-      # sums (SCATTER_SUMS) against BASE (the tree before, git archive into abbase): the GPU
-      # tests, the kernel alone three rounds (and this tree with SCATTER_SUMS=0), the engine's
-      # latency both orders (run 251)
+      # sums against BASE (the tree before, git archive into abbase): the GPU tests, the kernel
+      # alone three rounds, the engine's latency both orders (run 251, which also timed a switch
+      # since removed, SCATTER_SUMS=0: bf16_pair alone)
       timeout 300 python3 -m pytest tests/gpu/test_layer_chain_gpu.py -q -s -p no:cacheprovider 2>&1 \
         | grep -E "context|identical|passed|failed|FAILED|Error|assert" | tee "$OUT/dot_tests.log"
       for round in 1 2 3; do
         ab dot_chain.jsonl benchmarks/cuda_layer_chain.py --head --variants VOCAB=1
-        python3 benchmarks/cuda_layer_chain.py --head --variants VOCAB=1,SCATTER_SUMS=0 2>&1 \
-          | grep '^{' | tee -a "$OUT/dot_chain.jsonl"
       done
       ab dot_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b
       AB_REVERSE=1 ab dot_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b ;;
