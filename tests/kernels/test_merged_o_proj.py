@@ -58,12 +58,12 @@ def test_adds_the_merged_product_into_the_residual(dtype, heads, splits, head_di
     attention = merged_reference(lse, out).to(dtype)
     expected = ((attention.double() @ weight.double().T).to(dtype).double()
                 + residual.double()).to(dtype)
-    sum_squares = torch.zeros(1)
+    sum_squares = torch.zeros(1, dtype=torch.float64)
     updated = merged_o_proj(lse, out, weight, residual, sum_squares, config)
     assert updated is residual
     torch.testing.assert_close(residual, expected, **TOLERANCE[dtype])
-    torch.testing.assert_close(sum_squares, residual.double().square().sum().reshape(1).float(),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum_squares, residual.double().square().sum().reshape(1),
+                               rtol=1e-6, atol=0)
 
 
 def test_a_head_with_no_keys_contributes_nothing():
@@ -95,13 +95,13 @@ def test_equals_split_decode_then_reduce_then_o_proj(qk_norm):
     gen = torch.Generator().manual_seed(9)
     weight = torch.randn(24, heads * head_dim, generator=gen).div(16).to(dtype)
     residual = torch.randn(1, 24, generator=gen).to(dtype)
-    expected, expected_squares = residual.clone(), torch.zeros(1)
+    expected, expected_squares = residual.clone(), torch.zeros(1, dtype=torch.float64)
     skinny_linear(attend(False, (k_cache.clone(), v_cache.clone())).reshape(1, -1), weight,
                   residual=expected, sum_squares=expected_squares)
     lse, out = attend(True, (k_cache, v_cache))
     assert lse.shape == (1, heads, 3) and out.shape == (1, heads, 3, head_dim)
     assert out.dtype == dtype
-    sum_squares = torch.zeros(1)
+    sum_squares = torch.zeros(1, dtype=torch.float64)
     merged_o_proj(lse, out, weight, residual, sum_squares)
     torch.testing.assert_close(residual, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(sum_squares, expected_squares, rtol=1e-3, atol=1e-3)
@@ -118,6 +118,8 @@ def test_rejects_inputs_it_cannot_merge():
         merged_o_proj(lse, out, weight, torch.zeros(1, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="divide"):
         merged_o_proj(lse, out, weight, residual, config=MergedConfig(4, 3, 1))
+    with pytest.raises(ValueError, match="float64"):
+        merged_o_proj(lse, out, weight, residual, torch.zeros(1))
 
 
 def test_o_proj_layer_takes_split_partials_and_adds_into_the_residual():
@@ -130,14 +132,16 @@ def test_o_proj_layer_takes_split_partials_and_adds_into_the_residual():
     lse, out = random_partials(4, 3, 16, torch.float32, seed=5, empty=[(2, 1)])
     residual = torch.randn(1, 24, generator=torch.Generator().manual_seed(6))
     expected = residual.double() + merged_reference(lse, out) @ o_proj.weight.double().T
-    o_proj.sum_squares = torch.zeros(4)  # slots for up to four rows; one sequence takes one
+    # Slots for up to four rows; one sequence takes one.
+    o_proj.sum_squares = torch.zeros(4, dtype=torch.float64)
     marker, updated = o_proj.forward_for_norm(SplitPartials(lse, out), residual)
     assert isinstance(marker, AddedToResidual) and marker.sum_squares.shape == (1,)
     assert marker.sum_squares.data_ptr() == o_proj.sum_squares.data_ptr()
     assert updated is residual
     torch.testing.assert_close(residual.double(), expected, **TOLERANCE[torch.float32])
-    torch.testing.assert_close(o_proj.sum_squares[:1], residual.square().sum().reshape(1))
-    assert torch.equal(o_proj.sum_squares[1:], torch.zeros(3))
+    torch.testing.assert_close(o_proj.sum_squares[:1],
+                               residual.double().square().sum().reshape(1))
+    assert torch.equal(o_proj.sum_squares[1:], torch.zeros(3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("seq_lens", [[140], [140, 90]], ids=["batch1", "batch2"])

@@ -75,7 +75,7 @@ def test_activate_writes_silu_and_mul_of_gate_up(dtype, m, features, k, config, 
     w = torch.randn(2 * features, k, generator=gen).div(k ** 0.5).to(dtype)
     b = torch.randn(2 * features, generator=gen).to(dtype)
     if normed:
-        sum_squares = x.double().pow(2).sum(-1).float()
+        sum_squares = x.double().pow(2).sum(-1)
         act = skinny_rms_linear(x, sum_squares, 1e-6, w, b, config=config, activate=True)
         two_step = skinny_rms_linear(x, sum_squares, 1e-6, w, b, config=config)
     else:
@@ -107,7 +107,7 @@ def test_rms_input_normalises_each_row(dtype, m, n, k, config):
     hd = h.double()
     normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)
     expected = (normed @ w.double().T + b.double()).to(dtype)
-    sum_squares = hd.pow(2).sum(-1).float()
+    sum_squares = hd.pow(2).sum(-1)
     torch.testing.assert_close(skinny_rms_linear(h, sum_squares, eps, w, b, config=config),
                                expected, **TOLERANCE[dtype])
 
@@ -136,19 +136,19 @@ def test_residual_epilogue_adds_the_product_in_place(dtype, with_bias):
 @pytest.mark.parametrize("m", [1, 3])
 def test_residual_epilogue_sums_squares_for_the_next_norm(dtype, m):
     """o_proj / down_proj sum the squares of the residual they update (several programs adding
-    into each row's slot), and qkv / gate-up normalise with that sum: together, the norm of
-    the updated residual, then the product."""
+    into each row's float64 slot), and qkv / gate-up normalise with that sum: together, the
+    norm of the updated residual, then the product."""
     gen = torch.Generator().manual_seed(11 + m)
     k, n, n_next = 72, 37, 29  # 37 features over 8-wide programs: a masked last program
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
     residual = (3 * torch.randn(m, n, generator=gen)).to(dtype)
     w_next = torch.randn(n_next, n, generator=gen).div(n ** 0.5).to(dtype)
-    sum_squares = torch.zeros(m)
+    sum_squares = torch.zeros(m, dtype=torch.float64)
     skinny_linear(x, w, residual=residual, sum_squares=sum_squares,
                   config=SkinnyConfig(8, 32, 1, 1))
-    torch.testing.assert_close(sum_squares, residual.double().pow(2).sum(-1).float(),
-                               atol=1e-5, rtol=1e-5)
+    # Each program's share is summed in float32, the shares in float64.
+    torch.testing.assert_close(sum_squares, residual.double().pow(2).sum(-1), atol=0, rtol=1e-6)
     eps = 1e-6
     given = skinny_rms_linear(residual, sum_squares, eps, w_next, config=SkinnyConfig(4, 16, 1, 1))
     hd = residual.double()
@@ -156,12 +156,15 @@ def test_residual_epilogue_sums_squares_for_the_next_norm(dtype, m):
     torch.testing.assert_close(given, expected.to(dtype), **TOLERANCE[dtype])
 
 
-def test_sum_squares_needs_a_residual_and_a_float32_row_slot():
+def test_sum_squares_needs_a_residual_and_a_float64_row_slot():
     x, w = torch.randn(1, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match="needs residual"):
-        skinny_linear(x, w, sum_squares=torch.zeros(1))
+        skinny_linear(x, w, sum_squares=torch.zeros(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="sum_squares"):
-        skinny_linear(x, w, residual=torch.zeros(1, 8), sum_squares=torch.zeros(2))
+        skinny_linear(x, w, residual=torch.zeros(1, 8),
+                      sum_squares=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float64"):
+        skinny_linear(x, w, residual=torch.zeros(1, 8), sum_squares=torch.zeros(1))
     with pytest.raises(ValueError, match="sum_squares"):
         skinny_rms_linear(x, torch.zeros(1, dtype=torch.float16), 1e-6, w)
 
@@ -210,7 +213,7 @@ def test_norm_linear_normalises_with_the_producers_statistic():
     expected = rms_norm_torch(residual, norm.weight, 1e-6) @ proj.weight.T
     proj.fold_norm(norm)
     # A wrong statistic must show: half the true sum scales the output by sqrt(2).
-    true_sum = residual.pow(2).sum(-1)
+    true_sum = residual.double().pow(2).sum(-1)
     out, stream, scale = norm_linear(AddedToResidual(true_sum), residual, norm, proj.weight,
                                      None)
     assert stream is residual and scale is None

@@ -99,7 +99,7 @@ def merged_o_proj(part_lse: torch.Tensor, part_o: torch.Tensor, weight: torch.Te
     still split: ``part_lse`` ``[1, H, S]`` float32 and ``part_o`` ``[1, H, S, D]``
     (``decode_attention(..., keep_partials=True)``), ``weight`` ``[N, H * D]`` contiguous,
     ``residual`` ``[1, N]`` contiguous in ``part_o``'s dtype, updated IN PLACE and returned.
-    With ``sum_squares`` (float32 ``[1]``, zero on entry) the updated row's sum of squares is
+    With ``sum_squares`` (float64 ``[1]``, zero on entry) the updated row's sum of squares is
     added into it, as ``skinny_linear`` does. Capturable in a CUDA graph."""
     _, num_heads, splits, head_dim = part_o.shape
     n = weight.shape[0]
@@ -111,6 +111,10 @@ def merged_o_proj(part_lse: torch.Tensor, part_o: torch.Tensor, weight: torch.Te
                          f"{tuple(weight.shape)}")
     if residual.shape != (1, n) or not residual.is_contiguous() or residual.dtype != part_o.dtype:
         raise ValueError(f"residual must be a contiguous [1, {n}] in {part_o.dtype}")
+    if sum_squares is not None and (sum_squares.shape != (1,)
+                                    or sum_squares.dtype != torch.float64):
+        raise ValueError(f"sum_squares must be a float64 [1], got {tuple(sum_squares.shape)} "
+                         f"in {sum_squares.dtype}")
     if triton.next_power_of_2(head_dim) != head_dim:
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     cfg = config or TUNED.get(tuple(weight.shape)) or default_config(num_heads, head_dim,

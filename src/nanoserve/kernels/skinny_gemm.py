@@ -19,11 +19,20 @@ The residual add and RMSNorm between projections cost no launch either. The proj
 them (o_proj, down_proj) adds its output into the residual in its epilogue
 (``skinny_linear(..., residual=r, sum_squares=s)``): each program owns its output features, so
 the update is in place, and it adds its share of each updated row's sum of squares into ``s``
-(one float32 atomic per program and row). The one after them (qkv, gate/up:
+(one float64 atomic per program and row; why float64 below). The one after them (qkv, gate/up:
 ``skinny_rms_linear``) multiplies the residual stream h by W and scales its outputs by
 ``rsqrt(s / K + eps)`` at the end. The norm's weight is folded into W's columns at load time
 (``DecoderForCausalLM.fold_norm_weights``), so the K loop reads nothing but h and W and holds
 no register for the norm.
+
+The atomics land in whatever order the programs finish. Float32 sums of them differed in
+their last bits from run to run (500 runs of one step: 12-481 different sums, run 255), so a
+norm's scale moved by ~1e-7, now and then a logit by one bf16 ulp, and a seeded draw near a
+boundary came out otherwise in a second engine (runs 253, 255). Each program's share is a
+float32 computed in a fixed order; float64 holds the sum of such shares exactly, whatever
+the order, while each is above 2^-29 of the row's total (a share below that is two to
+sixteen features of almost nothing), so the sum, rounded to float32 where it is read, does
+not depend on the order: one sum in 500 runs, and Qwen3-8B's batch-1 step no slower (run 256).
 
 On Hopper the kernel is launched programmatically dependent on the one before it: it fetches its
 first tile of W while that kernel still runs and waits for it only before reading x
@@ -107,8 +116,8 @@ def _skinny_gemm_kernel(
     out_mask = m_mask[:, None] & n_mask[None, :]
     if ADD_RESIDUAL:  # requested now, so that its latency hides behind the K loop
         r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=out_mask, other=0.0)
-    if RMS:  # x's rows' sums of squares, from the GEMV that wrote x (SUM_SQUARES_OUT)
-        row_sum_sq = tl.load(ss_ptr + m, mask=m_mask, other=0.0)
+    if RMS:  # x's rows' sums of squares (float64), from the GEMV that wrote x
+        row_sum_sq = tl.load(ss_ptr + m, mask=m_mask, other=0.0).to(tl.float32)
     x = tl.load(x_rows, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
     if DEFER_SUM:
         acc3 = x[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -155,13 +164,14 @@ def residual_epilogue(acc, r, r_ptrs, mask, ss_ptrs, row_mask, SUM_SQUARES_OUT: 
     """Store the fp32 products ``acc`` ([rows, features]) plus the residual ``r`` read from
     ``r_ptrs``, back in place, rounded as ``F.linear(...) + residual``; with
     ``SUM_SQUARES_OUT``, add this program's share of each row's sum of squares, as stored,
-    into ``ss_ptrs`` (one float32 atomic per row)."""
+    into ``ss_ptrs`` (float64; one atomic per row, of the share summed in float32)."""
     acc = acc.to(r_ptrs.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     out = acc.to(r_ptrs.dtype.element_ty)
     tl.store(r_ptrs, out, mask=mask)
     if SUM_SQUARES_OUT:
         stored = tl.where(mask, out.to(tl.float32), 0.0)
-        tl.atomic_add(ss_ptrs, tl.sum(stored * stored, axis=1), mask=row_mask, sem="relaxed")
+        share = tl.sum(stored * stored, axis=1).to(tl.float64)
+        tl.atomic_add(ss_ptrs, share, mask=row_mask, sem="relaxed")
 
 
 # Best tiles for one row on an H200, keyed by (N, K): Qwen3-0.6B's and Qwen3-8B's projections.
@@ -228,7 +238,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32.
     With ``residual`` (``[M, N]`` in x's dtype, contiguous rows) the product is added into it
     IN PLACE, rounded as ``F.linear(...) + residual``, and ``residual`` is returned; with
-    ``sum_squares`` too (float32 ``[M]``, zero on entry) each row's sum of squares of the
+    ``sum_squares`` too (float64 ``[M]``, zero on entry) each row's sum of squares of the
     updated residual, as stored, is added into it, for the norm that follows
     (:func:`skinny_rms_linear`). With ``activate``, ``weight`` is ``[gate; up]`` (``[2I, K]``)
     and the result is ``silu_and_mul(F.linear(x, weight, bias))`` (``[M, I]``), rounded as
@@ -247,7 +257,7 @@ def skinny_rms_linear(h: torch.Tensor, sum_squares: torch.Tensor, eps: float,
                       ) -> torch.Tensor:
     """``F.linear(h / sqrt(mean(h^2) + eps), weight, bias)``: RMSNorm without its weight, which
     the caller has folded into ``weight``'s columns, for an ``h`` whose rows' sums of squares
-    ``sum_squares`` (float32 ``[M]``) the GEMV that wrote it has taken (``skinny_linear``'s).
+    ``sum_squares`` (float64 ``[M]``) the GEMV that wrote it has taken (``skinny_linear``'s).
 
     The norm is applied to the product, in float32, not to ``h`` (the reference rounds the
     normalised row to 16 bits before the product; this does not). Otherwise as
@@ -274,8 +284,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"residual must be [{m}, {n}] in {x.dtype} with contiguous rows, got "
                          f"{tuple(residual.shape)} in {residual.dtype}")
     if sum_squares is not None and (sum_squares.shape != (m,) or sum_squares.stride(0) != 1
-                                    or sum_squares.dtype != torch.float32):
-        raise ValueError(f"sum_squares must be a contiguous float32 [{m}], got "
+                                    or sum_squares.dtype != torch.float64):
+        raise ValueError(f"sum_squares must be a contiguous float64 [{m}], got "
                          f"{tuple(sum_squares.shape)} in {sum_squares.dtype}")
     if activate and (n % 2 or residual is not None):
         raise ValueError(f"activate needs weight = [gate; up] (an even number of rows, got {n}) "

@@ -205,7 +205,7 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
             if bias else None
-        # float32 [skinny_gemm.MAX_ROWS], zeroed before each forward, where the skinny GEMV sums
+        # float64 [skinny_gemm.MAX_ROWS], zeroed before each forward, where the skinny GEMV sums
         # the squares of the residual rows it updates, for the norm after it
         # (``DecoderModel.track_sum_squares``).
         self.sum_squares: torch.Tensor | None = None

@@ -19,7 +19,7 @@ class PartialSums(NamedTuple):
 class AddedToResidual(NamedTuple):
     """Stands for a projection's output that its kernel already added into the residual, in
     place (the batch-1 GEMV's epilogue, or cuBLAS's ``C`` at larger batches): the norm after it
-    normalises the residual alone. ``sum_squares`` (float32 ``[rows]``), where the kernel also
+    normalises the residual alone. ``sum_squares`` (float64 ``[rows]``), where the kernel also
     summed the updated residual's squares, spares the norm that pass."""
 
     sum_squares: torch.Tensor | None = None

@@ -119,13 +119,13 @@ class DecoderModel(nn.Module):
         self.layer_chain: LayerChain | None = None
 
     def track_sum_squares(self) -> None:
-        """Give each o_proj and down_proj float32 slots where its skinny GEMV sums the squares
+        """Give each o_proj and down_proj float64 slots where its skinny GEMV sums the squares
         of the residual rows it updates, for the GEMV after the norm to normalise with
         (``norm_linear``). The slots are one buffer, zeroed at the start of each forward."""
         from nanoserve.kernels.skinny_gemm import MAX_ROWS
         producers = [p for layer in self.layers if isinstance(layer.mlp, MLP)
                      for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-        self.sum_squares = torch.zeros(len(producers), MAX_ROWS, dtype=torch.float32,
+        self.sum_squares = torch.zeros(len(producers), MAX_ROWS, dtype=torch.float64,
                                        device=self.norm.weight.device)
         for i, producer in enumerate(producers):
             producer.sum_squares = self.sum_squares[i]
