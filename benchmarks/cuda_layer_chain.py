@@ -167,7 +167,7 @@ class Stack:
         vocab = Vocab(self.token_index.data_ptr(), self.token.data_ptr(), self.table.data_ptr(),
                       self.table.data_ptr(),
                       self.final_norm.data_ptr(), self.normed.data_ptr(),
-                      self.logits.data_ptr(), self.table.shape[0])
+                      self.logits.data_ptr(), 0, 0, self.table.shape[0])
         return [weights, self.residual.data_ptr(), self.qkv.data_ptr(),
                 self.act.data_ptr(), attention, tagged, vocab, self.arrived.data_ptr(),
                 self.failed.data_ptr(),

@@ -11,7 +11,7 @@
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
-#   [samplerflaky]
+#   [samplerflaky] [determinism] [greedyab]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -402,6 +402,24 @@ for step in "$@"; do
         done
       done
       cp /tmp/on.py tests/gpu/test_graph_sampling.py ;;
+    determinism)  # float64 sums of squares (this tree) against BASE's float32 ones: how many
+      # different sums 500 runs of one GEMV give; the seeded batch-of-four test three times; the
+      # GPU tests of the GEMVs, the kernel (its greedy pick too) and the graphs' sampling (run 255)
+      # (BASE lacks the script: copy it into BASE's benchmarks/ before the call)
+      ab sums.jsonl benchmarks/sum_squares_repeats.py
+      for i in 1 2 3; do
+        timeout 150 python3 -m pytest tests/gpu/test_graph_sampling.py -q -p no:cacheprovider \
+          -k general_sampler 2>&1 | grep -E "passed|failed|^E " | head -3 >> "$OUT/flaky.log"
+      done
+      timeout 330 python3 -m pytest tests/gpu/test_fused_kernels.py tests/gpu/test_layer_chain_gpu.py \
+        tests/gpu/test_graph_sampling.py tests/gpu/test_sampling_gpu.py -q -s -p no:cacheprovider 2>&1 \
+        | grep -E "context|identical|passed|failed|FAILED|Error|assert" | tee "$OUT/determinism_tests.log" ;;
+    greedyab)  # the greedy batch-1 graph (the kernel's pick, no sampler launches) and float64
+      # sums (this tree) against BASE: 0.6B latency in two pairs, 8B's in one (run 256)
+      for pair in 1 2; do
+        ab greedy_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b
+      done
+      ab greedy_latency8b.jsonl benchmarks/latency.py --shape qwen3-8b ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

@@ -61,17 +61,20 @@ def timed_generate(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
 
 def graph_ms(llm: LLM, context: int, replays: int = 200) -> dict[str, float | None]:
     """Device time of a batch-1 decode step's CUDA graph replayed back to back, with no host
-    work in between (``step_graph_ms``: the forward, the LM head and the sampler), and of the
-    forward alone in a graph captured without them (``forward_graph_ms``), both the graphs for
-    the last step's ``context``. Set against ``ms_per_token``, the difference is what the host
-    and the step's other launches add."""
+    work in between (``step_graph_ms``: the graph this benchmark's greedy steps replay, whose
+    forward takes the argmax where the layer kernel runs; ``sampling_step_graph_ms``: the one
+    temperature steps replay, the forward, the LM head and the sampler), and of the forward
+    alone in a graph captured without them (``forward_graph_ms``), all the graphs for the last
+    step's ``context``. Set against ``ms_per_token``, the difference is what the host and the
+    step's other launches add."""
     runner = llm.engine.executor
     graphs = getattr(runner, "graphs", None)
     if graphs is None:
-        return {"step_graph_ms": None, "forward_graph_ms": None}
+        return {"step_graph_ms": None, "sampling_step_graph_ms": None, "forward_graph_ms": None}
     # Its static inputs still hold the last step's, a valid decode; the forward-only graph
     # takes a copy of them.
-    step = replay_ms(graphs.graphs[graphs.key_for(1, context)], replays)
+    step = replay_ms(graphs.graphs[graphs.key_for(1, context, greedy=True)], replays)
+    sampling_step = replay_ms(graphs.graphs[graphs.key_for(1, context)], replays)
     forward = DecodeGraphs(runner.model, 1, graphs.max_blocks, graphs.max_seq_len,
                            runner.device)
     source, target = graphs.arena.regions[1], forward.arena.regions[1]
@@ -80,7 +83,8 @@ def graph_ms(llm: LLM, context: int, replays: int = 200) -> dict[str, float | No
     target.token_ids.copy_(graphs.arena.int64[source.sources])  # target's rows read their own
     forward_ms = replay_ms(forward.graphs[forward.key_for(1, context)], replays)
     forward.release()
-    return {"step_graph_ms": step, "forward_graph_ms": forward_ms}
+    return {"step_graph_ms": step, "sampling_step_graph_ms": sampling_step,
+            "forward_graph_ms": forward_ms}
 
 
 def lm_head_ms(llm: LLM, calls: int = 200) -> float | None:

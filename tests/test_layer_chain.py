@@ -106,14 +106,16 @@ def test_persistent_decode_is_on_by_default_and_must_be_a_bool():
 
 class TorchLayerChain:
     """The kernel's contract in PyTorch: from the token id, the final hidden state after the
-    last norm, with its logits scored alongside; it records the steps it is handed."""
+    last norm, with its logits scored alongside and, where asked, their argmax; it records
+    the steps it is handed."""
 
     def __init__(self, causal_lm: torch.nn.Module):
         self.causal_lm, self.steps = causal_lm, []
         self.normed = self.logits = None
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 token_table: torch.Tensor | None = None) -> torch.Tensor:
+                 token_table: torch.Tensor | None = None,
+                 greedy_out: torch.Tensor | None = None) -> torch.Tensor:
         model = self.causal_lm.model
         self.steps.append((ids.shape[0], int(positions[0]), meta.max_seq_len))
         x, residual = model.embed_tokens(ids if token_table is None else token_table[ids]), None
@@ -121,6 +123,8 @@ class TorchLayerChain:
             x, residual = layer(positions, x, residual)
         self.normed, _ = model.norm(x, residual)
         self.logits = self.causal_lm.lm_head(self.normed)
+        if greedy_out is not None:
+            greedy_out.copy_(self.logits.argmax(-1))
         return self.normed
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -155,6 +159,38 @@ def test_an_attached_chain_takes_exactly_the_single_sequence_decode_steps(tiny_q
     # Each sequence's 5 decode steps (its prefill samples the first of 6 tokens).
     assert chain.steps == [(1, p, p + 1) for p in range(3, 8)] + [(1, p, p + 1)
                                                                    for p in range(5, 10)]
+
+
+def test_a_forward_the_chain_runs_can_take_the_greedy_token(tiny_qwen3):
+    """``greedy_in_forward`` says which decode steps the chain runs; their forward writes the
+    logits' argmax into ``greedy_out``. A step it does not run refuses the request rather than
+    leave the token unwritten."""
+    from nanoserve import LLM
+    from nanoserve.attention.metadata import attention_metadata
+    from nanoserve.runner.inputs import SequenceChunk
+
+    llm = LLM(str(tiny_qwen3), device="cpu", dtype="float32", max_num_seqs=2)
+    runner = llm.engine.executor
+    causal_lm = runner.model
+    assert not causal_lm.greedy_in_forward(1, 100)  # no chain attached
+    causal_lm.model.layer_chain = TorchLayerChain(causal_lm)
+    try:
+        assert causal_lm.greedy_in_forward(1, MAX_KEYS)
+        assert not causal_lm.greedy_in_forward(1, MAX_KEYS + 1)
+        assert not causal_lm.greedy_in_forward(2, 100)
+        out = torch.full((1,), -1, dtype=torch.int64)
+        chunk = SequenceChunk("r", [17], 3, [0], True, None, [], [], [])
+        ids, positions, meta, _ = runner._prepare([chunk])
+        with torch.inference_mode(), attention_metadata(meta):
+            hidden = causal_lm(ids, positions, greedy_out=out)
+        assert int(out) == int(causal_lm.compute_logits(hidden).argmax())
+        two = [chunk, SequenceChunk("s", [18], 3, [1], True, None, [], [], [])]
+        ids, positions, meta, _ = runner._prepare(two)
+        with (pytest.raises(ValueError, match="greedy token"), torch.inference_mode(),
+              attention_metadata(meta)):
+            causal_lm(ids, positions, greedy_out=out)
+    finally:
+        causal_lm.model.layer_chain = None
 
 
 @pytest.mark.parametrize("error", ["build", "driver", None])

@@ -81,6 +81,56 @@ def test_a_decode_step_matches_the_triton_layers(two_layer_llm, context):
     assert int(logits.argmax()) in want_logits[0].topk(5).indices.tolist()
 
 
+def _first_argmax(logits: torch.Tensor) -> int:
+    """torch.argmax's pick among equal maxima, NaN left out (as the samplers read it)."""
+    values = logits.float().nan_to_num(nan=float("-inf"))
+    return int((values == values.max()).nonzero()[0, 0])
+
+
+def test_the_kernel_picks_the_greedy_token(two_layer_llm):
+    """With ``greedy_out`` the kernel writes the argmax of the logits it stored: over steps in
+    a row (its counters reset themselves), with the largest logit tied across rows that
+    different blocks score (the lowest index wins), and with a NaN logit (never picked)."""
+    from nanoserve.attention.metadata import attention_metadata
+    from nanoserve.runner.inputs import SequenceChunk
+
+    runner = two_layer_llm.engine.executor
+    chain = runner.model.model.layer_chain
+    head = runner.model.lm_head.weight
+    kept = head.clone()
+    out = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+
+    def step(token: int, context: int) -> tuple[int, torch.Tensor]:
+        table = list(range(context // runner.block_size + 1))
+        chunk = SequenceChunk("r", [token], context, table, True, None, [], [], [])
+        ids, positions, meta, _ = runner._prepare([chunk])
+        with torch.inference_mode(), attention_metadata(meta):
+            hidden = runner.model(ids, positions, greedy_out=out)
+        logits = runner.model.compute_logits(hidden)
+        torch.cuda.synchronize()
+        return int(out.item()), logits[0]
+
+    try:
+        for i, context in enumerate((0, 5, 200, 511)):
+            picked, logits = step(1000 + i, context)
+            assert picked == _first_argmax(logits), context
+        best = picked
+        # The best row copied to a row scored earlier and one scored later: equal logits.
+        with torch.no_grad():
+            head[7].copy_(head[best])
+            head[150000].copy_(head[best])
+            head[3].fill_(float("nan"))
+        picked, logits = step(1000 + 3, 511)
+        assert torch.isnan(logits[3])
+        values = logits.float().nan_to_num(nan=float("-inf"))
+        assert int((values == values.max()).sum()) >= 2, "the copied rows did not tie"
+        assert picked == _first_argmax(logits) == 7
+    finally:
+        with torch.no_grad():
+            head.copy_(kept)
+    assert not chain.has_failed()
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_one_sequence_at_a_time_through_the_kernel_close_to_transformers(
         enforce_eager, tmp_path_factory, monkeypatch):

@@ -206,6 +206,10 @@ struct Vocab {
   const float* norm;             // [HIDDEN], the final RMSNorm's weight
   __nv_bfloat16* normed;         // [HIDDEN]: the final hidden state (block 0 writes it)
   __nv_bfloat16* logits;         // [size]
+  // The greedy pick (pick_greedy): its two counters, zero at launch and left so, and where
+  // the token goes; no pick where `greedy_token` is null.
+  unsigned long long* greedy_state;  // [2]: the best rank so far, the blocks done
+  int64_t* greedy_token;
   int size;
 };
 
@@ -936,13 +940,48 @@ __device__ __forceinline__ Phase head_slice(int size) {
   return {(int)((long long)b * size / g), (int)((long long)(b + 1) * size / g), HIDDEN};
 }
 
+// A logit's rank for the greedy pick, as one word: the value's bits in an order that unsigned
+// comparison keeps, then the index inverted, so the largest rank is the largest logit with the
+// lowest index among equals, as torch.argmax picks. NaN ranks as -inf: never picked unless
+// the whole row is, as the Triton sampler reads it. Every rank is above 0, the counter's reset.
+__device__ __forceinline__ unsigned long long greedy_rank(float value, int index) {
+  uint32_t bits = __float_as_uint(value != value ? -INFINITY : value);
+  bits = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+  return (unsigned long long)bits << 32 | (0xffffffffu - (uint32_t)index);
+}
+
+// The step's greedy token from every block's best rank: the warp's, then the block's (in
+// shared memory, one atomic per warp), then the grid's (one global atomic per block). The
+// last block to count itself done reads the grid's rank, resetting it, writes the token and
+// resets the count, so the next launch (a graph replay) starts from zeros. One launch fewer
+// than a sampler pass after the kernel; a block's tail grows by two atomics' round trips.
+__device__ __forceinline__ void pick_greedy(unsigned long long rank, const Vocab& vocab,
+                                            unsigned long long* block_rank, int lane) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    rank = max(rank, __shfl_xor_sync(0xffffffffu, rank, offset));
+  if (lane == 0) atomicMax(block_rank, rank);
+  consumers_sync();
+  if (threadIdx.x != 0) return;
+  unsigned long long* const best = vocab.greedy_state;
+  unsigned long long* const done = vocab.greedy_state + 1;
+  atomicMax(best, *block_rank);
+  __threadfence();  // this block's rank lands before it counts itself done
+  if (atomicAdd(done, 1ull) != gridDim.x - 1) return;
+  __threadfence();  // and the last block reads the rank only after every block's count
+  const unsigned long long grid_rank = atomicExch(best, 0ull);
+  atomicExch(done, 0ull);
+  *vocab.greedy_token = 0xffffffffu - (uint32_t)grid_rank;
+}
+
 // The final RMSNorm of the last layer's residual and the block's rows of the LM head. Warp w
 // takes the block's slots w, w + CONSUMER_WARPS, ... and hands each back as soon as it has
 // summed its rows, so the stream never waits on the whole block (a slice is ~140 slots).
 __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat16* residual,
                                            const uint32_t* tagged, uint32_t tag, uint4* staged,
                                            uint64_t* full, uint64_t* empty, const uint8_t* ring,
-                                           uint32_t seq, float eps, int* failed) {
+                                           uint32_t seq, float eps,
+                                           unsigned long long* block_rank, int* failed) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float x[HIDDEN / 32];
   load_inputs<HIDDEN>(residual, tagged, tag, staged, full, seq, 0, lane, x, failed);
@@ -964,6 +1003,7 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
   const Phase ph = head_slice(vocab.size);
   constexpr int PER_SLOT = SLOT_BYTES / (HIDDEN * 2);
   const int slots = ceil_div(ph.end_row - ph.first_row, PER_SLOT);
+  unsigned long long rank = 0;  // the best logit this lane stored, for the greedy pick
   for (int i = warp; i < slots; i += CONSUMER_WARPS) {
     const uint32_t s = seq + i, slot = s % SLOTS, use = s / SLOTS;
     // The slot's previous use (SLOTS before) is another warp's, and may not have landed yet:
@@ -981,8 +1021,13 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
     const int r = warp_sum_scatter<PER_SLOT, 1>(sums, lane);
     __syncwarp();  // every lane's reads of the slot are done before it is handed back
     if (lane == 0) mbarrier_arrive(&empty[slot]);
-    if (r >= 0 && r < n) vocab.logits[first + r] = __float2bfloat16(sums[0]);
+    if (r >= 0 && r < n) {
+      const __nv_bfloat16 logit = __float2bfloat16(sums[0]);
+      vocab.logits[first + r] = logit;
+      rank = max(rank, greedy_rank(__bfloat162float(logit), first + r));
+    }
   }
+  if (vocab.greedy_token != nullptr) pick_greedy(rank, vocab, block_rank, lane);
 }
 
 }  // namespace
@@ -998,6 +1043,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   __shared__ uint4 staged[INTER / 8];  // the phase's input vector
   __shared__ float scratch[2 * CONSUMER_WARPS * GROUP * (1 + HEAD_DIM / 2)];  // attention's
   __shared__ int last_split;
+  __shared__ unsigned long long block_rank;  // the greedy pick's best in this block
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (gridDim.x < MIN_GRID) {
@@ -1010,6 +1056,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       mbarrier_init(&empty[s], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    block_rank = 0;
   }
   __syncthreads();
 
@@ -1171,7 +1218,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (!TAGGED) grid_wait(arrived, ++barriers * gridDim.x, failed);
     const uint32_t last_tag = (epoch * layers + layers - 1) % 65535u + 1u;
     head_stage(vocab, residual, TAGGED ? tagged.residual_down : nullptr, last_tag, staged, full,
-               empty, ring, seq, eps, failed);
+               empty, ring, seq, eps, &block_rank, failed);
   }
   // Every block read the epoch before its first output, which block 0's last stage waited on.
   if (TAGGED && blockIdx.x == 0 && threadIdx.x == 0) *tagged.epoch = epoch + 1;

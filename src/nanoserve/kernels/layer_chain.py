@@ -72,11 +72,12 @@ class TaggedArgs(ctypes.Structure):
 
 class Vocab(ctypes.Structure):
     """The kernel's ``Vocab``: the step's token and embedding, the final norm and LM head it
-    runs after the layers, and where the final hidden state and logits go (VOCAB=1; all zero
-    for builds without)."""
+    runs after the layers, where the final hidden state and logits go, and the greedy pick's
+    counters and token (null: no pick) (VOCAB=1; all zero for builds without)."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in
-                 ("token_index", "tokens", "embed", "head", "norm", "normed", "logits")]
+                 ("token_index", "tokens", "embed", "head", "norm", "normed", "logits",
+                  "greedy_state", "greedy_token")]
                 + [("size", ctypes.c_int)])
 
 
@@ -133,7 +134,13 @@ def device_unsupported_reason(device: torch.device) -> str | None:
 def runs_step(ids: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether the kernel runs this forward: one sequence, one new token, at most MAX_KEYS
     keys (a decode graph's context cap, or the step's own longest context)."""
-    return ids.shape[0] == 1 and meta.max_query_len == 1 and meta.max_seq_len <= MAX_KEYS
+    return ids.shape[0] == 1 and meta.max_query_len == 1 and runs_decode(1, meta.max_seq_len)
+
+
+def runs_decode(num_seqs: int, max_seq_len: int) -> bool:
+    """Whether the kernel runs a decode step of ``num_seqs`` sequences whose longest context
+    (or graph's cap) is ``max_seq_len``."""
+    return num_seqs == 1 and max_seq_len <= MAX_KEYS
 
 
 class LayerChain:
@@ -142,8 +149,9 @@ class LayerChain:
     Holds what the kernel reads beside the model's own tensors: a device array of each
     layer's weight and cache pointers, float32 copies of the q/k and final norm weights, and
     the tagged exchange buffers, whose launch count lives on the device so that graph replays
-    get fresh tags; and what it writes: the final hidden state and the logits. The model's
-    weights must already carry their pre-norms (``fold_norm_weights``).
+    get fresh tags; and what it writes: the final hidden state, the logits and, where asked,
+    the greedy token. The model's weights must already carry their pre-norms
+    (``fold_norm_weights``).
     """
 
     def __init__(self, causal_lm: torch.nn.Module, eps: float):
@@ -182,6 +190,7 @@ class LayerChain:
         self.normed = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device=device)
         self.logits = torch.empty(1, self.vocab, dtype=torch.bfloat16, device=device)
         self.counters = torch.zeros(1 + KV_HEADS, dtype=torch.int32, device=device)
+        self.greedy_state = torch.zeros(2, dtype=torch.int64, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.cache_pointers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cache_addresses: list[int] = []
@@ -199,12 +208,18 @@ class LayerChain:
             self.block_size = self.attention_layers[0].k_cache.shape[1]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 token_table: torch.Tensor | None = None) -> torch.Tensor:
+                 token_table: torch.Tensor | None = None,
+                 greedy_out: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden state (after the last norm; ``normed``, [1, HIDDEN] bf16) of the
         token ``ids`` ([1]), or with ``token_table`` (int64) of ``token_table[ids]``; stores the
         token's K/V in the cache, its logits in ``logits`` and the residual stream after the
-        last layer in ``residual``."""
+        last layer in ``residual``; with ``greedy_out`` (int64 [1]), the logits' argmax there
+        (the lowest index among equals; as ``sample_tokens`` picks at temperature 0)."""
         self._bind_caches()
+        if greedy_out is not None and (greedy_out.shape != (1,) or greedy_out.dtype != torch.int64
+                                       or greedy_out.device != self.device):
+            raise ValueError(f"greedy_out must be one int64 on {self.device}, got "
+                             f"{tuple(greedy_out.shape)} {greedy_out.dtype} on {greedy_out.device}")
         tables = meta.block_tables
         if positions.dtype != torch.int64 or tables.dtype != torch.int32 or tables.stride(-1) != 1:
             raise ValueError("layer_chain reads int64 positions and an int32 block table row")
@@ -225,6 +240,7 @@ class LayerChain:
             Vocab(ids.data_ptr(), token_table.data_ptr(), self.embed.data_ptr(),
                   self.head_weight.data_ptr(),
                   self.final_norm.data_ptr(), self.normed.data_ptr(), self.logits.data_ptr(),
+                  self.greedy_state.data_ptr(), 0 if greedy_out is None else greedy_out.data_ptr(),
                   self.vocab),
             self.counters.data_ptr(), self.failed.data_ptr(), 0,
             ctypes.c_int(self.num_layers), ctypes.c_float(self.eps)])

@@ -44,6 +44,9 @@ def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context
     return bs, caps[min(bisect.bisect_left(caps, longest_context), len(caps) - 1)]
 
 
+GraphKey = tuple[int, int, bool]  # batch size, context cap, whether the forward picks greedily
+
+
 class DecodeOutput(NamedTuple):
     """A replayed decode graph's outputs, one row per sequence of the step."""
 
@@ -68,7 +71,9 @@ class DecodeGraphs:
     (nanoserve.kernels.sampling), reading each step's temperatures and noise seed from the
     arena, and write the samples into its first part: a step then costs the host one copy and
     one graph launch. A batch that needs more than temperatures stages the seed -1, and the
-    graph's sampling pass exits at once.
+    graph's sampling pass exits at once. Where the model's forward can take the argmax itself
+    (``greedy_in_forward``: the batch-1 layer kernel), a second graph per context cap does
+    that for greedy steps and runs no sampler.
     """
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
@@ -86,9 +91,9 @@ class DecodeGraphs:
             self.logits = torch.empty(self.max_batch, model.lm_head.vocab_size,
                                       dtype=head.dtype, device=device)
         self.max_seq_len = max_seq_len
-        # Keyed by (batch size, context cap); graphs of one batch size share its arena region.
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], DecodeOutput] = {}
+        # Graphs of one batch size share its arena region.
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, DecodeOutput] = {}
         self._capture()
 
     @staticmethod
@@ -104,22 +109,37 @@ class DecodeGraphs:
         sizes, samples = cls._arena_shape(max_batch, max_samples)
         return GraphArena.layout(sizes, max_blocks, samples)[1]
 
-    def key_for(self, num_seqs: int, longest_context: int) -> tuple[int, int]:
-        """The key of the graph that runs such a batch (``graph_key``)."""
-        return graph_key(self.sizes, self.max_seq_len, num_seqs, longest_context)
+    def key_for(self, num_seqs: int, longest_context: int, greedy: bool = False) -> GraphKey:
+        """The key of the graph that runs such a batch (``graph_key``); with ``greedy`` (every
+        row at temperature 0), the graph that picks in the forward where there is one."""
+        bs, cap = graph_key(self.sizes, self.max_seq_len, num_seqs, longest_context)
+        return bs, cap, greedy and (bs, cap, True) in self.graphs
 
-    def _forward(self, bs: int, cap: int) -> DecodeOutput:
+    def _keys(self) -> list[GraphKey]:
+        """Every graph to capture."""
+        keys = []
+        for bs in self.sizes:
+            for cap in context_caps(bs, self.max_seq_len):
+                keys.append((bs, cap, False))
+                if self.sample and self.model.greedy_in_forward(bs, cap):
+                    keys.append((bs, cap, True))
+        return keys
+
+    def _forward(self, bs: int, cap: int, greedy: bool) -> DecodeOutput:
         region = self.arena.regions[bs]
         meta = AttentionMetadata(self.query_start[:bs + 1], region.seq_lens, region.slots,
                                  region.tables, max_query_len=1, max_seq_len=cap,
                                  seq_order=region.order)
         with attention_metadata(meta):
-            hidden = self.model(region.sources, region.positions, self.arena.int64)
+            hidden = self.model(region.sources, region.positions, self.arena.int64,
+                                greedy_out=self.samples[:bs] if greedy else None)
         if not self.sample:
             return DecodeOutput(hidden, None, None)
         from nanoserve.kernels.sampling import sample_tokens
 
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
+        if greedy:
+            return DecodeOutput(hidden, logits, self.samples[:bs])
         return DecodeOutput(hidden, logits, sample_tokens(
             logits, region.temperature, region.noise_seed, out=self.samples[:bs]))
 
@@ -128,8 +148,7 @@ class DecodeGraphs:
         pool = None
         # Largest first (batch, then cap: more splits need more scratch), so that each later
         # graph reuses the memory of those before it.
-        for key in sorted(((bs, cap) for bs in self.sizes
-                           for cap in context_caps(bs, self.max_seq_len)), reverse=True):
+        for key in sorted(self._keys(), reverse=True):
             self._forward(*key)  # compiles kernels and settles allocations outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
@@ -151,8 +170,8 @@ class DecodeGraphs:
         only); without them no row is sampled there. Rows fed the previous step's samples
         (``rows.sample_rows``) read them from ``samples``, which must hold them."""
         n = len(rows.positions)
-        key = self.key_for(n, int(rows.seq_lens.max()))
         sampled = self.sample and temperature is not None
+        key = self.key_for(n, int(rows.seq_lens.max()), sampled and not bool(temperature.any()))
         self.arena.stage(key[0], rows, temperature if sampled else None,
                          noise_seed if sampled else -1)
         self.graphs[key].replay()
