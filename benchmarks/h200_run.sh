@@ -11,7 +11,7 @@
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
-#   [samplerflaky] [determinism] [greedyab]
+#   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -420,6 +420,23 @@ for step in "$@"; do
         ab greedy_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b
       done
       ab greedy_latency8b.jsonl benchmarks/latency.py --shape qwen3-8b ;;
+    hostwrite)  # the greedy kernel writing its token into pinned host memory too, so the step
+      # copies nothing back (this tree), against BASE (c958142, a copy after the graph): 0.6B
+      # latency in two pairs; the GPU tests of the kernel, the graphs' sampling, the sampler and
+      # bf16 parity; the throughput workload once (run 257)
+      for pair in 1 2; do
+        ab host_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b
+      done
+      timeout 300 python3 -m pytest tests/gpu/test_layer_chain_gpu.py tests/gpu/test_graph_sampling.py \
+        tests/gpu/test_sampling_gpu.py tests/gpu/test_gpu_parity.py -q -s -p no:cacheprovider 2>&1 \
+        | grep -E "context|identical|passed|failed|FAILED|Error|assert" | tee "$OUT/host_tests.log"
+      timeout 150 python3 benchmarks/throughput.py 2>&1 | grep -E '^\{|Error' | tee "$OUT/throughput.log" ;;
+    sessioncheck)  # the GPU tests of the kernel, the graphs' sampling and the sampler (run 257's
+      # ran out of time before their summary); the throughput workload, this tree against BASE
+      # (dfe705d, the session's start: float32 sums at batches of 2-4) (run 258)
+      timeout 250 python3 -m pytest tests/gpu/test_layer_chain_gpu.py tests/gpu/test_graph_sampling.py \
+        tests/gpu/test_sampling_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/check_tests.log"
+      ab check_throughput.jsonl benchmarks/throughput.py ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

@@ -47,7 +47,8 @@ def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
     arena.samples.copy_(last_samples)
     temperature = np.linspace(0.0, 1.0, num_seqs, dtype=np.float32)
     bs = next(s for s in SIZES if s >= num_seqs)
-    region = arena.stage(bs, decode_rows(chunks, BLOCK_SIZE, last_rows), temperature, 1234)
+    region = arena.stage(bs, decode_rows(chunks, BLOCK_SIZE, last_rows), temperature, 1234,
+                         host_token=0x7F00_0000_1000 + seed)
 
     ids, positions, meta, last = prepare_inputs(chunks, BLOCK_SIZE, torch.device("cpu"),
                                                 last_samples, last_rows)
@@ -62,6 +63,7 @@ def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
     assert region.tables.stride() == (1, bs)  # column-major: a step's columns are contiguous
     assert torch.equal(region.temperature[:n], torch.from_numpy(temperature))
     assert region.noise_seed.tolist() == [1234]
+    assert region.host_token.tolist() == [0x7F00_0000_1000 + seed]
     # Padding rows: no slot, length 1 over block 0, greedy, in their own place, token 0.
     assert (region.slots[n:] == -1).all() and (region.seq_lens[n:] == 1).all()
     assert (region.tables[n:, 0] == 0).all() and (region.temperature[n:] == 0).all()
@@ -82,11 +84,12 @@ def test_a_smaller_batch_pads_the_rows_a_larger_one_used():
     arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"))
     chunks, last_rows = decode_step(5, 4)
     arena.samples.fill_(7)
-    arena.stage(4, decode_rows(chunks, BLOCK_SIZE, last_rows), None, -1)
+    arena.stage(4, decode_rows(chunks, BLOCK_SIZE, last_rows), None, -1, host_token=0x1000)
     region = arena.stage(4, decode_rows(chunks[:3], BLOCK_SIZE, last_rows), None, -1)
     assert region.slots[3].item() == -1 and region.seq_lens[3].item() == 1
     assert region.tables[3, 0].item() == 0 and region.order[3].item() == 3
     assert region.noise_seed.item() == -1 and (region.temperature == 0).all()
+    assert region.host_token.item() == 0  # none unless the step gives one
     # Other sizes' regions are untouched by it.
     assert (arena.regions[8].slots == -1).all() and (arena.regions[8].seq_lens == 1).all()
 

@@ -11,7 +11,7 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.config import EngineConfig, ModelConfig
-from nanoserve.kernels.layer_chain import (MAX_KEYS, device_unsupported_reason,
+from nanoserve.kernels.layer_chain import (MAX_KEYS, GreedyPick, device_unsupported_reason,
                                            model_unsupported_reason, runs_step)
 
 QWEN3_0_6B = ModelConfig(
@@ -115,7 +115,7 @@ class TorchLayerChain:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  token_table: torch.Tensor | None = None,
-                 greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+                 greedy: GreedyPick | None = None) -> torch.Tensor:
         model = self.causal_lm.model
         self.steps.append((ids.shape[0], int(positions[0]), meta.max_seq_len))
         x, residual = model.embed_tokens(ids if token_table is None else token_table[ids]), None
@@ -123,8 +123,8 @@ class TorchLayerChain:
             x, residual = layer(positions, x, residual)
         self.normed, _ = model.norm(x, residual)
         self.logits = self.causal_lm.lm_head(self.normed)
-        if greedy_out is not None:
-            greedy_out.copy_(self.logits.argmax(-1))
+        if greedy is not None:
+            greedy.out.copy_(self.logits.argmax(-1))
         return self.normed
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -163,7 +163,7 @@ def test_an_attached_chain_takes_exactly_the_single_sequence_decode_steps(tiny_q
 
 def test_a_forward_the_chain_runs_can_take_the_greedy_token(tiny_qwen3):
     """``greedy_in_forward`` says which decode steps the chain runs; their forward writes the
-    logits' argmax into ``greedy_out``. A step it does not run refuses the request rather than
+    logits' argmax where ``greedy`` says. A step it does not run refuses the request rather than
     leave the token unwritten."""
     from nanoserve import LLM
     from nanoserve.attention.metadata import attention_metadata
@@ -182,13 +182,13 @@ def test_a_forward_the_chain_runs_can_take_the_greedy_token(tiny_qwen3):
         chunk = SequenceChunk("r", [17], 3, [0], True, None, [], [], [])
         ids, positions, meta, _ = runner._prepare([chunk])
         with torch.inference_mode(), attention_metadata(meta):
-            hidden = causal_lm(ids, positions, greedy_out=out)
+            hidden = causal_lm(ids, positions, greedy=GreedyPick(out))
         assert int(out) == int(causal_lm.compute_logits(hidden).argmax())
         two = [chunk, SequenceChunk("s", [18], 3, [1], True, None, [], [], [])]
         ids, positions, meta, _ = runner._prepare(two)
         with (pytest.raises(ValueError, match="greedy token"), torch.inference_mode(),
               attention_metadata(meta)):
-            causal_lm(ids, positions, greedy_out=out)
+            causal_lm(ids, positions, greedy=GreedyPick(out))
     finally:
         causal_lm.model.layer_chain = None
 

@@ -88,10 +88,12 @@ def _first_argmax(logits: torch.Tensor) -> int:
 
 
 def test_the_kernel_picks_the_greedy_token(two_layer_llm):
-    """With ``greedy_out`` the kernel writes the argmax of the logits it stored: over steps in
-    a row (its counters reset themselves), with the largest logit tied across rows that
-    different blocks score (the lowest index wins), and with a NaN logit (never picked)."""
+    """With ``greedy`` the kernel writes the argmax of the logits it stored, on the device and
+    into pinned host memory where an address is given: over steps in a row (its counters
+    reset themselves), with the largest logit tied across rows that different blocks score
+    (the lowest index wins), and with a NaN logit (never picked)."""
     from nanoserve.attention.metadata import attention_metadata
+    from nanoserve.kernels.layer_chain import GreedyPick
     from nanoserve.runner.inputs import SequenceChunk
 
     runner = two_layer_llm.engine.executor
@@ -99,32 +101,40 @@ def test_the_kernel_picks_the_greedy_token(two_layer_llm):
     head = runner.model.lm_head.weight
     kept = head.clone()
     out = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    host = torch.full((1,), -1, dtype=torch.int64, pin_memory=True)
+    host_address = torch.tensor([host.data_ptr()], device="cuda")
 
-    def step(token: int, context: int) -> tuple[int, torch.Tensor]:
+    def step(token: int, context: int) -> tuple[int, torch.Tensor, int]:
+        """The token picked on the device, the logits, the token the host memory holds."""
         table = list(range(context // runner.block_size + 1))
         chunk = SequenceChunk("r", [token], context, table, True, None, [], [], [])
         ids, positions, meta, _ = runner._prepare([chunk])
+        host.fill_(-1)
         with torch.inference_mode(), attention_metadata(meta):
-            hidden = runner.model(ids, positions, greedy_out=out)
+            hidden = runner.model(ids, positions, greedy=GreedyPick(out, host_address))
         logits = runner.model.compute_logits(hidden)
         torch.cuda.synchronize()
-        return int(out.item()), logits[0]
+        return int(out.item()), logits[0], int(host)
 
     try:
         for i, context in enumerate((0, 5, 200, 511)):
-            picked, logits = step(1000 + i, context)
-            assert picked == _first_argmax(logits), context
+            picked, logits, on_host = step(1000 + i, context)
+            assert picked == on_host == _first_argmax(logits), context
+        host_address.zero_()  # no address: the host's memory is left alone
+        picked, logits, on_host = step(1000 + 3, 511)
+        assert picked == _first_argmax(logits) and on_host == -1
+        host_address.fill_(host.data_ptr())
         best = picked
         # The best row copied to a row scored earlier and one scored later: equal logits.
         with torch.no_grad():
             head[7].copy_(head[best])
             head[150000].copy_(head[best])
             head[3].fill_(float("nan"))
-        picked, logits = step(1000 + 3, 511)
+        picked, logits, on_host = step(1000 + 3, 511)
         assert torch.isnan(logits[3])
         values = logits.float().nan_to_num(nan=float("-inf"))
         assert int((values == values.max()).sum()) >= 2, "the copied rows did not tie"
-        assert picked == _first_argmax(logits) == 7
+        assert picked == on_host == _first_argmax(logits) == 7
     finally:
         with torch.no_grad():
             head.copy_(kept)

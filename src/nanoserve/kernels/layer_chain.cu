@@ -207,9 +207,12 @@ struct Vocab {
   __nv_bfloat16* normed;         // [HIDDEN]: the final hidden state (block 0 writes it)
   __nv_bfloat16* logits;         // [size]
   // The greedy pick (pick_greedy): its two counters, zero at launch and left so, and where
-  // the token goes; no pick where `greedy_token` is null.
+  // the token goes; no pick where `greedy_token` is null. `host_token` (may be null) holds
+  // the address of pinned host memory the token is also written to, or 0: the step's copy
+  // of its token to the host then needs no operation of its own.
   unsigned long long* greedy_state;  // [2]: the best rank so far, the blocks done
   int64_t* greedy_token;
+  const uint64_t* host_token;
   int size;
 };
 
@@ -971,7 +974,10 @@ __device__ __forceinline__ void pick_greedy(unsigned long long rank, const Vocab
   __threadfence();  // and the last block reads the rank only after every block's count
   const unsigned long long grid_rank = atomicExch(best, 0ull);
   atomicExch(done, 0ull);
-  *vocab.greedy_token = 0xffffffffu - (uint32_t)grid_rank;
+  const int64_t token = 0xffffffffu - (uint32_t)grid_rank;
+  *vocab.greedy_token = token;
+  const uint64_t host = vocab.host_token == nullptr ? 0 : *vocab.host_token;
+  if (host != 0) *reinterpret_cast<int64_t*>(host) = token;
 }
 
 // The final RMSNorm of the last layer's residual and the block's rows of the LM head. Warp w

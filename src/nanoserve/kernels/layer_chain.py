@@ -24,6 +24,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -77,8 +78,18 @@ class Vocab(ctypes.Structure):
 
     _fields_ = ([(name, ctypes.c_void_p) for name in
                  ("token_index", "tokens", "embed", "head", "norm", "normed", "logits",
-                  "greedy_state", "greedy_token")]
+                  "greedy_state", "greedy_token", "host_token")]
                 + [("size", ctypes.c_int)])
+
+
+class GreedyPick(NamedTuple):
+    """Where a forward that runs the kernel writes the argmax of the logits it scores: ``out``
+    (int64 [1], on the device), and where ``host_address`` (a device int64 [1], may be None)
+    holds the nonzero address of pinned host memory, there too, so that the step's token
+    reaches the host with no copy of its own."""
+
+    out: torch.Tensor
+    host_address: torch.Tensor | None = None
 
 
 def pointer_array(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
@@ -209,17 +220,19 @@ class LayerChain:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  token_table: torch.Tensor | None = None,
-                 greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+                 greedy: GreedyPick | None = None) -> torch.Tensor:
         """The final hidden state (after the last norm; ``normed``, [1, HIDDEN] bf16) of the
         token ``ids`` ([1]), or with ``token_table`` (int64) of ``token_table[ids]``; stores the
         token's K/V in the cache, its logits in ``logits`` and the residual stream after the
-        last layer in ``residual``; with ``greedy_out`` (int64 [1]), the logits' argmax there
-        (the lowest index among equals; as ``sample_tokens`` picks at temperature 0)."""
+        last layer in ``residual``; with ``greedy``, the logits' argmax where it says (the
+        lowest index among equals, as ``sample_tokens`` picks at temperature 0)."""
         self._bind_caches()
-        if greedy_out is not None and (greedy_out.shape != (1,) or greedy_out.dtype != torch.int64
-                                       or greedy_out.device != self.device):
-            raise ValueError(f"greedy_out must be one int64 on {self.device}, got "
-                             f"{tuple(greedy_out.shape)} {greedy_out.dtype} on {greedy_out.device}")
+        for name, t in (("greedy.out", greedy and greedy.out),
+                        ("greedy.host_address", greedy and greedy.host_address)):
+            if t is not None and (t.shape != (1,) or t.dtype != torch.int64
+                                  or t.device != self.device):
+                raise ValueError(f"{name} must be one int64 on {self.device}, got "
+                                 f"{tuple(t.shape)} {t.dtype} on {t.device}")
         tables = meta.block_tables
         if positions.dtype != torch.int64 or tables.dtype != torch.int32 or tables.stride(-1) != 1:
             raise ValueError("layer_chain reads int64 positions and an int32 block table row")
@@ -240,7 +253,9 @@ class LayerChain:
             Vocab(ids.data_ptr(), token_table.data_ptr(), self.embed.data_ptr(),
                   self.head_weight.data_ptr(),
                   self.final_norm.data_ptr(), self.normed.data_ptr(), self.logits.data_ptr(),
-                  self.greedy_state.data_ptr(), 0 if greedy_out is None else greedy_out.data_ptr(),
+                  self.greedy_state.data_ptr(), 0 if greedy is None else greedy.out.data_ptr(),
+                  0 if greedy is None or greedy.host_address is None
+                  else greedy.host_address.data_ptr(),
                   self.vocab),
             self.counters.data_ptr(), self.failed.data_ptr(), 0,
             ctypes.c_int(self.num_layers), ctypes.c_float(self.eps)])

@@ -18,7 +18,7 @@ from torch import nn
 from nanoserve.attention.backend import AttentionBackend, SplitPartials
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
-from nanoserve.kernels.layer_chain import LayerChain, runs_decode, runs_step
+from nanoserve.kernels.layer_chain import GreedyPick, LayerChain, runs_decode, runs_step
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear, ShardId)
@@ -132,17 +132,17 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None,
-                greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+                greedy: GreedyPick | None = None) -> torch.Tensor:
         """The final hidden states of the step's tokens: ``ids``, or where ``token_table`` is
         given, ``token_table[ids]`` (the decode graphs' arena, which holds the tokens the last
-        step sampled; the layer kernel reads through the index itself). ``greedy_out``: for a
-        step the layer kernel runs (``greedy_in_forward``), where it writes the argmax of the
+        step sampled; the layer kernel reads through the index itself). ``greedy``: for a step
+        the layer kernel runs (``greedy_in_forward``), where it writes the argmax of the
         logits it scores."""
         if self.layer_chain is not None:
             meta = get_attention_metadata()
             if runs_step(ids, meta):
-                return self.layer_chain(ids, positions, meta, token_table, greedy_out)
-        if greedy_out is not None:
+                return self.layer_chain(ids, positions, meta, token_table, greedy)
+        if greedy is not None:
             raise ValueError("only the layer kernel picks the greedy token in the forward")
         if token_table is not None:
             ids = token_table[ids]
@@ -202,13 +202,13 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None,
-                greedy_out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(ids, positions, token_table, greedy_out)
+                greedy: GreedyPick | None = None) -> torch.Tensor:
+        return self.model(ids, positions, token_table, greedy)
 
     def greedy_in_forward(self, num_seqs: int, max_seq_len: int) -> bool:
         """Whether a decode step of ``num_seqs`` sequences with contexts up to ``max_seq_len``
         runs the layer kernel, which scores the logits and can take their argmax itself
-        (``forward``'s ``greedy_out``), sparing the step the sampler's launches."""
+        (``forward``'s ``greedy``), sparing the step the sampler's launches."""
         chain = self.model.layer_chain
         return chain is not None and runs_decode(num_seqs, max_seq_len)
 

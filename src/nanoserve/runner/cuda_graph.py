@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
+from nanoserve.kernels.layer_chain import GreedyPick
 from nanoserve.runner.graph_inputs import DecodeRows, GraphArena
 from nanoserve.runner.inputs import SequenceChunk
 
@@ -21,6 +22,9 @@ from nanoserve.runner.inputs import SequenceChunk
 # decode per context length").
 SHORT_CONTEXT_CAPS = (512, 2048)
 SHORT_CONTEXT_MAX_BATCH = 8
+# Pinned host slots that greedy graphs write their token into, used in turn. The engine collects
+# a step before it launches the one two after it, so at most two slots are live at once.
+HOST_TOKEN_SLOTS = 4
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -55,6 +59,9 @@ class DecodeOutput(NamedTuple):
     # Sampled by the fused sampler inside the graph; None where the step's batch needs more
     # than temperatures (penalties, filters, ...) and the caller samples from ``logits``.
     token_ids: torch.Tensor | None
+    # The same tokens in pinned host memory, where the graph writes them there itself (the
+    # greedy graphs): valid once the graph has run.
+    host_token_ids: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -94,6 +101,8 @@ class DecodeGraphs:
         # Graphs of one batch size share its arena region.
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, DecodeOutput] = {}
+        self.host_tokens = torch.zeros(HOST_TOKEN_SLOTS, dtype=torch.int64, pin_memory=True)
+        self.steps = 0  # replays so far: which host slot the next greedy one writes
         self._capture()
 
     @staticmethod
@@ -132,7 +141,8 @@ class DecodeGraphs:
                                  seq_order=region.order)
         with attention_metadata(meta):
             hidden = self.model(region.sources, region.positions, self.arena.int64,
-                                greedy_out=self.samples[:bs] if greedy else None)
+                                greedy=GreedyPick(self.samples[:bs], region.host_token)
+                                if greedy else None)
         if not self.sample:
             return DecodeOutput(hidden, None, None)
         from nanoserve.kernels.sampling import sample_tokens
@@ -172,12 +182,17 @@ class DecodeGraphs:
         n = len(rows.positions)
         sampled = self.sample and temperature is not None
         key = self.key_for(n, int(rows.seq_lens.max()), sampled and not bool(temperature.any()))
+        host = None
+        if key[2]:
+            slot = self.steps % HOST_TOKEN_SLOTS
+            host = self.host_tokens[slot:slot + 1]
+        self.steps += 1
         self.arena.stage(key[0], rows, temperature if sampled else None,
-                         noise_seed if sampled else -1)
+                         noise_seed if sampled else -1, 0 if host is None else host.data_ptr())
         self.graphs[key].replay()
-        hidden, logits, token_ids = self.outputs[key]
+        hidden, logits, token_ids, _ = self.outputs[key]
         return DecodeOutput(hidden[:n], None if logits is None else logits[:n],
-                            token_ids[:n] if sampled else None)
+                            token_ids[:n] if sampled else None, host)
 
     def release(self) -> None:
         """Destroy the graphs. Graphs that captured NCCL collectives hold their communicator:

@@ -216,9 +216,9 @@ class ModelRunner:
             self.generators.pop(rid, None)
         sampling = [c for c in step.chunks if c.sample]
         params = [c.params for c in sampling]
-        tensors = logits = token_ids = last = None
+        tensors = logits = token_ids = host_token_ids = last = None
         if self.graphs is not None and self.graphs.accepts(step.chunks):
-            hidden, logits, token_ids, tensors = self._replay(step.chunks)
+            hidden, logits, token_ids, host_token_ids, tensors = self._replay(step.chunks)
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
             if self.sampling_rank:
@@ -239,7 +239,7 @@ class ModelRunner:
             out = self.sampler(logits, tensors)
         self.last_samples = out.token_ids
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
-        return SampledStep(out, [p.logprobs for p in params], prompt)
+        return SampledStep(out, [p.logprobs for p in params], prompt, host_token_ids)
 
     def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors | None:
         if not chunks:
@@ -250,10 +250,12 @@ class ModelRunner:
             [self._generator(c) for c in chunks], self.model_config.vocab_size, self.device)
 
     def _replay(self, chunks: list[SequenceChunk]) -> tuple[
-            torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
+            torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+            SamplingTensors | None]:
         """A decode step through the CUDA graphs (every chunk one token, each sampled): the
-        hidden states, the graph's logits and samples where it ran them, and the sampling
-        tensors where the batch needs the general sampler."""
+        hidden states, the graph's logits and samples where it ran them (on the device, and
+        on the host where the graph writes them there too), and the sampling tensors where the
+        batch needs the general sampler."""
         rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
         if rows.feeds_samples and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
             # The previous step sampled outside the graphs: its tokens join the arena.
@@ -268,8 +270,8 @@ class ModelRunner:
             if temperature is None:
                 tensors = self._sampling_tensors(chunks)
         noise_seed = -1 if temperature is None else draw_noise_seed(bool(temperature.any()))
-        hidden, logits, token_ids = self.graphs.run(rows, temperature, noise_seed)
-        return hidden, logits, token_ids, tensors
+        out = self.graphs.run(rows, temperature, noise_seed)
+        return out.hidden, out.logits, out.token_ids, out.host_token_ids, tensors
 
     def close(self) -> None:
         self.generators.clear()
