@@ -433,7 +433,8 @@ for step in "$@"; do
       timeout 150 python3 benchmarks/throughput.py 2>&1 | grep -E '^\{|Error' | tee "$OUT/throughput.log" ;;
     sessioncheck)  # the GPU tests of the kernel, the graphs' sampling and the sampler (run 257's
       # ran out of time before their summary); the throughput workload, this tree against BASE
-      # (dfe705d, the session's start: float32 sums at batches of 2-4) (run 258)
+      # (dfe705d, the session's start: float32 sums at batches of 2-4) (run 258; run 259 was
+      # `AB_REVERSE=1 BASE=abbase bash benchmarks/h200_run.sh abthroughput`, the pair reversed)
       timeout 250 python3 -m pytest tests/gpu/test_layer_chain_gpu.py tests/gpu/test_graph_sampling.py \
         tests/gpu/test_sampling_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/check_tests.log"
       ab check_throughput.jsonl benchmarks/throughput.py ;;
