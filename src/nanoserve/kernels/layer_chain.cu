@@ -21,7 +21,8 @@
 //              g/u = (W_gu'[f] / W_gu'[INTER + f] . h) * rsqrt(mean(h^2) + eps)
 //   down       h[r] = h[r] + bf16(W_down[r] . act)
 // The GEMV stages are "phases" 0-3 below (qkv, o_proj, gate_up, down). VOCAB=1 adds the
-// step's ends: the token's embedding row in, the final norm and the LM head's logits out.
+// step's ends: the token's embedding row in, the final norm and the LM head's logits out,
+// and for a greedy step their argmax (pick_greedy).
 // Block b owns rows [b*N/G, (b+1)*N/G) of each phase (features for phase 2: their gate rows
 // and their up rows, two copies a slot), so each slice copies as whole rows. Weights, K/V
 // caches and the step's position are laid out as the engine holds them: a pointer per layer,
@@ -31,7 +32,8 @@
 // in 15.1-15.5 µs with tagged data against 16.5-16.9 with grid barriers and 19.5 for the
 // Triton chain's forward (runs 227-230, 384 cached keys); in the engine, a decode step in
 // 0.514-0.522 ms against 0.626-0.627 with VOCAB=1 (runs 239-242), 0.485-0.491 since the dot
-// products issue fewer instructions (runs 251-252: bf16_pair, warp_sum_scatter).
+// products issue fewer instructions (runs 251-252: bf16_pair, warp_sum_scatter), and a
+// greedy step in 0.474-0.476 with its token picked here, no sampler after (runs 256-257).
 
 #include <cuda_bf16.h>
 #ifdef __CUDACC_RTC__  // NVRTC (cuda_build.py) has no C library headers
