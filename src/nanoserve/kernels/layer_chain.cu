@@ -318,7 +318,13 @@ __device__ __forceinline__ Phase phase_slice(int phase) {
   }
 }
 
-__device__ __forceinline__ int rows_per_slot(int k) { return SLOT_BYTES / (k * 2); }
+__host__ __device__ constexpr int rows_per_slot(int k) { return SLOT_BYTES / (k * 2); }
+
+// The tag a layer's handoffs carry in launch `epoch`: never 0, which fresh buffers hold, and
+// never the previous layer's or launch's.
+__device__ __forceinline__ uint32_t layer_tag(unsigned int epoch, int layers, int layer) {
+  return (epoch * layers + layer) % 65535u + 1u;
+}
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -1009,7 +1015,7 @@ __device__ __forceinline__ void head_stage(const Vocab& vocab, const __nv_bfloat
     }
   }
   const Phase ph = head_slice(vocab.size);
-  constexpr int PER_SLOT = SLOT_BYTES / (HIDDEN * 2);
+  constexpr int PER_SLOT = rows_per_slot(HIDDEN);
   const int slots = ceil_div(ph.end_row - ph.first_row, PER_SLOT);
   unsigned long long rank = 0;  // the best logit this lane stored, for the greedy pick
   for (int i = warp; i < slots; i += CONSUMER_WARPS) {
@@ -1131,9 +1137,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   unsigned int barriers = 0;
   const unsigned int epoch = TAGGED ? *tagged.epoch : 0;
   for (int layer = 0; layer < layers; ++layer) {
-    // Never 0, which fresh buffers hold, and never the previous layer's or launch's.
-    const uint32_t tag = (epoch * layers + layer) % 65535u + 1u;
-    const uint32_t previous_tag = (epoch * layers + layer - 1) % 65535u + 1u;
+    const uint32_t tag = layer_tag(epoch, layers, layer);
+    const uint32_t previous_tag = layer_tag(epoch, layers, layer - 1);
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
       if ((stage == ATTENTION_STAGE && !ATTENTION) ||
@@ -1224,8 +1229,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   }
   if (VOCAB && !STREAM_ONLY && !BARRIER_ONLY) {
     if (!TAGGED) grid_wait(arrived, ++barriers * gridDim.x, failed);
-    const uint32_t last_tag = (epoch * layers + layers - 1) % 65535u + 1u;
-    head_stage(vocab, residual, TAGGED ? tagged.residual_down : nullptr, last_tag, staged, full,
+    head_stage(vocab, residual, TAGGED ? tagged.residual_down : nullptr,
+               layer_tag(epoch, layers, layers - 1), staged, full,
                empty, ring, seq, eps, &block_rank, failed);
   }
   // Every block read the epoch before its first output, which block 0's last stage waited on.
