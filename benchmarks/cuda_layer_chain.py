@@ -259,6 +259,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+           head: bool) -> dict[str, float]:
+    """Each output's relative error against the reference, the head's outputs only where the
+    launch ran the head."""
+    return {f"error_{name}": relative_error(got[name], w) for name, w in want.items()
+            if head or name not in ("normed", "logits")}
+
+
 def stages_that_ran(stamps: torch.Tensor) -> list[int]:
     """The stages a variant ran (the others' stamps stay zero)."""
     return [p for p in range(STAGES) if stamps[:, :, p, GT_START].any()]
@@ -404,10 +412,7 @@ def main() -> None:
             stack.run(variant, grid, args.eps, head=head)
             torch.cuda.synchronize()
             record["failed"] = bool(stack.failed.item())
-            got = stack.got(variant)
-            for name, want in references[variant.attention].items():
-                if head or name not in ("normed", "logits"):
-                    record[f"error_{name}"] = relative_error(got[name], want)
+            record.update(errors(stack.got(variant), references[variant.attention], head))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 stack.run(variant, grid, args.eps, head=head)
@@ -429,11 +434,9 @@ def main() -> None:
             for step in range(1, args.steps):
                 stack.step(step)
                 graph.replay()
-                want = stack.reference(args.eps, variant.attention)
-                got = stack.got(variant)
-                later.append({"position": stack.current, **{
-                    f"error_{name}": relative_error(got[name], w) for name, w in want.items()
-                    if head or name not in ("normed", "logits")}})
+                later.append({"position": stack.current,
+                              **errors(stack.got(variant),
+                                       stack.reference(args.eps, variant.attention), head)})
             if later:
                 record["later_steps"] = later
             record["failed"] = record["failed"] or bool(stack.failed.item())
