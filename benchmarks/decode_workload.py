@@ -9,7 +9,7 @@ sequences longest context first (the engine's order); the default tuning also ru
 order.
 
     python benchmarks/decode_workload.py [--stride 64] [--quick] [--block-size 16]
-                                         [--kv-cache-dtype fp8]
+                                         [--kv-cache-dtype fp8] [--head-major]
 """
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--block-size", type=int, default=16)  # the engine's default
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--head-major", action="store_true",
+                        help="cache storage [blocks, Hkv, block_size, D] (the engine's is "
+                             "[blocks, block_size, Hkv, D])")
     args = parser.parse_args()
     fp8 = args.kv_cache_dtype == "fp8"
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -72,7 +75,7 @@ def main() -> None:
     total_bytes = 0
     for step, seq_lens in zip(range(0, 10 ** 9, args.stride), decode_steps(args.stride)):
         q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), args.block_size,
-                                               gen)
+                                               gen, args.head_major)
         if fp8:
             k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
         ref = reference(q, k_cache, v_cache, meta)
@@ -113,7 +116,7 @@ def main() -> None:
                           "seconds": round(seconds, 3),
                           "kv_gbs": round(total_bytes / seconds / 1e9, 1) if seconds else None,
                           "stride": args.stride, "block_size": args.block_size,
-                          "kv_cache_dtype": args.kv_cache_dtype,
+                          "kv_cache_dtype": args.kv_cache_dtype, "head_major": args.head_major,
                           "ok": oks[tuning]}), flush=True)
 
 

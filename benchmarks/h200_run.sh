@@ -11,7 +11,7 @@
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
-#   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck]
+#   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck] [kvlayout]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -438,6 +438,22 @@ for step in "$@"; do
       timeout 250 python3 -m pytest tests/gpu/test_layer_chain_gpu.py tests/gpu/test_graph_sampling.py \
         tests/gpu/test_sampling_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/check_tests.log"
       ab check_throughput.jsonl benchmarks/throughput.py ;;
+    kvlayout)  # decode attention over the workload replay with one KV head's keys of a block
+      # contiguous (storage [blocks, Hkv, block_size, D]) against the engine's layout, two
+      # interleaved pairs, then head-major at 32- and 64-key blocks; the GPU layer-chain tests
+      # (their tie helper changed in 18f7dd9 without a GPU) (run 261)
+      for pair in 1 2; do
+        for flag in "" --head-major; do
+          timeout 120 python3 benchmarks/decode_workload.py --quick $flag 2>&1 \
+            | grep -E '^\{|Error' | tee -a "$OUT/kv_layout.jsonl"
+        done
+      done
+      for bs in 32 64; do
+        timeout 120 python3 benchmarks/decode_workload.py --quick --head-major --block-size $bs \
+          2>&1 | grep -E '^\{|Error' | tee -a "$OUT/kv_layout.jsonl"
+      done
+      timeout 250 python3 -m pytest tests/gpu/test_layer_chain_gpu.py -v -p no:cacheprovider 2>&1 \
+        | tail -25 | tee "$OUT/layer_chain_tests.log" ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

@@ -34,9 +34,12 @@ CAPTURE_MAX_SEQ_LEN = 40960  # the decode graphs' split count comes from the mod
 
 
 def make_batch(seq_lens: list[int], q_lens: list[int], block_size: int,
-               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                              AttentionMetadata]:
-    """Random q and paged K/V cache with every sequence's blocks scattered over the pool."""
+               gen: torch.Generator, head_major: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q and paged K/V cache with every sequence's blocks scattered over the pool.
+
+    The caches are ``[blocks, block_size, Hkv, D]`` views; with ``head_major`` their storage
+    is ``[blocks, Hkv, block_size, D]``, so one KV head's keys of a block are contiguous."""
     dev = "cuda"
     blocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks)
@@ -49,9 +52,12 @@ def make_batch(seq_lens: list[int], q_lens: list[int], block_size: int,
         pos = torch.arange(n - q_len, n, device=dev)
         slots.append(ids[pos // block_size].long() * block_size + pos % block_size)
         start += blocks[i]
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM) if head_major else \
+        (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen, device=dev, dtype=DTYPE)
     v_cache = torch.randn(shape, generator=gen, device=dev, dtype=DTYPE)
+    if head_major:
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, generator=gen, device=dev, dtype=DTYPE)
     cum = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(query_start_loc=cum,
@@ -85,8 +91,9 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def reference(q, k_cache, v_cache, meta) -> torch.Tensor:
-    return paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta,
-                                     HEAD_DIM ** -0.5)
+    # contiguous: the reference reads the caches through views of the engine's layout
+    return paged_attention_reference(q.float(), k_cache.float().contiguous(),
+                                     v_cache.float().contiguous(), meta, HEAD_DIM ** -0.5)
 
 
 def kv_bytes(seq_lens: list[int]) -> int:
