@@ -11,7 +11,8 @@
 #   [samplingab] [samplingwidths] [epiloguechain] [epiloguecheck] [tworows] [tworowtiles]
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
-#   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck] [kvlayout]
+#   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck] [kvlayout] [headmajorab]
+#   [headmajorshuffled]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -454,6 +455,18 @@ for step in "$@"; do
       done
       timeout 250 python3 -m pytest tests/gpu/test_layer_chain_gpu.py -v -p no:cacheprovider 2>&1 \
         | tail -25 | tee "$OUT/layer_chain_tests.log" ;;
+    headmajorab)  # the engine with head-major caches (this tree) against BASE (token-major):
+      # the throughput workload in two pairs, 0.6B latency in one (run 262)
+      for pair in 1 2; do
+        ab head_major_throughput.jsonl benchmarks/throughput.py
+      done
+      ab head_major_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b ;;
+    headmajorshuffled)  # the same pair with the free KV blocks shuffled before each run, as a
+      # long-serving cache hands them out: kvlayout's replay (random blocks) had head-major ahead
+      # (run 263)
+      for pair in 1 2; do
+        ab head_major_shuffled.jsonl benchmarks/throughput.py --block-order shuffled
+      done ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head
