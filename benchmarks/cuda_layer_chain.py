@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from common import emit, environment, replay_ms
 
-from nanoserve.kernels.common import head_major_cache
 from nanoserve.kernels.cuda_build import CudaKernel, build_cubin
 from nanoserve.kernels.layer_chain import (HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE as INTER,
                                            KEYS_PER_WARP, KV_HEADS, QKV, SOURCE, AttentionArgs,
@@ -43,14 +42,6 @@ STAGE_NAMES = ("qkv", "attention", "merge", "o_proj", "gate_up", "down")
 STAGES = len(STAGE_NAMES)
 # The kernel's stamps per block, layer and stage (enum Stamp in the .cu file).
 GT_START, CLK_START, CLK_INPUTS, CLK_SUMS, CLK_ARRIVED, GT_DONE, STAMPS = range(7)
-
-
-def head_major_copy(values: torch.Tensor) -> torch.Tensor:
-    """``values`` (``[blocks, block_size, Hkv, D]``) in bf16, stored as the engine stores a
-    cache on the GPU (``head_major_cache``)."""
-    cache = head_major_cache(*values.shape, torch.bfloat16, values.device)
-    cache.copy_(values)
-    return cache
 
 
 def untag(words: torch.Tensor) -> torch.Tensor:
@@ -82,9 +73,8 @@ class Variant:
 
 class Stack:
     """Random weights for ``layers`` layers and a paged K/V cache holding ``context`` keys per
-    layer in shuffled blocks, laid out as the engine holds them (a head-major tensor per
-    layer, gate/up as gate's rows then up's), room for ``steps`` decode steps, and the step's
-    vectors."""
+    layer in shuffled blocks, laid out as the engine holds them (a tensor per layer, gate/up as
+    gate's rows then up's), room for ``steps`` decode steps, and the step's vectors."""
 
     def __init__(self, layers: int, context: int, steps: int = 1, seed: int = 0,
                  vocab: int = 151936, device: str = "cuda"):
@@ -108,8 +98,8 @@ class Stack:
         self.block_table = (torch.randperm(cache_blocks, device=device, generator=gen)[:blocks]
                             .to(torch.int32))
         shape = (cache_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        self.k_caches = [head_major_copy(randn(*shape)) for _ in range(layers)]
-        self.v_caches = [head_major_copy(randn(*shape)) for _ in range(layers)]
+        self.k_caches = [randn(*shape).to(torch.bfloat16) for _ in range(layers)]
+        self.v_caches = [randn(*shape).to(torch.bfloat16) for _ in range(layers)]
         self.cache_pointers = (pointer_array(self.k_caches, device),
                                pointer_array(self.v_caches, device))
         positions = torch.arange(context + steps, device=device).float()

@@ -22,7 +22,6 @@ from nanoserve.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
     split_decode_tuning,
 )
-from nanoserve.kernels.common import head_major_cache, is_head_major  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
     BALANCE_TARGET,
     MAX_SPLITS,
@@ -79,19 +78,10 @@ def make_batch(seq_lens: list[int], q_lens: list[int], *, num_heads: int, num_kv
     return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), meta
 
 
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """``cache``'s values in the GPU path's storage order (``head_major_cache``)."""
-    copy = head_major_cache(*cache.shape, cache.dtype, cache.device)
-    copy.copy_(cache)
-    assert is_head_major(copy) and not copy.is_contiguous()
-    return copy
-
-
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata) -> torch.Tensor:
-    # contiguous: the reference gathers slots through views of the caches' storage
-    return paged_attention_reference(q.double(), k_cache.double().contiguous(),
-                                     v_cache.double().contiguous(), meta, q.shape[-1] ** -0.5)
+    return paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     q.shape[-1] ** -0.5)
 
 
 def assert_matches_reference(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
@@ -163,37 +153,6 @@ def test_decode_reads_a_column_major_block_table(num_splits):
     out = decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc,
                            meta.max_seq_len, 64 ** -0.5, num_splits=num_splits)
     assert_matches_reference(out, q, k_cache, v_cache, meta)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_kernels_read_and_write_head_major_caches(num_splits):
-    """The GPU path's caches keep one KV head's keys of a block together; the kernels take
-    any strides, so decode, split decode storing the new tokens and prefill give what they
-    give over token-major caches."""
-    seq_lens = [37, 1, 70, 16]
-    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 4, num_heads=4, num_kv_heads=2,
-                                           head_dim=32, block_size=16)
-    out = run_decode(q, head_major(k_cache), head_major(v_cache), meta, num_splits)
-    assert torch.equal(out, run_decode(q, k_cache, v_cache, meta, num_splits))
-    assert_matches_reference(out, q, k_cache, v_cache, meta)
-
-    k, v, positions, rotary, _ = new_token_inputs(q, 2, meta, False, seed=1)
-    caches = {"token-major": (k_cache.clone(), v_cache.clone()),
-              "head-major": (head_major(k_cache), head_major(v_cache))}
-    outs = {name: decode_attention(q, *c, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
-                                   num_splits=num_splits,
-                                   new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
-                                                        rotary.cos_sin))
-            for name, c in caches.items()}
-    assert torch.equal(outs["head-major"], outs["token-major"])
-    for mine, theirs in zip(caches["head-major"], caches["token-major"]):
-        assert torch.equal(mine, theirs)  # the new keys and values went to the same slots
-
-    q, k_cache, v_cache, meta = make_batch([45, 23], [13, 23], num_heads=4, num_kv_heads=2,
-                                           head_dim=32, block_size=16)
-    out = run_prefill(q, head_major(k_cache), head_major(v_cache), meta)
-    assert torch.equal(out, run_prefill(q, k_cache, v_cache, meta))
 
 
 def test_decode_more_splits_than_tiles_and_empty_sequences():
@@ -333,13 +292,8 @@ def test_backends_agree_from_projection_to_output(seq_lens, q_lens, qk_norm):
     expected = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
                                                  *expected_caches, meta, rotary, 32 ** -0.5,
                                                  *norms)
-    # Each backend's caches as it allocates them: the Triton backend's are head-major.
-    triton_backend = TritonAttentionBackend()
-    k_cache, v_cache = (triton_backend.new_kv_cache(*c.shape, c.dtype, c.device).copy_(c)
-                        for c in (k_cache, v_cache))
-    assert is_head_major(k_cache) and is_head_major(v_cache)
-    out = triton_backend.attention(positions, q, k, v, k_cache, v_cache, meta, rotary,
-                                   32 ** -0.5, *norms)
+    out = TritonAttentionBackend().attention(positions, q, k, v, k_cache, v_cache, meta, rotary,
+                                             32 ** -0.5, *norms)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float16])
     torch.testing.assert_close(k_cache, expected_caches[0], **TOLERANCE[torch.float16])
     assert torch.equal(v_cache, expected_caches[1])

@@ -25,9 +25,7 @@ class SplitPartials(NamedTuple):
 class AttentionBackend(Protocol):
     """Stores new K/V into the paged cache and computes causal attention over it.
 
-    Cache shape, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V,
-    as the backend allocates it (``new_kv_cache``: the storage order is the backend's; code
-    outside it indexes the caches by that shape and never views their storage).
+    Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V.
     ``q`` is ``[T, num_heads, head_dim]``, ``k``/``v`` are ``[T, num_kv_heads, head_dim]``; the
     output is ``[T, num_heads, head_dim]``. Slots of -1 in the slot mapping are skipped.
     """
@@ -45,11 +43,6 @@ class AttentionBackend(Protocol):
         ``SplitPartials``. With ``row_scale`` (the input norm the qkv projection left out)
         each token's q, k and v are first scaled by its factor.
         """
-
-    def new_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """One layer's K or V cache, zeroed, shaped ``[num_blocks, block_size, num_kv_heads,
-        head_dim]`` with the head dimension contiguous."""
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         """Tokens of a sequence per prefill program, for the runner to list the programs of a

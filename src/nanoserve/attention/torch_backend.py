@@ -16,12 +16,6 @@ if TYPE_CHECKING:
 class TorchAttentionBackend:
     """CPU path and the reference for the Triton kernels: exact, vectorised, no custom ops."""
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # Contiguous: the store and the reference attention gather slots through views.
-        return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
-                           device=device)
-
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         return 0  # attends sequence by sequence: no work list
 

@@ -7,7 +7,7 @@ import torch
 
 from nanoserve.attention.backend import SplitPartials
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.kernels.common import device_sm_count, head_major_cache
+from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
                                                 decode_attention, num_decode_splits)
 from nanoserve.kernels.prefill_attention import prefill_attention, query_tile
@@ -53,10 +53,6 @@ class TritonAttentionBackend:
     kernel partitions each sequence's actual length at replay, so results stay correct for any
     length, but a graph captured with a short ``max_seq_len`` under-splits long contexts.
     """
-
-    def new_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return head_major_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         return query_tile(num_heads, num_kv_heads, device)

@@ -53,26 +53,6 @@ def fp16_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
-def head_major_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed K or V cache shaped ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the
-    kernels' indexing) and stored ``[num_blocks, num_kv_heads, block_size, head_dim]``: a
-    decode program, which reads one KV head, then reads each block's keys as one contiguous
-    run instead of a 2·head_dim-byte piece per ``num_kv_heads`` pieces. Over the replay of the
-    throughput workload's decode steps (``decode_workload.py``, blocks in random order) that
-    read the keys and values 10% faster (run 261)."""
-    storage = torch.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype,
-                          device=device)
-    return storage.transpose(1, 2)
-
-
-def is_head_major(cache: torch.Tensor) -> bool:
-    """Whether ``cache`` (``[blocks, block_size, Hkv, D]``) is stored as ``head_major_cache``
-    stores it."""
-    blocks, block_size, heads, dim = cache.shape
-    return cache.stride() == (heads * block_size * dim, dim, block_size * dim, 1)
-
-
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Assert the shape, dtype and layout contract the attention kernels rely on."""
     num_heads, head_dim = q.shape[1:]

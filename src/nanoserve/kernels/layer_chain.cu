@@ -173,9 +173,7 @@ static_assert(ceil_div(HEADS * HEAD_DIM, MIN_GRID) * SPLITS <= CONSUMERS,
 // In the engine's layout: a cache tensor per layer, the step's position in device memory (so
 // one CUDA graph serves every step), RoPE's table for all positions.
 struct AttentionArgs {
-  // Per layer, stored [cache blocks, KV_HEADS, block_size, HEAD_DIM]: the GPU path's layout
-  // (attention.triton_backend.new_kv_cache), one KV head's keys of a block contiguous.
-  __nv_bfloat16* const* k_caches;
+  __nv_bfloat16* const* k_caches;  // per layer: [cache blocks, block_size, KV_HEADS, HEAD_DIM]
   __nv_bfloat16* const* v_caches;
   const int* block_table;   // the sequence's cache blocks
   const int64_t* position;  // the new token's position: the cached keys before it
@@ -655,7 +653,8 @@ __device__ __forceinline__ KeyRange key_range(const AttentionArgs& a) {
 // A position's key (or value) for KV head `head`, within a layer's cache.
 __device__ __forceinline__ size_t cache_offset(const AttentionArgs& a, int position, int head) {
   const int block = a.block_table[position / a.block_size];
-  return (((size_t)block * KV_HEADS + head) * a.block_size + position % a.block_size) * HEAD_DIM;
+  return ((size_t)block * a.block_size + position % a.block_size) * KV_HEADS * HEAD_DIM +
+         head * HEAD_DIM;
 }
 
 // What a block's attention reads that does not depend on this step, read before it waits for

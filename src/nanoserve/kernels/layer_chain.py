@@ -30,7 +30,6 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.config import ModelConfig
-from nanoserve.kernels.common import is_head_major
 from nanoserve.kernels.cuda_build import (CudaBuildError, CudaDriverError, CudaKernel,
                                           available_compiler, build_cubin)
 
@@ -213,10 +212,6 @@ class LayerChain:
         while it sizes the cache; graphs are captured after, with the final ones)."""
         addresses = [t.data_ptr() for a in self.attention_layers for t in (a.k_cache, a.v_cache)]
         if addresses != self._cache_addresses:
-            if not all(is_head_major(c) for a in self.attention_layers
-                       for c in (a.k_cache, a.v_cache)):
-                raise ValueError("layer_chain reads caches stored head-major "
-                                 "(kernels.common.head_major_cache)")
             self.cache_pointers = (
                 pointer_array([a.k_cache for a in self.attention_layers], self.device),
                 pointer_array([a.v_cache for a in self.attention_layers], self.device))

@@ -169,8 +169,8 @@ class ModelRunner:
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         for layer in self._attention_layers():
-            layer.k_cache = self.backend.new_kv_cache(*shape, self.kv_cache_dtype, self.device)
-            layer.v_cache = self.backend.new_kv_cache(*shape, self.kv_cache_dtype, self.device)
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     @torch.inference_mode()
     def profile_run(self, decode: bool = False, num_tokens: int | None = None) -> None:
