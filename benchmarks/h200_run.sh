@@ -455,13 +455,14 @@ for step in "$@"; do
       done
       timeout 250 python3 -m pytest tests/gpu/test_layer_chain_gpu.py -v -p no:cacheprovider 2>&1 \
         | tail -25 | tee "$OUT/layer_chain_tests.log" ;;
-    headmajorab)  # the engine with head-major caches (this tree) against BASE (token-major):
-      # the throughput workload in two pairs, 0.6B latency in one (run 262)
+    headmajorab)  # the engine with head-major caches (this tree: commit c392fcc, reverted after)
+      # against BASE (token-major): the throughput workload in two pairs, 0.6B latency in one
+      # (run 262)
       for pair in 1 2; do
         ab head_major_throughput.jsonl benchmarks/throughput.py
       done
       ab head_major_latency.jsonl benchmarks/latency.py --shape qwen3-0.6b ;;
-    headmajorshuffled)  # the same pair with the free KV blocks shuffled before each run, as a
+    headmajorshuffled)  # c392fcc's pair with the free KV blocks shuffled before each run, as a
       # long-serving cache hands them out: kvlayout's replay (random blocks) had head-major ahead
       # (run 263)
       for pair in 1 2; do
