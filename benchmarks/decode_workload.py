@@ -10,6 +10,7 @@ order.
 
     python benchmarks/decode_workload.py [--stride 64] [--quick] [--block-size 16]
                                          [--kv-cache-dtype fp8] [--head-major]
+                                         [--blocks-in-order]
 """
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--head-major", action="store_true",
                         help="cache storage [blocks, Hkv, block_size, D] (the engine's is "
                              "[blocks, block_size, Hkv, D])")
+    parser.add_argument("--blocks-in-order", action="store_true",
+                        help="each sequence's cache blocks in a row, as a fresh engine hands "
+                             "them out (default: scattered over the pool)")
     args = parser.parse_args()
     fp8 = args.kv_cache_dtype == "fp8"
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -75,7 +79,8 @@ def main() -> None:
     total_bytes = 0
     for step, seq_lens in zip(range(0, 10 ** 9, args.stride), decode_steps(args.stride)):
         q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * len(seq_lens), args.block_size,
-                                               gen, args.head_major)
+                                               gen, args.head_major,
+                                               scattered=not args.blocks_in_order)
         if fp8:
             k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
         ref = reference(q, k_cache, v_cache, meta)
@@ -117,6 +122,7 @@ def main() -> None:
                           "kv_gbs": round(total_bytes / seconds / 1e9, 1) if seconds else None,
                           "stride": args.stride, "block_size": args.block_size,
                           "kv_cache_dtype": args.kv_cache_dtype, "head_major": args.head_major,
+                          "blocks_in_order": args.blocks_in_order,
                           "ok": oks[tuning]}), flush=True)
 
 

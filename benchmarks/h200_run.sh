@@ -12,7 +12,7 @@
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
 #   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck] [kvlayout] [headmajorab]
-#   [headmajorshuffled]
+#   [headmajorshuffled] [replayorder]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -468,6 +468,16 @@ for step in "$@"; do
       for pair in 1 2; do
         ab head_major_shuffled.jsonl benchmarks/throughput.py --block-order shuffled
       done ;;
+    replayorder)  # kvlayout's replay with each sequence's blocks in a row, as the engine holds
+      # them, both layouts in two interleaved pairs; then scattered, the replay's default (run 264)
+      for pair in 1 2; do
+        for flag in "" --head-major; do
+          timeout 120 python3 benchmarks/decode_workload.py --quick --blocks-in-order $flag 2>&1 \
+            | grep -E '^\{|Error' | tee -a "$OUT/replay_order.jsonl"
+        done
+      done
+      timeout 120 python3 benchmarks/decode_workload.py --quick 2>&1 | grep -E '^\{|Error' \
+        | tee -a "$OUT/replay_order.jsonl" ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

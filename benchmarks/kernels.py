@@ -34,16 +34,18 @@ CAPTURE_MAX_SEQ_LEN = 40960  # the decode graphs' split count comes from the mod
 
 
 def make_batch(seq_lens: list[int], q_lens: list[int], block_size: int,
-               gen: torch.Generator, head_major: bool = False
+               gen: torch.Generator, head_major: bool = False, scattered: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random q and paged K/V cache with every sequence's blocks scattered over the pool.
+    """Random q and paged K/V cache with every sequence's blocks scattered over the pool
+    (without ``scattered``: each sequence's blocks in a row, as a fresh engine hands them out).
 
     The caches are ``[blocks, block_size, Hkv, D]`` views; with ``head_major`` their storage
     is ``[blocks, Hkv, block_size, D]``, so one KV head's keys of a block are contiguous."""
     dev = "cuda"
     blocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks)
-    perm = torch.randperm(num_blocks, generator=gen, device=dev).to(torch.int32)
+    perm = (torch.randperm(num_blocks, generator=gen, device=dev) if scattered
+            else torch.arange(num_blocks, device=dev)).to(torch.int32)
     block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=dev)
     slots, start = [], 0
     for i, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
