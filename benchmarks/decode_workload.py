@@ -8,6 +8,11 @@ reports the estimated attention seconds of the whole run, and the K/V read rate.
 sequences longest context first (the engine's order); the default tuning also runs in batch
 order.
 
+Trust the steps with many sequences: from 143 up they repeat within 1% from process to
+process, while those with 121 or fewer have swung by up to 3x, and with them the totals by up
+to 25% (run 264, docs/benchmarks.md). Changes aimed at small batches need the engine's
+throughput, A/B on one machine.
+
     python benchmarks/decode_workload.py [--stride 64] [--quick] [--block-size 16]
                                          [--kv-cache-dtype fp8] [--head-major]
                                          [--blocks-in-order]

@@ -12,7 +12,7 @@
 #   [fourrowtiles] [fourrows] [finalcheck] [tputab] [tput8bprofile] [warpschain] [cudachain]
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
 #   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck] [kvlayout] [headmajorab]
-#   [headmajorshuffled] [replayorder]
+#   [headmajorshuffled] [replayorder] [whereitgoes]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -478,6 +478,15 @@ for step in "$@"; do
       done
       timeout 120 python3 benchmarks/decode_workload.py --quick 2>&1 | grep -E '^\{|Error' \
         | tee -a "$OUT/replay_order.jsonl" ;;
+    whereitgoes)  # where the throughput run's time goes on the current tree: the kernel profile
+      # as the engine runs (programmatic launch on: overlapping times) and with it off
+      # (additive), then host and device time per step by running requests (run 266)
+      timeout 200 python3 benchmarks/throughput.py --profile-kernels 2>"$OUT/throughput_profile.txt" \
+        | grep '^{' | tee "$OUT/throughput_profile.jsonl"
+      NANOSERVE_DISABLE_PDL=1 timeout 200 python3 benchmarks/throughput.py --profile-kernels \
+        2>"$OUT/throughput_profile_nopdl.txt" | grep '^{' | tee "$OUT/throughput_profile_nopdl.jsonl"
+      timeout 150 python3 benchmarks/throughput.py --host-timing 2>&1 | grep '^{' \
+        | tee "$OUT/host_timing.jsonl" ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head

@@ -91,7 +91,7 @@ def kernel_profile(enabled: bool):
         yield report
     events = prof.key_averages()
     report.update(kernel_seconds=round(kernel_us(events) / 1e6, 3), profiled=True)
-    print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+    print(events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=70),
           file=sys.stderr)
 
 
