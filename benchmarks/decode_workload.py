@@ -6,12 +6,9 @@ fewer. This replays every ``--stride``-th decode step of that workload (the sequ
 running and their context lengths), times the decode kernel on it under each tuning, and
 reports the estimated attention seconds of the whole run, and the K/V read rate. Programs take
 sequences longest context first (the engine's order); the default tuning also runs in batch
-order.
-
-Trust the steps with many sequences: from 143 up they repeat within 1% from process to
-process, while those with 121 or fewer have swung by up to 3x, and with them the totals by up
-to 25% (run 264, docs/benchmarks.md). Changes aimed at small batches need the engine's
-throughput, A/B on one machine.
+order. Each call is timed as a CUDA-graph replay, as the engine runs decode: every step then
+repeats within ~1% from process to process (run 268). Timed as host launches, as it was until
+run 267, the small steps measured the host's launch path, by up to 3x.
 
     python benchmarks/decode_workload.py [--stride 64] [--quick] [--block-size 16]
                                          [--kv-cache-dtype fp8] [--head-major]
@@ -22,6 +19,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import time
+from collections.abc import Callable
 
 import torch
 from kernels import (CAPTURE_MAX_SEQ_LEN, HEAD_DIM, NUM_KV_HEADS, errors, kv_bytes, make_batch,
@@ -57,6 +56,20 @@ def tunings(quick: bool, fp8: bool = False) -> list[Variant]:
               itertools.product((4, 5, 6, 7, 8), (32, 64, 128) if fp8 else (32, 64), (2, 4))]
     around.append((PROGRAMS_PER_SM, DecodeTuning(num_stages=5)))
     return variants + [(*t, True) for t in around if t != default]
+
+
+def graph_median_ms(run: Callable[[], torch.Tensor]) -> float:
+    """``run`` captured in a CUDA graph, the median of its replays (L2 flushed before each),
+    as the engine replays decode. Launched from the host, a split step's two kernels and
+    allocations took longer to enqueue than the flush took to run, so small steps timed the
+    host's launch path (runs 264, 267)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    try:
+        return median_ms(graph.replay, iters=10, warmup=2)
+    finally:
+        graph.reset()
 
 
 def describe(variant: Variant) -> dict:
@@ -106,7 +119,7 @@ def main() -> None:
                                         seq_order=order)
             try:
                 oks[tuning] = oks[tuning] and errors(run(), ref)["ok"]
-                ms = median_ms(run, iters=10, warmup=2)
+                ms = graph_median_ms(run)
             except Exception as exc:  # noqa: BLE001 - a tuning past the SM's shared memory
                 totals[tuning] = float("inf")
                 print(json.dumps({"tuning": describe(tuning), "error": type(exc).__name__}))
@@ -118,7 +131,8 @@ def main() -> None:
                                   "num_seqs": len(seq_lens), "num_splits": splits,
                                   "mean_ctx": round(sum(seq_lens) / len(seq_lens)),
                                   "ms": round(ms, 4),
-                                  "kv_gbs": round(step_bytes / ms / 1e6, 1)}), flush=True)
+                                  "kv_gbs": round(step_bytes / ms / 1e6, 1),
+                                  "time": round(time.time(), 3)}), flush=True)
         del q, k_cache, v_cache, meta, ref
         torch.cuda.empty_cache()
     for tuning, seconds in sorted(totals.items(), key=lambda kv: kv[1]):

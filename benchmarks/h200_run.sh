@@ -13,6 +13,7 @@
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
 #   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck] [kvlayout] [headmajorab]
 #   [headmajorshuffled] [replayorder] [whereitgoes]
+#   [replayclocks] [replaygraphs]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -487,6 +488,24 @@ for step in "$@"; do
         2>"$OUT/throughput_profile_nopdl.txt" | grep '^{' | tee "$OUT/throughput_profile_nopdl.jsonl"
       timeout 150 python3 benchmarks/throughput.py --host-timing 2>&1 | grep '^{' \
         | tee "$OUT/host_timing.jsonl" ;;
+    replayclocks)  # the replay three times with the SM clock, power and throttle reasons sampled
+      # every 100 ms beside it: are its slow small-batch steps (run 264) the card's clocks? (run 267)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,nounits -lms 100 > "$OUT/replay_clocks.csv" 2>&1 &
+      smi=$!
+      for i in 1 2 3; do
+        timeout 120 python3 benchmarks/decode_workload.py --quick --blocks-in-order 2>&1 \
+          | grep -E '^\{|Error' | tee -a "$OUT/replay_clocks.jsonl"
+      done
+      kill $smi ;;
+    replaygraphs)  # the replay timing CUDA-graph replays: both layouts, blocks in order, in two
+      # interleaved pairs, then scattered (run 268)
+      for order in --blocks-in-order --blocks-in-order ""; do
+        for flag in "" --head-major; do
+          timeout 120 python3 benchmarks/decode_workload.py --quick $order $flag 2>&1 \
+            | grep -E '^\{|Error' | tee -a "$OUT/replay_graphs.jsonl"
+        done
+      done ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
       # head after it; then the engine's latency with and without (run 239 also timed LM head
