@@ -13,7 +13,7 @@
 #   [taggedchain] [layerchain] [vocabchain] [dotprofile] [dotissue] [dotfinal]
 #   [samplerflaky] [determinism] [greedyab] [hostwrite] [sessioncheck] [kvlayout] [headmajorab]
 #   [headmajorshuffled] [replayorder] [whereitgoes]
-#   [replayclocks] [replaygraphs]
+#   [replayclocks] [replaygraphs] [replaysweep] [replayrotated]
 # The ab steps time an older build and this one back to back on the same machine (machines differ
 # by more than most changes): first, here, `git archive REF src benchmarks | tar -x -C abbase`
 # (git ignores the folder: name it in the device call's carry), then BASE=abbase on the device.
@@ -505,6 +505,18 @@ for step in "$@"; do
           timeout 120 python3 benchmarks/decode_workload.py --quick $order $flag 2>&1 \
             | grep -E '^\{|Error' | tee -a "$OUT/replay_graphs.jsonl"
         done
+      done ;;
+    replaysweep)  # the tunings around the default on the graph-timed replay, blocks in order,
+      # twice: do run 44's ties hold now that the replay repeats within ~1%? (run 269)
+      for i in 1 2; do
+        timeout 250 python3 benchmarks/decode_workload.py --blocks-in-order 2>&1 \
+          | grep -E '"decode_workload"|Error' | tee -a "$OUT/replay_sweep.jsonl"
+      done ;;
+    replayrotated)  # run 269's sweep with every tuning run once before any is timed and each
+      # step's timing starting at another tuning (run 270)
+      for i in 1 2; do
+        timeout 250 python3 benchmarks/decode_workload.py --blocks-in-order 2>&1 \
+          | grep -E '"decode_workload"|Error' | tee -a "$OUT/replay_rotated.jsonl"
       done ;;
     vocabchain)  # the kernel running the step's ends too (VOCAB=1: embedding row, final norm, LM
       # head): its GPU tests; the kernel alone with the head against the norm and cuBLAS's LM
