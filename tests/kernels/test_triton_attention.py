@@ -155,6 +155,46 @@ def test_decode_reads_a_column_major_block_table(num_splits):
     assert_matches_reference(out, q, k_cache, v_cache, meta)
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values, stored ``[blocks, Hkv, block_size, D]`` and viewed with its shape."""
+    blocks, block_size, heads, dim = cache.shape
+    copy = torch.empty(blocks, heads, block_size, dim, dtype=cache.dtype).transpose(1, 2)
+    copy.copy_(cache)
+    assert not copy.is_contiguous()
+    return copy
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernels_take_any_cache_strides(num_splits):
+    """The kernels address the caches through their strides (``decode_workload.py
+    --head-major`` relies on it): over caches stored head-major, decode, split decode storing
+    the new tokens, and prefill give exactly what they give over the engine's layout."""
+    seq_lens = [37, 1, 70, 16]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 4, num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16)
+    out = run_decode(q, head_major(k_cache), head_major(v_cache), meta, num_splits)
+    assert torch.equal(out, run_decode(q, k_cache, v_cache, meta, num_splits))
+    assert_matches_reference(out, q, k_cache, v_cache, meta)
+
+    k, v, positions, rotary, _ = new_token_inputs(q, 2, meta, False, seed=1)
+    caches = {"engine": (k_cache.clone(), v_cache.clone()),
+              "head-major": (head_major(k_cache), head_major(v_cache))}
+    outs = {name: decode_attention(q, *c, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
+                                   num_splits=num_splits,
+                                   new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
+                                                        rotary.cos_sin))
+            for name, c in caches.items()}
+    assert torch.equal(outs["head-major"], outs["engine"])
+    for mine, theirs in zip(caches["head-major"], caches["engine"]):
+        assert torch.equal(mine, theirs)  # the new keys and values went to the same slots
+
+    q, k_cache, v_cache, meta = make_batch([45, 23], [13, 23], num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16)
+    out = run_prefill(q, head_major(k_cache), head_major(v_cache), meta)
+    assert torch.equal(out, run_prefill(q, k_cache, v_cache, meta))
+
+
 def test_decode_more_splits_than_tiles_and_empty_sequences():
     # Splits beyond a sequence's tile count stay empty; seq_len 0 (graph padding) gives zeros.
     q, k_cache, v_cache, meta = make_batch([5, 0, 40], [1, 1, 1], num_heads=4, num_kv_heads=2,
