@@ -25,7 +25,7 @@ demo: install
 QWEN3_TOKENIZER := .cache/qwen3-tokenizer/tokenizer.json
 
 $(QWEN3_TOKENIZER):
-	bash benchmarks/fetch_qwen3_tokenizer.sh || echo "warning: Qwen3's tokenizer not fetched"
+	bash scripts/fetch_qwen3_tokenizer.sh || echo "warning: Qwen3's tokenizer not fetched"
 
 test: install $(QWEN3_TOKENIZER)
 	$(VENV)/bin/pytest -q

