@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.runner.cuda_graph import (SHORT_CONTEXT_CAPS, SHORT_CONTEXT_MAX_BATCH,
-                                         capture_sizes, context_caps, graph_key)
+from nanoserve.runner.cuda_graph import (SHORT_CONTEXT_MAX_BATCH, capture_sizes, context_caps,
+                                         graph_key)
 from nanoserve.runner.graph_inputs import GraphArena, decode_rows
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
 from nanoserve.runner.sampling_tensors import SamplingTensors, temperatures_only
@@ -47,8 +47,7 @@ def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
     arena.samples.copy_(last_samples)
     temperature = np.linspace(0.0, 1.0, num_seqs, dtype=np.float32)
     bs = next(s for s in SIZES if s >= num_seqs)
-    region = arena.stage(bs, decode_rows(chunks, BLOCK_SIZE, last_rows), temperature, 1234,
-                         host_token=0x7F00_0000_1000 + seed)
+    region = arena.stage(bs, decode_rows(chunks, BLOCK_SIZE, last_rows), temperature, 1234)
 
     ids, positions, meta, last = prepare_inputs(chunks, BLOCK_SIZE, torch.device("cpu"),
                                                 last_samples, last_rows)
@@ -63,7 +62,6 @@ def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
     assert region.tables.stride() == (1, bs)  # column-major: a step's columns are contiguous
     assert torch.equal(region.temperature[:n], torch.from_numpy(temperature))
     assert region.noise_seed.tolist() == [1234]
-    assert region.host_token.tolist() == [0x7F00_0000_1000 + seed]
     # Padding rows: no slot, length 1 over block 0, greedy, in their own place, token 0.
     assert (region.slots[n:] == -1).all() and (region.seq_lens[n:] == 1).all()
     assert (region.tables[n:, 0] == 0).all() and (region.temperature[n:] == 0).all()
@@ -84,12 +82,11 @@ def test_a_smaller_batch_pads_the_rows_a_larger_one_used():
     arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"))
     chunks, last_rows = decode_step(5, 4)
     arena.samples.fill_(7)
-    arena.stage(4, decode_rows(chunks, BLOCK_SIZE, last_rows), None, -1, host_token=0x1000)
+    arena.stage(4, decode_rows(chunks, BLOCK_SIZE, last_rows), None, -1)
     region = arena.stage(4, decode_rows(chunks[:3], BLOCK_SIZE, last_rows), None, -1)
     assert region.slots[3].item() == -1 and region.seq_lens[3].item() == 1
     assert region.tables[3, 0].item() == 0 and region.order[3].item() == 3
     assert region.noise_seed.item() == -1 and (region.temperature == 0).all()
-    assert region.host_token.item() == 0  # none unless the step gives one
     # Other sizes' regions are untouched by it.
     assert (arena.regions[8].slots == -1).all() and (arena.regions[8].seq_lens == 1).all()
 
@@ -135,14 +132,16 @@ def test_temperatures_only_agrees_with_the_sampling_tensors():
 
 def test_small_batches_pick_the_graph_of_the_shortest_cap_that_fits():
     sizes, max_len = capture_sizes(64), 40960
-    assert context_caps(1, max_len) == [*SHORT_CONTEXT_CAPS, max_len]
+    assert context_caps(1, max_len) == [512, 2048, 8192, 32768, max_len]
+    assert context_caps(SHORT_CONTEXT_MAX_BATCH, 8192) == [512, 2048, 8192]
     assert context_caps(SHORT_CONTEXT_MAX_BATCH + 1, max_len) == [max_len]
-    assert context_caps(1, 1000) == [c for c in SHORT_CONTEXT_CAPS if c < 1000] + [1000]
-    short, medium = SHORT_CONTEXT_CAPS
-    assert graph_key(sizes, max_len, 1, 1) == (1, short)
-    assert graph_key(sizes, max_len, 1, short) == (1, short)  # the new token included
-    assert graph_key(sizes, max_len, 1, short + 1) == (1, medium)
-    assert graph_key(sizes, max_len, 3, medium + 1) == (4, max_len)
+    assert context_caps(1, 1000) == [512, 1000]
+    assert context_caps(1, 300) == [300]
+    assert graph_key(sizes, max_len, 1, 1) == (1, 512)
+    assert graph_key(sizes, max_len, 1, 512) == (1, 512)  # the new token included
+    assert graph_key(sizes, max_len, 1, 513) == (1, 2048)
+    assert graph_key(sizes, max_len, 3, 2049) == (4, 8192)
+    assert graph_key(sizes, max_len, 8, 32769) == (8, max_len)
     assert graph_key(sizes, max_len, 9, 10) == (16, max_len)  # a large batch: one graph
     # Every key names a graph that is captured.
     captured = {(bs, cap) for bs in sizes for cap in context_caps(bs, max_len)}

@@ -31,9 +31,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    # Batch-1 decode steps run every layer in one persistent CUDA kernel where it supports the
-    # model and GPU (Qwen3-0.6B's shape on sm_90: nanoserve.kernels.layer_chain).
-    persistent_decode: bool = True
     seed: int = 0
     load_format: str = "auto"  # "dummy": random weights, for benchmarks of a config's shape
 
@@ -68,7 +65,7 @@ class EngineConfig:
                              f"got {self.device!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "persistent_decode"):
+        for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):

@@ -10,7 +10,7 @@ def freeze_startup_heap() -> None:
 
     They live as long as the engine, yet each full collection would walk all of them again:
     with torch and transformers loaded that is most of a serving step's Python time (2.25 ->
-    0.78 ms of engine bookkeeping per step at 256 running requests, benchmarks/host_overhead.py).
+    0.78 ms of engine bookkeeping per step at 256 running requests).
     The engine's objects are freed by reference counting, so nothing frozen here leaks when an
     engine is dropped.
     """

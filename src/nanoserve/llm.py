@@ -20,7 +20,7 @@ Message = dict[str, str]
 
 # The per-step token budget when the caller gives none. Offline batches are judged by
 # throughput: twice the server's budget halves the eager prefill steps (vLLM's and nano-vLLM's
-# offline default too; docs/benchmarks.md, run 57). The server keeps EngineConfig's, which
+# offline default too). The server keeps EngineConfig's, which
 # bounds how long one step's prefill can hold up the streams' next tokens.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
 

@@ -14,7 +14,6 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NEW_TOKENS = 32
@@ -62,7 +61,7 @@ def engine_greedy_with_top5(model_dir: Path, prompts: list[list[int]], **engine_
 
 def random_model_dir(shape: str, tmp_path_factory) -> Path:
     """A random bf16 model of ``shape`` saved with transformers, once per session."""
-    from common import save_random_hf_model
+    from random_models import save_random_hf_model
 
     model_dir = tmp_path_factory.getbasetemp() / f"hf-{shape}"
     if not (model_dir / "config.json").exists() or not list(model_dir.glob("*.safetensors")):
@@ -92,15 +91,17 @@ def assert_greedy_close_to_transformers(model_dir: Path, label: str, hf_cache=No
     print(f"{label}: {exact}/{len(prompts)} identical")
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen3-moe-small"])
-@pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("shape,enforce_eager", [
+    ("qwen3-0.6b", False), ("qwen3-0.6b", True), ("llama-1b", False), ("llama-1b", True),
+    ("qwen2.5-0.5b", False), ("qwen3-8b", False), ("qwen3-moe-small", False),
+    ("qwen3-moe-small", True)])
 def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factory):
     assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
                                         f"{shape} eager={enforce_eager}",
                                         enforce_eager=enforce_eager)
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b"])
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen2.5-0.5b"])
 def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
     """``max_num_seqs=1``: every decode step is batch 1, latency.py's path (split decode that
     reads its first K/V tile before the programmatic wait for the qkv projection). Some
@@ -112,9 +113,9 @@ def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
 
 
 def test_bf16_greedy_in_small_batches(tmp_path_factory):
-    """Decode batches of 1-4 rows (``max_num_seqs=4``): the skinny GEMVs at every size
-    (Qwen3-0.6B's shapes take 2 and 4 rows; 3 replays the 4-row graph), the split kernel
-    finishing the new tokens at all of them."""
+    """Decode batches of 1-4 rows (``max_num_seqs=4``): the skinny GEMVs where the tuning
+    file or the heuristic gives them the row count (3 replays the 4-row graph), the split
+    kernel finishing the new tokens at all of them."""
     assert_greedy_close_to_transformers(random_model_dir("qwen3-0.6b", tmp_path_factory),
                                         "qwen3-0.6b 4 at a time", max_num_seqs=4)
 

@@ -14,13 +14,12 @@ import torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b", "qwen3-moe-small"])
 def test_tp2_greedy_close_to_tp1(shape, tmp_path_factory):
-    from common import save_random_hf_model
+    from random_models import save_random_hf_model
     from test_gpu_parity import assert_logprobs_close, engine_greedy_with_top5
 
     model_dir = save_random_hf_model(shape, tmp_path_factory.mktemp("tp") / shape)

@@ -131,37 +131,3 @@ def test_triton_backend_matches_torch_backend(qk_norm):
     assert_matches(q, expected_q)
     assert_matches(inp["k_cache"], torch_caches[0])
     assert torch.equal(inp["v_cache"], torch_caches[1])
-
-
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
-def test_row_scale_matches_torch_backend(qk_norm):
-    """With a ``RowScale`` (the input norm the qkv GEMM left out) each token's q, k and v are
-    first multiplied by 1/rms of its residual row: the two backends agree, and v is stored
-    scaled (q/k norms would hide a lost factor; v's cache rows would not)."""
-    from nanoserve.layers.norm import RowScale
-    num_heads, num_kv_heads, head_dim, hidden = 8, 2, 64, 96
-    inp = make_inputs(6, num_heads, num_kv_heads, head_dim, torch.float16, seed=13)
-    gen = torch.Generator().manual_seed(3)
-    sizes = torch.tensor([0.25, 1.0, 3.0, 10.0, 40.0, 0.5])[:, None]
-    residual = (sizes * torch.randn(6, hidden + 4, generator=gen)).half()[:, :hidden]
-    scale = RowScale(residual, EPS)
-    rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, 1e4, None)
-    norms: tuple[RMSNorm | None, RMSNorm | None] = (None, None)
-    if qk_norm:
-        norms = (RMSNorm(head_dim, EPS).half(), RMSNorm(head_dim, EPS).half())
-    torch_caches = (inp["k_cache"].clone(), inp["v_cache"].clone())
-    unscaled_v = inp["v"].clone()
-
-    expected_q = TorchAttentionBackend().rope_and_store(
-        inp["positions"], inp["q"].clone(), inp["k"].clone(), inp["v"].clone(), *torch_caches,
-        inp["slots"], rotary, *norms, row_scale=scale)
-    q = TritonAttentionBackend().rope_and_store(
-        inp["positions"], inp["q"], inp["k"], inp["v"], inp["k_cache"], inp["v_cache"],
-        inp["slots"], rotary, *norms, row_scale=scale)
-
-    assert_matches(q, expected_q)
-    assert_matches(inp["k_cache"], torch_caches[0])
-    assert_matches(inp["v_cache"], torch_caches[1])
-    valid = inp["slots"] >= 0
-    stored_v = inp["v_cache"].view(-1, num_kv_heads, head_dim)[inp["slots"][valid]]
-    assert not torch.allclose(stored_v.float(), unscaled_v[valid].float(), rtol=0.1)

@@ -13,7 +13,6 @@ from nanoserve.kernels.skinny_gemm import (  # noqa: E402
     MAX_ROWS,
     SkinnyConfig,
     skinny_linear,
-    skinny_rms_linear,
 )
 from nanoserve.layers.activation import silu_and_mul_torch  # noqa: E402
 
@@ -29,7 +28,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("n,k", [(48, 64), (37, 100), (8, 256)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64(dtype, m, n, k, with_bias):
@@ -47,7 +46,7 @@ def test_matches_float64(dtype, m, n, k, with_bias):
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_every_tiling_gives_the_same_product(config, with_bias):
-    """The sweep's configurations (benchmarks/skinny_gemm.py) must all be correct, not just one."""
+    """Every tiling the tuner may pick (``kernels/tune.py``) must be correct, not just one."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 96, generator=gen)
     w = torch.randn(41, 96, generator=gen)
@@ -75,9 +74,8 @@ def test_activate_writes_silu_and_mul_of_gate_up(dtype, m, features, k, config, 
     w = torch.randn(2 * features, k, generator=gen).div(k ** 0.5).to(dtype)
     b = torch.randn(2 * features, generator=gen).to(dtype)
     if normed:
-        sum_squares = x.double().pow(2).sum(-1)
-        act = skinny_rms_linear(x, sum_squares, 1e-6, w, b, config=config, activate=True)
-        two_step = skinny_rms_linear(x, sum_squares, 1e-6, w, b, config=config)
+        act = skinny_linear(x, w, b, config=config, norm_eps=1e-6, activate=True)
+        two_step = skinny_linear(x, w, b, config=config, norm_eps=1e-6)
     else:
         act = skinny_linear(x, w, b, config=config, activate=True)
         two_step = skinny_linear(x, w, b, config=config)
@@ -90,15 +88,16 @@ def test_activate_writes_silu_and_mul_of_gate_up(dtype, m, features, k, config, 
 
 RMS_CASES = [(1, 24, 64, SkinnyConfig(8, 64, 1, 1)), (2, 40, 100, SkinnyConfig(16, 32, 2, 1)),
              (1, 17, 96, SkinnyConfig(2, 128, 1, 1, defer_sum=True)),
-             (3, 9, 200, SkinnyConfig(4, 64, 1, 1, defer_sum=True))]
+             (3, 9, 200, SkinnyConfig(4, 64, 1, 1, defer_sum=True)),
+             (8, 12, 96, SkinnyConfig(4, 32, 1, 1))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k,config", RMS_CASES)
 def test_rms_input_normalises_each_row(dtype, m, n, k, config):
-    """qkv and gate/up at batch 1: RMSNorm of the residual stream h (its weight folded into W,
-    its rows' sums of squares given) applied to the product, whether K takes one chunk or
-    several, masked or not."""
+    """qkv and gate/up at decode batches: RMSNorm of the residual stream h (its weight folded
+    into W) applied to the product, each row's sum of squares taken as the kernel streams x,
+    whether K takes one chunk or several, masked or not."""
     gen = torch.Generator().manual_seed(k + m)
     h = torch.randn(m, k, generator=gen).mul(3).to(dtype)
     w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
@@ -107,66 +106,32 @@ def test_rms_input_normalises_each_row(dtype, m, n, k, config):
     hd = h.double()
     normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)
     expected = (normed @ w.double().T + b.double()).to(dtype)
-    sum_squares = hd.pow(2).sum(-1)
-    torch.testing.assert_close(skinny_rms_linear(h, sum_squares, eps, w, b, config=config),
+    torch.testing.assert_close(skinny_linear(h, w, b, config=config, norm_eps=eps),
                                expected, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_residual_epilogue_adds_the_product_in_place(dtype, with_bias):
-    """o_proj and down_proj at batch 1: the product goes into the residual stream in place,
-    rounded as ``F.linear(...) + residual`` rounds (the product first, then the sum)."""
-    gen = torch.Generator().manual_seed(7 + 2 * with_bias)
-    k, n = 100, 40
-    x = torch.randn(1, k, generator=gen).mul(2).to(dtype)
+@pytest.mark.parametrize("m", [1, 3])
+def test_residual_epilogue_adds_the_product_in_place(dtype, with_bias, m):
+    """o_proj and down_proj at decode batches: the product goes into the residual stream in
+    place, rounded as ``F.linear(...) + residual`` rounds (the product first, then the sum)."""
+    gen = torch.Generator().manual_seed(7 + 2 * with_bias + m)
+    k, n = 100, 37  # 37 features over 8-wide programs: a masked last program
+    x = torch.randn(m, k, generator=gen).mul(2).to(dtype)
     w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    residual = (4 * torch.randn(1, n, generator=gen)).to(dtype)
+    residual = (4 * torch.randn(m, n, generator=gen)).to(dtype)
     product = skinny_linear(x, w, b, config=SkinnyConfig(8, 32, 1, 1))
     expected = product + residual
     out = skinny_linear(x, w, b, residual=residual, config=SkinnyConfig(8, 32, 1, 1))
     assert out is residual
     assert torch.equal(residual, expected)
     with pytest.raises(ValueError, match="residual"):
-        skinny_linear(x, w, b, residual=torch.zeros(1, n + 1, dtype=dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 3])
-def test_residual_epilogue_sums_squares_for_the_next_norm(dtype, m):
-    """o_proj / down_proj sum the squares of the residual they update (several programs adding
-    into each row's float64 slot), and qkv / gate-up normalise with that sum: together, the
-    norm of the updated residual, then the product."""
-    gen = torch.Generator().manual_seed(11 + m)
-    k, n, n_next = 72, 37, 29  # 37 features over 8-wide programs: a masked last program
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = torch.randn(n, k, generator=gen).div(k ** 0.5).to(dtype)
-    residual = (3 * torch.randn(m, n, generator=gen)).to(dtype)
-    w_next = torch.randn(n_next, n, generator=gen).div(n ** 0.5).to(dtype)
-    sum_squares = torch.zeros(m, dtype=torch.float64)
-    skinny_linear(x, w, residual=residual, sum_squares=sum_squares,
-                  config=SkinnyConfig(8, 32, 1, 1))
-    # Each program's share is summed in float32, the shares in float64.
-    torch.testing.assert_close(sum_squares, residual.double().pow(2).sum(-1), atol=0, rtol=1e-6)
-    eps = 1e-6
-    given = skinny_rms_linear(residual, sum_squares, eps, w_next, config=SkinnyConfig(4, 16, 1, 1))
-    hd = residual.double()
-    expected = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)) @ w_next.double().T
-    torch.testing.assert_close(given, expected.to(dtype), **TOLERANCE[dtype])
-
-
-def test_sum_squares_needs_a_residual_and_a_float64_row_slot():
-    x, w = torch.randn(1, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="needs residual"):
-        skinny_linear(x, w, sum_squares=torch.zeros(1, dtype=torch.float64))
-    with pytest.raises(ValueError, match="sum_squares"):
-        skinny_linear(x, w, residual=torch.zeros(1, 8),
-                      sum_squares=torch.zeros(2, dtype=torch.float64))
-    with pytest.raises(ValueError, match="float64"):
-        skinny_linear(x, w, residual=torch.zeros(1, 8), sum_squares=torch.zeros(1))
-    with pytest.raises(ValueError, match="sum_squares"):
-        skinny_rms_linear(x, torch.zeros(1, dtype=torch.float16), 1e-6, w)
+        skinny_linear(x, w, b, residual=torch.zeros(m, n + 1, dtype=dtype))
+    with pytest.raises(ValueError, match="no residual"):
+        skinny_linear(x, torch.cat([w, w]), residual=torch.zeros(m, 2 * n, dtype=dtype),
+                      activate=True)
 
 
 def test_strided_rows_of_x():
@@ -196,42 +161,23 @@ def test_interpreter_never_uses_programmatic_launch():
     assert not programmatic_launch(torch.device("cpu"))
 
 
-def test_norm_linear_normalises_with_the_producers_statistic():
-    """The layer contract at batch 1: a projection that added its output into the residual
-    hands the norm after it that row's sum of squares (``AddedToResidual``), and
-    ``norm_linear`` then applies the folded norm inside the GEMV, with that sum."""
-    from nanoserve.layers.linear import ColumnParallelLinear, norm_linear
-    from nanoserve.layers.norm import AddedToResidual, RMSNorm, rms_norm_torch
+def test_folded_projection_applies_its_norm_in_the_kernel():
+    """The layer contract: a projection carrying its norm's weight (``fold_norm``) and handed
+    the norm gives ``linear(norm(x))``; the op applies each row's 1 / rms itself."""
+    from nanoserve.layers.linear import ColumnParallelLinear
+    from nanoserve.layers.norm import RMSNorm, rms_norm_torch
 
     gen = torch.Generator().manual_seed(5)
     k, n = 64, 24
-    residual = (3 * torch.randn(1, k, generator=gen))
+    residual = 3 * torch.randn(2, k, generator=gen)
     norm = RMSNorm(k, eps=1e-6)
     norm.weight.copy_(1 + 0.3 * torch.randn(k, generator=gen))
     proj = ColumnParallelLinear(k, n)
     proj.weight.copy_(torch.randn(n, k, generator=gen).div(k ** 0.5))
     expected = rms_norm_torch(residual, norm.weight, 1e-6) @ proj.weight.T
+    torch.testing.assert_close(proj(residual, norm=norm), expected, **TOLERANCE[torch.float32])
     proj.fold_norm(norm)
-    # A wrong statistic must show: half the true sum scales the output by sqrt(2).
-    true_sum = residual.double().pow(2).sum(-1)
-    out, stream, scale = norm_linear(AddedToResidual(true_sum), residual, norm, proj.weight,
-                                     None)
-    assert stream is residual and scale is None
-    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
-    halved, _, _ = norm_linear(AddedToResidual(true_sum / 2), residual, norm, proj.weight,
-                               None)
-    torch.testing.assert_close(halved, expected * 2 ** 0.5, **TOLERANCE[torch.float32])
-
-
-def test_few_rows_only_for_the_shapes_measured_faster():
-    """Batch 1 always takes the kernel; 2 and 4 rows (the 4-row decode graph) only
-    Qwen3-0.6B's projections (runs 187, 192), not Qwen3-8B's, which lost with these tiles;
-    3 rows (eager only: graphs pad them to 4) and more than 4 go to cuBLAS."""
-    from nanoserve.kernels.skinny_gemm import serves
-    assert serves(1, 151936, 1024) and serves(1, 4096, 4096)
-    for rows in (2, 4):
-        assert all(serves(rows, n, k) for n, k in [(4096, 1024), (1024, 2048), (6144, 1024),
-                                                   (1024, 3072)])
-        assert not serves(rows, 4096, 4096) and not serves(rows, 24576, 4096)
-    assert not serves(3, 4096, 1024) and not serves(0, 4096, 1024)
-    assert not serves(5, 4096, 1024)
+    assert norm.folded and torch.equal(norm.weight, torch.ones(k))
+    torch.testing.assert_close(proj(residual, norm=norm), expected, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(skinny_linear(residual, proj.weight, norm_eps=1e-6), expected,
+                               **TOLERANCE[torch.float32])

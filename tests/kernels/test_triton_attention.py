@@ -365,6 +365,9 @@ def test_num_decode_splits_fills_the_device_without_tiny_splits():
         assert batch * 8 * splits >= BALANCE_TARGET * 132 > batch * 8 * (splits - 1)
     assert num_decode_splits(64, 8, 128, num_sms=132) == 2  # no slice under 64 keys
     assert num_decode_splits(1, 1, 10 ** 6, num_sms=132) == MAX_SPLITS
+    for kv_heads in (2, 4, 8):  # one long sequence fills the device whatever its KV heads
+        programs = kv_heads * num_decode_splits(1, kv_heads, 16384, num_sms=132)
+        assert 132 <= programs <= PROGRAMS_PER_SM * 132
     assert num_decode_splits(0, 8, 0, num_sms=132) == 1
 
 

@@ -1,25 +1,15 @@
 """The seam between model code and the device: how K/V are stored and attention is computed."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from nanoserve.layers.norm import RMSNorm, RowScale
+    from nanoserve.layers.norm import RMSNorm
     from nanoserve.layers.rotary import RotaryEmbedding
-
-
-class SplitPartials(NamedTuple):
-    """One sequence's decode attention left split along its context, for the output projection
-    to merge as it reads it (``layers.linear.RowParallelLinear.forward_for_norm``): per head and
-    split, the log2 of the split's softmax denominator ``lse`` (``[1, H, S]`` float32) and its
-    normalised output ``out`` (``[1, H, S, D]``)."""
-
-    lse: torch.Tensor
-    out: torch.Tensor
 
 
 class AttentionBackend(Protocol):
@@ -33,15 +23,11 @@ class AttentionBackend(Protocol):
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                  partials_ok: bool = False, row_scale: RowScale | None = None
-                  ) -> torch.Tensor | SplitPartials:
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                  ) -> torch.Tensor:
         """Per-head q/k norms (when given) and RoPE on the projection's q and k; the rotated k
         and v into the caches at ``meta.slot_mapping``; then causal attention of q over the
         cache. ``q``, ``k`` and ``v`` may be modified in place: do not use them afterwards.
-        With ``partials_ok`` (the caller's projection merges them) the result may instead be
-        ``SplitPartials``. With ``row_scale`` (the input norm the qkv projection left out)
-        each token's q, k and v are first scaled by its factor.
         """
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:

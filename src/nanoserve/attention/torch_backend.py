@@ -6,10 +6,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.layers.norm import row_scale_torch
 
 if TYPE_CHECKING:
-    from nanoserve.layers.norm import RMSNorm, RowScale
+    from nanoserve.layers.norm import RMSNorm
     from nanoserve.layers.rotary import RotaryEmbedding
 
 
@@ -30,12 +29,10 @@ class TorchAttentionBackend:
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
-                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                       row_scale: RowScale | None = None) -> torch.Tensor:
-        """The row scale, the norm and rotary modules, then :meth:`store_kv`: the unfused
-        reference sequence."""
-        if row_scale is not None:
-            q, k, v = (row_scale_torch(t, row_scale) for t in (q, k, v))
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                       ) -> torch.Tensor:
+        """The norm and rotary modules, then :meth:`store_kv`: the unfused reference
+        sequence."""
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = rotary(positions, q, k)
@@ -49,12 +46,11 @@ class TorchAttentionBackend:
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                  partials_ok: bool = False, row_scale: RowScale | None = None
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                   ) -> torch.Tensor:
-        """The unfused sequence; the output is always merged (``partials_ok`` is ignored)."""
+        """The unfused sequence."""
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
-                                q_norm, k_norm, row_scale)
+                                q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
 

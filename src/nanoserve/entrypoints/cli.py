@@ -1,4 +1,4 @@
-"""The `nanoserve` command: generate, chat and serve, sharing one set of engine flags."""
+"""The `nanoserve` command: generate, chat and serve, sharing one set of engine flags; tune."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from nanoserve.kernels.tune import tune_model
+
+    tune_model(args.model, tuple(args.rows), args.tensor_parallel_size)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    tune = sub.add_parser("tune", help="time the decode GEMV's tiles for a model's projections "
+                                       "on this GPU and write them to its tuning file")
+    tune.add_argument("model", help="local HF folder or .gguf file (only its config is read)")
+    tune.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8],
+                      choices=[1, 2, 4, 8], help="decode batch sizes to tune")
+    tune.add_argument("--tensor-parallel-size", type=int, default=1,
+                      help="tune the projections one rank holds at this TP size")
+    tune.set_defaults(func=cmd_tune)
 
     from nanoserve.entrypoints.server import add_serve_parser
     add_serve_parser(sub)

@@ -4,9 +4,7 @@ Flash-decoding: the grid is (KV head, sequence, split), or sequences first (a `D
 option). Each program attends the whole query group of one KV head (all query heads that share
 it, so each K/V tile is read once per group) to one contiguous slice of the sequence's context
 and writes a partial result: the slice's normalised output and the log2 of its softmax
-denominator. A second small kernel merges the splits (``merge_splits``), or, at batch 1, the
-o_proj GEMV does as it reads its input (``keep_partials``, ``kernels/merged_o_proj.py``). With
-one split the first kernel writes the normalised output directly.
+denominator. A second small kernel merges the splits (``merge_splits``). With one split the first kernel writes the normalised output directly.
 
 Given the step's new tokens (``NewTokens``), the split kernel also does what
 ``qk_norm_rope_store`` does in prefill: every program normalises (Qwen3) and rotates its q group
@@ -50,7 +48,7 @@ class DecodeTuning(NamedTuple):
 # (num_stages - 1) // 2 buffers: 3 stages keep one tile in flight per program, 5 keep two.
 # Programs then hide latency by occupancy: five per SM at 64/4/3 with narrow offsets, set by
 # registers (96 each) and shared memory alike; 5 stages measured within noise of 3 over the
-# throughput workload (docs/kernels.md, benchmarks/kernel_registers.py).
+# throughput workload.
 
 
 class NewTokens(NamedTuple):
@@ -90,7 +88,9 @@ class NewTokens(NamedTuple):
 
 # The split heuristic's knobs.
 MIN_TOKENS_PER_SPLIT = 64
-MAX_SPLITS = 32
+# Enough for a single sequence of a model with two KV heads to reach PROGRAMS_PER_SM on a
+# large GPU once its context is long: the fewer KV heads, the more splits each needs.
+MAX_SPLITS = 128
 PROGRAMS_PER_SM = 5
 # Batches up to this size are latency-bound: their splits fill the GPU, and the split kernel
 # finishes the new tokens itself (attention.triton_backend).
@@ -111,7 +111,7 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     only while the (sequence, KV head) programs alone fall short of that. Larger batches
     below ``BALANCE_BELOW`` programs per SM split so as to make ``BALANCE_TARGET`` per SM: with
     ragged contexts a launch of about one wave of programs lasts as long as its longest
-    context, and slices of it even out the waves (docs/kernels.md, runs 154-155). Never split
+    context, and slices of it even out the waves (docs/kernels.md). Never split
     into slices shorter than ``MIN_TOKENS_PER_SPLIT`` keys.
     """
     programs = max(num_seqs * num_kv_heads, 1)
@@ -131,9 +131,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int | None = None,
                      tuning: DecodeTuning = DecodeTuning(),
                      seq_order: torch.Tensor | None = None,
-                     new_tokens: NewTokens | None = None,
-                     keep_partials: bool = False
-                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     new_tokens: NewTokens | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
@@ -147,9 +145,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     With ``new_tokens``, ``q`` is the projection's raw q (un-normalised, unrotated, left
     unmodified) and the kernel finishes and stores each sequence's new k/v itself, at position
     ``seq_lens[i] - 1`` (see the module docstring); the cache holds only the earlier keys.
-    With ``keep_partials`` (and more than one split) no reduce runs: the result is each
-    split's partial, ``(lse [B, H, S] float32, out [B, H, S, D] in q's dtype)``, for a
-    consumer that merges them (``merge_splits``), indexed by sequence, not by q's rows.
     Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -168,10 +163,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits > 1:
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=device)
-        # 16-bit for a consumer that merges as it reads (half the bytes it reads per program);
         # float32 for the reduce, which rounds once, at the end.
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim),
-                             dtype=q.dtype if keep_partials else torch.float32, device=device)
+                             dtype=torch.float32, device=device)
     else:  # the partial buffers are never touched: pass the output as a typed placeholder
         part_lse = part_o = out
 
@@ -206,8 +200,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
-    if num_splits > 1 and keep_partials:
-        return part_lse, part_o
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_lse, part_o, query_start_loc, out,

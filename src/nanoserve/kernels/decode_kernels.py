@@ -167,7 +167,7 @@ def _decode_split_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Each split's own normalised output and the log2 of its softmax denominator: what
-        # `merge_splits` needs, and the output alone may be stored in 16 bits.
+        # `merge_splits` needs.
         part = (seq * num_heads + head) * NUM_SPLITS + split
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_mask)

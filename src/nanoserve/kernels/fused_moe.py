@@ -190,8 +190,8 @@ class MoeTiles(NamedTuple):
 
 def moe_tiles(num_pairs: int, num_experts: int, device: torch.device) -> MoeTiles:
     """Taller blocks as experts get more pairs each: 16 rows (the smallest ``tl.dot`` tile)
-    while they get a few, as in decode, up to 128 in long prefills (run 83's sweep at
-    Qwen3-30B-A3B's shapes, docs/kernels.md)."""
+    while they get a few, as in decode, up to 128 in long prefills (swept at Qwen3-30B-A3B's
+    shapes)."""
     if interpreted(device):
         return MoeTiles(16, 16, 32, 1, 1)
     per_expert = num_pairs / num_experts

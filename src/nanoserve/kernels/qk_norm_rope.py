@@ -9,18 +9,13 @@ store_kv``), so outputs agree with it to about one unit in the last place.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
-from nanoserve.kernels.fused_ops import num_warps_for, row_factor, row_scale_args, scaled_by
-
-if TYPE_CHECKING:
-    from nanoserve.layers.norm import RowScale
+from nanoserve.kernels.fused_ops import num_warps_for
 
 
 @triton.jit
@@ -37,21 +32,14 @@ def _load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs,
 
 @triton.jit
 def _norm_rope_heads(
-    first, mask, cos, sin, weight_ptr, eps, factor,
+    first, mask, cos, sin, weight_ptr, eps,
     HAS_QK_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
 ):
     # One token's heads, addressed by `first` (pointers to each head's first half), normalised
-    # and rotated in fp32; returns both rotated halves rounded to the heads' dtype. With
-    # ROW_SCALE the heads are first scaled by `factor` (``scaled_by``).
+    # and rotated in fp32; returns both rotated halves rounded to the heads' dtype.
     dtype = first.dtype.element_ty
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    if ROW_SCALE:
-        x1 = scaled_by(x1, factor)
-        x2 = scaled_by(x2, factor)
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_QK_NORM:
         # Masked lanes are 0 and add nothing to the sum of squares.
         mean_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
@@ -89,14 +77,13 @@ def norm_rope_rows(rows, d, partner, mask, cos, sin, sign, w, w_partner, eps,
 @triton.jit
 def _qk_norm_rope_store_kernel(
     positions_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
-    k_cache_ptr, v_cache_ptr, scale_rows_ptr,
-    eps, scale_eps,
+    k_cache_ptr, v_cache_ptr,
+    eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_st,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr, PDL: tl.constexpr,
-    ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1, BLOCK_H: tl.constexpr = 1,
 ):
     # Two programs per token, one for its q heads and one for its K/V heads, so the two halves
     # of the work run side by side; each reads the token's cos/sin row.
@@ -109,15 +96,12 @@ def _qk_norm_rope_store_kernel(
         gdc_launch_dependents()
         gdc_wait()
     j = tl.arange(0, BLOCK_HALF)
-    factor = 1.0
-    if ROW_SCALE:
-        factor = row_factor(scale_rows_ptr, token, stride_st, scale_eps, HIDDEN, BLOCK_H)
     if tl.program_id(1) == 0:
         hq = tl.arange(0, BLOCK_HQ)
         q_mask = (hq < NUM_Q_HEADS)[:, None] & (j < HALF)[None, :]
         q_first = q_ptr + token * stride_qt + hq[:, None] * stride_qh + j[None, :]
-        q1, q2 = _norm_rope_heads(q_first, q_mask, cos, sin, q_weight_ptr, eps, factor,
-                                  HAS_QK_NORM, HALF, BLOCK_HALF, ROW_SCALE)
+        q1, q2 = _norm_rope_heads(q_first, q_mask, cos, sin, q_weight_ptr, eps,
+                                  HAS_QK_NORM, HALF, BLOCK_HALF)
         tl.store(q_first, q1, mask=q_mask)
         tl.store(q_first + HALF, q2, mask=q_mask)
     elif slot >= 0:
@@ -126,8 +110,8 @@ def _qk_norm_rope_store_kernel(
         hk = tl.arange(0, BLOCK_HK)
         kv_mask = (hk < NUM_KV_HEADS)[:, None] & (j < HALF)[None, :]
         k_first = k_ptr + token * stride_kt + hk[:, None] * stride_kh + j[None, :]
-        k1, k2 = _norm_rope_heads(k_first, kv_mask, cos, sin, k_weight_ptr, eps, factor,
-                                  HAS_QK_NORM, HALF, BLOCK_HALF, ROW_SCALE)
+        k1, k2 = _norm_rope_heads(k_first, kv_mask, cos, sin, k_weight_ptr, eps,
+                                  HAS_QK_NORM, HALF, BLOCK_HALF)
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         kc_first = (k_cache_ptr + block * stride_kcb + offset * stride_kcs
@@ -142,9 +126,6 @@ def _qk_norm_rope_store_kernel(
         v_dtype = v_cache_ptr.dtype.element_ty
         v1 = tl.load(v_first, mask=kv_mask)
         v2 = tl.load(v_first + HALF, mask=kv_mask)
-        if ROW_SCALE:
-            v1 = scaled_by(v1, factor)
-            v2 = scaled_by(v2, factor)
         tl.store(vc_first, v1.to(v_dtype), mask=kv_mask)
         tl.store(vc_first + HALF, v2.to(v_dtype), mask=kv_mask)
 
@@ -153,7 +134,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                        v: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                       eps: float = 0.0, row_scale: RowScale | None = None) -> torch.Tensor:
+                       eps: float = 0.0) -> torch.Tensor:
     """Optional per-head q/k RMSNorm, RoPE, then the KV-cache store, in one launch; returns q.
 
     ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated ``k [T, Hkv, D]`` and
@@ -164,9 +145,6 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     layout). Inputs may be strided views (token and head strides, e.g. slices of the fused qkv
     output) with a contiguous last dimension. Launch shapes come from tensor shapes only and
     positions are not bounds-checked, so the call is CUDA-graph capturable.
-
-    With ``row_scale`` (the input norm the qkv projection left out, ``layers.norm.RowScale``)
-    q, k and v are first multiplied by their token's factor and rounded to their dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -182,7 +160,6 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         # The reference would promote a wider weight's product; in place into q it cannot.
         for w in (q_weight, k_weight):
             assert w.shape == (head_dim,) and w.is_contiguous() and w.dtype == q.dtype == k.dtype
-    scale_rows, scale_eps, scale_args = row_scale_args(row_scale, num_tokens, cos_sin)
     if num_tokens == 0:
         return q
     half = head_dim // 2
@@ -192,15 +169,15 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     _qk_norm_rope_store_kernel[(num_tokens, 2)](
         positions, slot_mapping, q, k, v, cos_sin,
         q_weight if has_qk_norm else cos_sin, k_weight if has_qk_norm else cos_sin,  # unread
-        k_cache, v_cache, scale_rows,
-        eps, scale_eps,
+        k_cache, v_cache,
+        eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale_rows.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm, PDL=pdl, **scale_args,
+        BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm, PDL=pdl,
         # fused_ops' RoPE rule (~8 elements per thread) on the largest tile, one half of q.
         num_warps=num_warps_for(block_hq * block_half), launch_pdl=pdl,
     )

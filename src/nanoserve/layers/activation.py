@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.layers.norm import RowScale, row_scale_torch
-
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """The PyTorch formula (CPU path and reference)."""
@@ -13,10 +11,9 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_and_mul(x: torch.Tensor, row_scale: RowScale | None = None) -> torch.Tensor:
-    """silu(gate) * up, where ``x`` is [gate | up] along the last dimension; with ``row_scale``
-    (the norm the gate/up projection left out) each row of ``x`` is scaled first."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where ``x`` is [gate | up] along the last dimension."""
     if x.is_cuda:  # one Triton launch instead of three elementwise kernels
         from nanoserve.kernels.fused_ops import silu_and_mul as silu_and_mul_triton
-        return silu_and_mul_triton(x, row_scale)
-    return silu_and_mul_torch(x if row_scale is None else row_scale_torch(x, row_scale))
+        return silu_and_mul_triton(x)
+    return silu_and_mul_torch(x)

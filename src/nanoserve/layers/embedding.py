@@ -65,7 +65,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def warm_row_counts(self, max_rows: int) -> None:
         """This rank's GEMM once at every row count up to ``max_rows``, the rows an eager step
         may score. cuBLAS loads a kernel the first time a row count needs it: ~3 ms on an idle
-        H200, 9-35 ms behind a prefill step's queued work (docs/benchmarks.md, run 161)."""
+        H200, tens of ms behind a prefill step's queued work."""
         x = torch.zeros(max_rows, self.weight.shape[1], dtype=self.weight.dtype,
                         device=self.weight.device)
         for rows in range(1, max_rows + 1):

@@ -15,79 +15,57 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.attention.backend import SplitPartials
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import AddedToResidual, NormInput, RMSNorm, RowScale
+from nanoserve.layers.norm import RMSNorm, rms_norm_torch
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
-from nanoserve.layers.split_k import split_k_partial_sums
 
 ShardId = str | int | None
 
-# From this many rows a projection before a folded norm adds into the residual itself
-# (``RowParallelLinear.adds_into_residual``). Fewer keep split-K and the norm's launch: at 2-7
-# rows cuBLAS's GEMM with beta = 1 lost to them by 4-25%, whether split decode then applied the
-# row scale itself (run 187) or left the new tokens to a launch of their own (runs 180, 184;
-# docs/kernels.md, "The pre-norms left to the kernels after the projections").
-EPILOGUE_MIN_ROWS = 8
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm_eps: float | None = None, activate: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The projection op: ``F.linear(x, weight, bias)`` with the fusions the caller asks for.
 
-def _skinny_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Decode at batch 1 (or 2-4, for some shapes) on CUDA in 16 bits: the skinny-GEMM kernel's
-    case, with the norms, the residual adds and SiLU-and-mul inside it."""
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    from nanoserve.kernels.skinny_gemm import serves
-    return serves(x.shape[0], *weight.shape)
+    ``norm_eps``: ``x`` is un-normalised and ``weight`` carries the RMSNorm's weight in its
+    columns (``ColumnParallelLinear.fold_norm``): the product of ``x / rms(x)``.
+    ``activate``: ``weight`` is a merged ``[gate; up]`` and the result ``silu(gate) * up``.
+    ``residual``: the result is ``residual + product`` (on CUDA written into ``residual`` in
+    place: do not reuse the tensor passed).
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           activate: bool = False) -> torch.Tensor:
-    """``F.linear``; with ``activate``, ``silu(gate) * up`` of it (``weight`` being a merged
-    ``[gate; up]``).
-
-    One 16-bit row on CUDA (batch-1 decode) goes through the skinny-GEMM Triton kernel: as fast
-    as cuBLAS or faster on every projection shape measured there, up to 3x on some
-    (docs/kernels.md), and with ``activate`` it applies SiLU-and-mul as it stores, one launch
-    less. So do two and four rows, for the shapes where that measured faster
-    (``skinny_gemm.TUNED_FEW_ROWS``).
+    On CUDA in 16 bits, a decode-sized batch goes to the skinny GEMV where its ``select``
+    says so (all three fusions inside it); otherwise cuBLAS, with the norm and the activation
+    as launches of their own and the residual added by the GEMM (``beta = 1``).
     """
-    if _skinny_on_cuda(x, weight):
-        from nanoserve.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, weight, bias, activate=activate)
-    out = F.linear(x, weight, bias)
-    return silu_and_mul(out) if activate else out
+    if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+        from nanoserve.kernels import skinny_gemm
+        config = skinny_gemm.select(x.shape[0], *weight.shape, x.device)
+        if config is not None and (residual is None or residual.dtype == x.dtype):
+            return skinny_gemm.skinny_linear(x, weight, bias, config, norm_eps=norm_eps,
+                                             activate=activate, residual=residual)
+    return unfused_linear(x, weight, bias, norm_eps=norm_eps, activate=activate,
+                          residual=residual)
 
 
-def norm_linear(x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
-                weight: torch.Tensor, bias: torch.Tensor | None, activate: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
-    """``(linear(norm(x + residual)), x + residual, None)``; without a residual,
-    ``(.. norm(x) .., x, None)``.
-
-    Where the norm's weight is folded into ``weight`` (the GPU path) and the projection before
-    already added its output into the residual (``AddedToResidual``), the norm needs no launch:
-    at batch 1 (or 2 and 4), with the sums of squares that projection left (``sum_squares``),
-    the skinny GEMV applies it; at larger batches the projection runs on the residual as it is
-    and the norm's factor per row is left to the kernel that reads the product (the third item,
-    a ``RowScale``; with ``activate`` the SiLU-and-mul launch applies it and the third item is
-    None). Elsewhere this is the norm module (which takes every form of ``x``), then
-    :func:`linear`.
-    """
-    if norm.folded and isinstance(x, AddedToResidual):
-        if x.sum_squares is not None:
-            from nanoserve.kernels.skinny_gemm import skinny_rms_linear
-            return skinny_rms_linear(residual, x.sum_squares, norm.eps, weight, bias,
-                                     activate=activate), residual, None
-        if bias is None:
-            scale = RowScale(residual, norm.eps)
-            out = linear(residual, weight, None)
-            if activate:
-                return silu_and_mul(out, scale), residual, None
-            return out, residual, scale
+def unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   norm_eps: float | None = None, activate: bool = False,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear` through ``F.linear`` (cuBLAS on CUDA), each fusion a step of its own but
+    the residual add, which the GEMM does (``beta = 1``) where it can."""
+    if activate and residual is not None:
+        raise ValueError("linear adds into a residual or activates, not both")
+    if norm_eps is not None:
+        if x.is_cuda:
+            from nanoserve.kernels.fused_ops import rms_norm
+            x = rms_norm(x, None, norm_eps)
+        else:
+            x = rms_norm_torch(x, None, norm_eps)
     if residual is None:
-        return linear(norm(x), weight, bias, activate=activate), x, None
-    normed, residual = norm(x, residual)
-    return linear(normed, weight, bias, activate=activate), residual, None
+        out = F.linear(x, weight, bias)
+        return silu_and_mul(out) if activate else out
+    if x.is_cuda and bias is None and x.dim() == 2:
+        return residual.addmm_(x, weight.t())
+    return residual + F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -110,23 +88,23 @@ class ColumnParallelLinear(nn.Module):
                       shard_id: ShardId = None) -> None:
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-    def forward_normed(self, x: NormInput, residual: torch.Tensor | None, norm: RMSNorm,
-                       activate: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
-        """``forward(norm(x + residual))``, the summed residual, and the row scale the output
-        still needs, if any (:func:`norm_linear`); with ``activate`` (a merged ``[gate; up]``
-        projection), ``silu_and_mul`` of it."""
-        return norm_linear(x, residual, norm, self.weight, self.bias, activate)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, activate: bool = False
+                ) -> torch.Tensor:
+        """``linear(norm(x))``; where the norm's weight is folded into this projection (the
+        GPU path), the op applies the rest of the norm itself. With ``activate`` (a merged
+        ``[gate; up]`` projection), ``silu_and_mul`` of it."""
+        if norm is not None and norm.folded:
+            return linear(x, self.weight, self.bias, norm_eps=norm.eps, activate=activate)
+        if norm is not None:
+            x = norm(x)
+        return linear(x, self.weight, self.bias, activate=activate)
 
     @torch.no_grad()
     def fold_norm(self, norm: RMSNorm) -> None:
         """Carry ``norm``'s weight in this projection's columns (``W[:, k] * g[k]``, computed
         in float32) and set the norm's weight to ones: the same product, with the weight
-        multiply done once at load time. The batch-1 GEMV then applies the norm itself
-        (:func:`norm_linear`)."""
+        multiply done once at load time. :meth:`forward` then passes the norm's eps to the
+        projection op, which applies each row's 1 / rms."""
         folded = self.weight.float() * norm.weight.float()[None, :]
         self.weight.copy_(folded.to(self.weight.dtype))
         norm.weight.fill_(1.0)
@@ -205,14 +183,6 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
             if bias else None
-        # float64 [skinny_gemm.MAX_ROWS], zeroed before each forward, where the skinny GEMV sums
-        # the squares of the residual rows it updates, for the norm after it
-        # (``DecoderModel.track_sum_squares``).
-        self.sum_squares: torch.Tensor | None = None
-        # Set where the projection after the next norm carries that norm's weight and takes its
-        # row scale (``DecoderForCausalLM.fold_norm_weights``): then, from EPILOGUE_MIN_ROWS
-        # rows, the GEMM adds its output into the residual itself and the norm has nothing to do.
-        self.adds_into_residual = False
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
         if param.dim() == 1:  # the bias is whole on every rank
@@ -227,52 +197,10 @@ class RowParallelLinear(nn.Module):
             return
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, self.bias))
-
-    def _sum_squares(self, rows: int) -> torch.Tensor | None:
-        """The slots of :attr:`sum_squares` for a batch of ``rows`` rows, if it is tracked."""
-        return None if self.sum_squares is None else self.sum_squares[:rows]
-
-    @property
-    def merges_split_partials(self) -> bool:
-        """Whether :meth:`forward_for_norm` takes a batch-1 attention output still split
-        (``SplitPartials``): on one rank, on CUDA, in 16 bits, without bias, for a shape where
-        that measured faster than merging first (``merged_o_proj.TUNED``)."""
-        if not (self.tp.size == 1 and self.bias is None and self.weight.is_cuda
-                and self.weight.dtype in (torch.bfloat16, torch.float16)):
-            return False
-        from nanoserve.kernels.merged_o_proj import TUNED
-        return tuple(self.weight.shape) in TUNED
-
-    def forward_for_norm(self, x: torch.Tensor | SplitPartials, residual: torch.Tensor
-                         ) -> tuple[NormInput, torch.Tensor]:
-        """:meth:`forward` for a caller that feeds the result and ``residual`` to an add +
-        RMSNorm: on one rank the result may instead be split-K partial sums
-        (``layers.split_k``) for the norm to add up, or, at batch 1 on CUDA (2 and 4 for some
-        shapes), already added into ``residual`` in place by the GEMV's epilogue
-        (``AddedToResidual``, with the updated rows' sums of squares where ``sum_squares`` is
-        set), and likewise at larger batches (from ``EPILOGUE_MIN_ROWS`` rows) where
-        :attr:`adds_into_residual` is set (cuBLAS's ``beta = 1``: one launch in place of the
-        GEMM and the norm). ``x`` may be attention's split partials where
-        :attr:`merges_split_partials` allows them; they are merged as they are read
-        (``kernels/merged_o_proj.py``)."""
-        if isinstance(x, SplitPartials):
-            from nanoserve.kernels.merged_o_proj import merged_o_proj
-            sums = self._sum_squares(1)
-            merged_o_proj(x.lse, x.out, self.weight, residual, sums)
-            return AddedToResidual(sums), residual
-        if self.tp.size > 1:
-            return self.forward(x), residual
-        if (self.bias is None and _skinny_on_cuda(x, self.weight)
-                and residual.dtype == x.dtype and residual.is_contiguous()):
-            from nanoserve.kernels.skinny_gemm import skinny_linear
-            sums = self._sum_squares(x.shape[0])
-            skinny_linear(x, self.weight, residual=residual, sum_squares=sums)
-            return AddedToResidual(sums), residual
-        if (self.adds_into_residual and self.bias is None and x.dim() == 2
-                and x.shape[0] >= EPILOGUE_MIN_ROWS):
-            residual.addmm_(x, self.weight.t())
-            return AddedToResidual(), residual
-        parts = split_k_partial_sums(x, self.weight, self.bias)
-        return (parts if parts is not None else linear(x, self.weight, self.bias)), residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The all-reduced product; with ``residual``, ``residual`` plus it (on one rank the
+        projection op adds it in its epilogue)."""
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias, residual=residual)
+        out = self.tp.all_reduce(linear(x, self.weight, self.bias))
+        return out if residual is None else residual + out

@@ -18,7 +18,7 @@ from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.linear import linear
-from nanoserve.layers.norm import NormInput, RMSNorm
+from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 
 # A checkpoint tensor of one expert: (expert index, "gate" | "up" | "down"); None for the
@@ -126,9 +126,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden_size, num_experts, top_k, renormalise)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
 
-    def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' mix of ``norm(x + residual)``, and the summed residual."""
-        normed, residual = norm(x, residual)
+    def forward(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``residual`` plus the experts' mix of ``norm(residual)``."""
+        normed = norm(residual)
         weights, experts = self.gate(normed)
-        return self.tp.all_reduce(self.experts(normed, weights, experts)), residual
+        return residual + self.tp.all_reduce(self.experts(normed, weights, experts))

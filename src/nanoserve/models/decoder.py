@@ -3,8 +3,9 @@
 Llama: no biases. Qwen2: q/k/v biases. Qwen3: RMSNorm on each head of q and k before RoPE.
 Qwen3-MoE: Qwen3 with a mixture of experts in place of the MLP in some or all layers.
 Everything device- or parallelism-specific comes in through the layer classes and the
-attention metadata, never through branches here; the one exception is a whole-stack kernel
-(``layer_chain``) that the runner may attach in place of the layer loop for batch-1 decode.
+attention metadata, never through branches here. The hidden state between layers is the
+residual stream itself: each pre-norm is the next projection's to apply (``norm=``), and each
+output projection adds into the stream (``residual=``), fused where the device can.
 """
 from __future__ import annotations
 
@@ -15,15 +16,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from nanoserve.attention.backend import AttentionBackend, SplitPartials
+from nanoserve.attention.backend import AttentionBackend
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
-from nanoserve.kernels.layer_chain import GreedyPick, LayerChain, runs_decode, runs_step
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear, ShardId)
 from nanoserve.layers.moe import ExpertShard, SparseMoeBlock
-from nanoserve.layers.norm import NormInput, RMSNorm
+from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -49,32 +49,25 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: NormInput, residual: torch.Tensor | None,
-                norm: RMSNorm) -> tuple[NormInput, torch.Tensor]:
-        """Attention of ``norm(x + residual)``; returns it with the summed residual. The norm
-        is the qkv projection's to apply, so that it can fuse it; the output is o_proj's in one
-        of the forms the next norm takes (``RowParallelLinear.forward_for_norm``)."""
+    def forward(self, positions: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                ) -> torch.Tensor:
+        """``residual + o_proj(attention(norm(residual)))``."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        qkv, residual, row_scale = self.qkv_proj.forward_normed(x, residual, norm)
+        qkv = self.qkv_proj(residual, norm=norm)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
-                                     self.q_norm, self.k_norm,
-                                     partials_ok=self.o_proj.merges_split_partials,
-                                     row_scale=row_scale)
-        if not isinstance(out, SplitPartials):
-            out = out.reshape(-1, q_size)
-        return self.o_proj.forward_for_norm(out, residual)
+                                     self.q_norm, self.k_norm)
+        return self.o_proj(out.reshape(-1, q_size), residual=residual)
 
 
 class MLP(nn.Module):
     """SiLU-gated feed-forward of a normalised input: merged gate/up (column parallel), then the
-    down projection (row parallel) of silu(gate) * up. The projections apply the norm before
-    them and the activation between them, fused into their products where a kernel can."""
+    down projection (row parallel) of silu(gate) * up, added into the residual stream."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -82,11 +75,10 @@ class MLP(nn.Module):
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: NormInput, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[NormInput, torch.Tensor]:
-        """The MLP of ``norm(x + residual)``, and the summed residual (as Attention)."""
-        act, residual, _ = self.gate_up_proj.forward_normed(x, residual, norm, activate=True)
-        return self.down_proj.forward_for_norm(act, residual)
+    def forward(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``residual + mlp(norm(residual))``."""
+        act = self.gate_up_proj(residual, norm=norm, activate=True)
+        return self.down_proj(act, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -99,10 +91,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: NormInput, residual: torch.Tensor | None
-                ) -> tuple[NormInput, torch.Tensor]:
-        x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
-        return self.mlp(x, residual, self.post_attention_layernorm)
+    def forward(self, positions: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        residual = self.self_attn(positions, residual, self.input_layernorm)
+        return self.mlp(residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
@@ -112,47 +103,18 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.sum_squares: torch.Tensor | None = None  # see track_sum_squares
-        # All layers, the final norm and the LM head of a batch-1 decode step as one kernel,
-        # where the runner attached one (nanoserve.kernels.layer_chain): it replaces the loop
-        # below for the steps it runs, and compute_logits returns the logits it scored.
-        self.layer_chain: LayerChain | None = None
-
-    def track_sum_squares(self) -> None:
-        """Give each o_proj and down_proj float64 slots where its skinny GEMV sums the squares
-        of the residual rows it updates, for the GEMV after the norm to normalise with
-        (``norm_linear``). The slots are one buffer, zeroed at the start of each forward."""
-        from nanoserve.kernels.skinny_gemm import MAX_ROWS
-        producers = [p for layer in self.layers if isinstance(layer.mlp, MLP)
-                     for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-        self.sum_squares = torch.zeros(len(producers), MAX_ROWS, dtype=torch.float64,
-                                       device=self.norm.weight.device)
-        for i, producer in enumerate(producers):
-            producer.sum_squares = self.sum_squares[i]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                token_table: torch.Tensor | None = None,
-                greedy: GreedyPick | None = None) -> torch.Tensor:
+                token_table: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states of the step's tokens: ``ids``, or where ``token_table`` is
         given, ``token_table[ids]`` (the decode graphs' arena, which holds the tokens the last
-        step sampled; the layer kernel reads through the index itself). ``greedy``: for a step
-        the layer kernel runs (``greedy_in_forward``), where it writes the argmax of the
-        logits it scores."""
-        if self.layer_chain is not None:
-            meta = get_attention_metadata()
-            if runs_step(ids, meta):
-                return self.layer_chain(ids, positions, meta, token_table, greedy)
-        if greedy is not None:
-            raise ValueError("only the layer kernel picks the greedy token in the forward")
+        step sampled)."""
         if token_table is not None:
             ids = token_table[ids]
-        if self.sum_squares is not None:
-            self.sum_squares.zero_()
-        x, residual = self.embed_tokens(ids), None
+        residual = self.embed_tokens(ids)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
+            residual = layer(positions, residual)
+        return self.norm(residual)
 
 
 # One expert's tensor in a Qwen3-MoE checkpoint; here every expert lives in one stacked parameter.
@@ -201,45 +163,24 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                token_table: torch.Tensor | None = None,
-                greedy: GreedyPick | None = None) -> torch.Tensor:
-        return self.model(ids, positions, token_table, greedy)
-
-    def greedy_in_forward(self, num_seqs: int, max_seq_len: int) -> bool:
-        """Whether a decode step of ``num_seqs`` sequences with contexts up to ``max_seq_len``
-        runs the layer kernel, which scores the logits and can take their argmax itself
-        (``forward``'s ``greedy``), sparing the step the sampler's launches."""
-        chain = self.model.layer_chain
-        return chain is not None and runs_decode(num_seqs, max_seq_len)
+                token_table: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(ids, positions, token_table)
 
     def fold_norm_weights(self) -> None:
-        """Fold each layer's two pre-norm weights into the qkv and gate/up columns, and have
-        the projections before them add into the residual themselves (the GPU path). At batch
-        1 (2 and 4 at some shapes) they also sum the squares of the rows they update and the
-        qkv and gate/up GEMVs apply the norms; at larger batches the norms' factors go to the
-        kernels after qkv and gate/up (``norm_linear``). Either way the norms need no launch
-        of their own. The final norm stays, since the LM head may share the embedding's
-        weights."""
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            attn.qkv_proj.fold_norm(layer.input_layernorm)
-            if isinstance(layer.mlp, MLP):  # a router reads the normalised row too: no fold
+        """Fold each layer's pre-norm weights into the projections that read the norms (qkv,
+        and gate/up where the MLP is dense: a router reads the normalised row too), the GPU
+        path: the projection op then applies the norm's row scale inside its own launch. The
+        final norm stays, since the LM head may share the embedding's weights."""
+        for layer in self.model.layers:
+            layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
+            if isinstance(layer.mlp, MLP):
                 layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
-                attn.o_proj.adds_into_residual = layer.mlp.gate_up_proj.bias is None
-                if i + 1 < len(layers):
-                    layer.mlp.down_proj.adds_into_residual = \
-                        layers[i + 1].self_attn.qkv_proj.bias is None
-        self.model.track_sum_squares()
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor | None:
         """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0. ``out``:
-        see ParallelLMHead.forward. Hidden states from the layer kernel come with their logits
-        already scored (not into ``out``)."""
-        chain = self.model.layer_chain
-        scored = chain.logits_of(hidden) if chain is not None else None
-        return scored if scored is not None else self.lm_head(hidden, out)
+        see ParallelLMHead.forward."""
+        return self.lm_head(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""

@@ -15,7 +15,21 @@ from nanoserve.models import gguf
 
 def load_model_assets(path: Path, require_weights: bool = True) -> tuple[Any, Any, list[int]]:
     """(transformers config, tokenizer, extra EOS ids from generation_config) for a model path."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    config = load_hf_config(path)
+    if gguf.is_gguf(path):
+        return config, gguf.load_gguf_tokenizer(path), gguf.load_gguf_eos_token_ids(path)
+    if require_weights and not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights "
+                                "(pickle checkpoints are not loaded, by design)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return config, tokenizer, _generation_eos_ids(path)
+
+
+def load_hf_config(path: Path) -> Any:
+    """The transformers config of a model folder or GGUF file, its architecture checked."""
+    from transformers import AutoConfig
 
     from nanoserve.models.registry import check_architecture
 
@@ -23,21 +37,16 @@ def load_model_assets(path: Path, require_weights: bool = True) -> tuple[Any, An
         config = gguf.load_gguf_config(path)
         if not getattr(config, "architectures", None):
             config.architectures = [arch_from_model_type(config)]
-        check_architecture(config)
-        return config, gguf.load_gguf_tokenizer(path), gguf.load_gguf_eos_token_ids(path)
-    if not (path / "config.json").is_file():
+    elif not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder "
                                 "(nanoserve loads HF folders with safetensors, or .gguf files)")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (ValueError, OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    else:
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (ValueError, OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
     check_architecture(config)
-    if require_weights and not list(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"{path} holds no *.safetensors weights "
-                                "(pickle checkpoints are not loaded, by design)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return config, tokenizer, _generation_eos_ids(path)
+    return config
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

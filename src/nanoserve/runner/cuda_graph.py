@@ -10,21 +10,16 @@ import torch
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
-from nanoserve.kernels.layer_chain import GreedyPick
 from nanoserve.runner.graph_inputs import DecodeRows, GraphArena
 from nanoserve.runner.inputs import SequenceChunk
 
 
 # Attention's launch (its split count, its tiling) is chosen from the max_seq_len a graph is
 # captured with and stays fixed in the graph. Small batches, which split their contexts to
-# fill the GPU, get a graph per cap below as well, so a step whose contexts all fit one runs
-# launches chosen for it: fewer splits of one tile each at batch 1 (docs/kernels.md, "Batch-1
-# decode per context length").
-SHORT_CONTEXT_CAPS = (512, 2048)
+# fill the GPU, get a graph per cap of a ladder (x4 from SHORTEST_CONTEXT_CAP up to the
+# model's length), so a step runs splits sized for a context within 4x of its own.
+SHORTEST_CONTEXT_CAP = 512
 SHORT_CONTEXT_MAX_BATCH = 8
-# Pinned host slots that greedy graphs write their token into, used in turn. The engine collects
-# a step before it launches the one two after it, so at most two slots are live at once.
-HOST_TOKEN_SLOTS = 4
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -35,8 +30,11 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 def context_caps(bs: int, max_seq_len: int) -> list[int]:
     """The longest contexts that graphs of batch size ``bs`` are captured for, ascending."""
-    caps = [c for c in SHORT_CONTEXT_CAPS if c < max_seq_len]
-    return (caps if bs <= SHORT_CONTEXT_MAX_BATCH else []) + [max_seq_len]
+    caps, cap = [], SHORTEST_CONTEXT_CAP
+    while cap < max_seq_len and bs <= SHORT_CONTEXT_MAX_BATCH:
+        caps.append(cap)
+        cap *= 4
+    return caps + [max_seq_len]
 
 
 def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context: int
@@ -48,7 +46,7 @@ def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context
     return bs, caps[min(bisect.bisect_left(caps, longest_context), len(caps) - 1)]
 
 
-GraphKey = tuple[int, int, bool]  # batch size, context cap, whether the forward picks greedily
+GraphKey = tuple[int, int]  # batch size, context cap
 
 
 class DecodeOutput(NamedTuple):
@@ -59,9 +57,6 @@ class DecodeOutput(NamedTuple):
     # Sampled by the fused sampler inside the graph; None where the step's batch needs more
     # than temperatures (penalties, filters, ...) and the caller samples from ``logits``.
     token_ids: torch.Tensor | None
-    # The same tokens in pinned host memory, where the graph writes them there itself (the
-    # greedy graphs): valid once the graph has run.
-    host_token_ids: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -78,9 +73,7 @@ class DecodeGraphs:
     (nanoserve.kernels.sampling), reading each step's temperatures and noise seed from the
     arena, and write the samples into its first part: a step then costs the host one copy and
     one graph launch. A batch that needs more than temperatures stages the seed -1, and the
-    graph's sampling pass exits at once. Where the model's forward can take the argmax itself
-    (``greedy_in_forward``: the batch-1 layer kernel), a second graph per context cap does
-    that for greedy steps and runs no sampler.
+    graph's sampling pass exits at once.
     """
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
@@ -101,8 +94,6 @@ class DecodeGraphs:
         # Graphs of one batch size share its arena region.
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, DecodeOutput] = {}
-        self.host_tokens = torch.zeros(HOST_TOKEN_SLOTS, dtype=torch.int64, pin_memory=True)
-        self.steps = 0  # replays so far: which host slot the next greedy one writes
         self._capture()
 
     @staticmethod
@@ -118,38 +109,22 @@ class DecodeGraphs:
         sizes, samples = cls._arena_shape(max_batch, max_samples)
         return GraphArena.layout(sizes, max_blocks, samples)[1]
 
-    def key_for(self, num_seqs: int, longest_context: int, greedy: bool = False) -> GraphKey:
-        """The key of the graph that runs such a batch (``graph_key``); with ``greedy`` (every
-        row at temperature 0), the graph that picks in the forward where there is one."""
-        bs, cap = graph_key(self.sizes, self.max_seq_len, num_seqs, longest_context)
-        return bs, cap, greedy and (bs, cap, True) in self.graphs
-
     def _keys(self) -> list[GraphKey]:
         """Every graph to capture."""
-        keys = []
-        for bs in self.sizes:
-            for cap in context_caps(bs, self.max_seq_len):
-                keys.append((bs, cap, False))
-                if self.sample and self.model.greedy_in_forward(bs, cap):
-                    keys.append((bs, cap, True))
-        return keys
+        return [(bs, cap) for bs in self.sizes for cap in context_caps(bs, self.max_seq_len)]
 
-    def _forward(self, bs: int, cap: int, greedy: bool) -> DecodeOutput:
+    def _forward(self, bs: int, cap: int) -> DecodeOutput:
         region = self.arena.regions[bs]
         meta = AttentionMetadata(self.query_start[:bs + 1], region.seq_lens, region.slots,
                                  region.tables, max_query_len=1, max_seq_len=cap,
                                  seq_order=region.order)
         with attention_metadata(meta):
-            hidden = self.model(region.sources, region.positions, self.arena.int64,
-                                greedy=GreedyPick(self.samples[:bs], region.host_token)
-                                if greedy else None)
+            hidden = self.model(region.sources, region.positions, self.arena.int64)
         if not self.sample:
             return DecodeOutput(hidden, None, None)
         from nanoserve.kernels.sampling import sample_tokens
 
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
-        if greedy:
-            return DecodeOutput(hidden, logits, self.samples[:bs])
         return DecodeOutput(hidden, logits, sample_tokens(
             logits, region.temperature, region.noise_seed, out=self.samples[:bs]))
 
@@ -181,18 +156,13 @@ class DecodeGraphs:
         (``rows.sample_rows``) read them from ``samples``, which must hold them."""
         n = len(rows.positions)
         sampled = self.sample and temperature is not None
-        key = self.key_for(n, int(rows.seq_lens.max()), sampled and not bool(temperature.any()))
-        host = None
-        if key[2]:
-            slot = self.steps % HOST_TOKEN_SLOTS
-            host = self.host_tokens[slot:slot + 1]
-        self.steps += 1
+        key = graph_key(self.sizes, self.max_seq_len, n, int(rows.seq_lens.max()))
         self.arena.stage(key[0], rows, temperature if sampled else None,
-                         noise_seed if sampled else -1, 0 if host is None else host.data_ptr())
+                         noise_seed if sampled else -1)
         self.graphs[key].replay()
-        hidden, logits, token_ids, _ = self.outputs[key]
+        hidden, logits, token_ids = self.outputs[key]
         return DecodeOutput(hidden[:n], None if logits is None else logits[:n],
-                            token_ids[:n] if sampled else None, host)
+                            token_ids[:n] if sampled else None)
 
     def release(self) -> None:
         """Destroy the graphs. Graphs that captured NCCL collectives hold their communicator:

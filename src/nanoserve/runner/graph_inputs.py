@@ -85,9 +85,7 @@ class GraphRegion:
 
     ``sources[i]`` is the arena element (as int64) holding row ``i``'s token id. Rows past a
     step's batch hold padding: no slot (nothing stored), length 1 over block 0 (harmless
-    reads), temperature 0. Beside the rows, two int64 scalars: the sampler's noise seed, and
-    the address of pinned host memory where a forward that picks the greedy token writes it
-    too (0: nowhere).
+    reads), temperature 0. Beside the rows, one int64 scalar: the sampler's noise seed.
     """
 
     @staticmethod
@@ -104,14 +102,12 @@ class GraphRegion:
             self.offsets[name] = offset
             offset += _aligned(batch * np.dtype(dtype).itemsize)
         self.offsets["noise_seed"] = offset
-        self.offsets["host_token"] = offset + 8
         offset += ALIGNMENT
         self.tables_start = offset
         (self.token_ids, self.sources, self.positions, self.slots, self.temperature,
          self.seq_lens, self.order) = (self._view(arena, name, dtype, batch)
                                        for name, dtype in _FIELDS)
         self.noise_seed = self._view(arena, "noise_seed", np.int64, 1)
-        self.host_token = self._view(arena, "host_token", np.int64, 1)
         columns = arena[self.tables_start:self.tables_start + max_blocks * batch * 4]
         self.tables = columns.view(torch.int32).view(max_blocks, batch).T  # [batch, max_blocks]
 
@@ -124,7 +120,7 @@ class GraphRegion:
         return self.tables_start - self.start + width * self.batch * 4
 
     def pack(self, host: np.ndarray, rows: DecodeRows, temperature: np.ndarray | None,
-             noise_seed: int, host_token: int = 0) -> None:
+             noise_seed: int) -> None:
         """Fill ``host`` (uint8, ``upload_bytes`` long) with this step's span of the region."""
         n, b = len(rows.positions), self.batch
 
@@ -147,7 +143,7 @@ class GraphRegion:
             out = field(name, _DTYPES[name])
             out[:n], out[n:] = values, pad
         at = self.offsets["noise_seed"] - self.start
-        host[at:at + 16].view(np.int64)[:] = noise_seed, host_token
+        host[at:at + 8].view(np.int64)[0] = noise_seed
         width = rows.tables.shape[1]
         at = self.tables_start - self.start
         columns = host[at:at + width * b * 4].view(np.int32).reshape(width, b)
@@ -184,13 +180,13 @@ class GraphArena:
         return layout, end
 
     def stage(self, bs: int, rows: DecodeRows, temperature: np.ndarray | None,
-              noise_seed: int, host_token: int = 0) -> GraphRegion:
+              noise_seed: int) -> GraphRegion:
         """Copy a step's inputs into the region of graph size ``bs`` (one pinned, asynchronous
-        copy) and return the region. ``host_token``: see :class:`GraphRegion`."""
+        copy) and return the region."""
         region = self.regions[bs]
         nbytes = region.upload_bytes(rows.tables.shape[1])
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.memory.is_cuda)
-        region.pack(host.numpy(), rows, temperature, noise_seed, host_token)
+        region.pack(host.numpy(), rows, temperature, noise_seed)
         self.memory[region.start:region.start + nbytes].copy_(host, non_blocking=True)
         return region
 

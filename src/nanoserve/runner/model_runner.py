@@ -59,12 +59,8 @@ class ModelRunner:
             init_dummy_weights(self.model)
         else:
             self.model.load_weights(iter_weights(path, self.dtype))
-        if self.device.type == "cuda":  # the batch-1 GEMVs then apply the pre-norms themselves
+        if self.device.type == "cuda":  # the skinny GEMVs then apply the pre-norms themselves
             self.model.fold_norm_weights()
-            if config.persistent_decode:
-                from nanoserve.kernels.layer_chain import attach_layer_chain
-                attach_layer_chain(self.model, model_config, self.dtype, self.kv_cache_dtype,
-                                   self.device, get_tp_group().size)
         self.model.eval()
         self.sampler = Sampler()
         tp = get_tp_group()
@@ -89,8 +85,7 @@ class ModelRunner:
                 max_samples=config.max_num_seqs)
         if self.device.type == "cuda":
             # cuBLAS loads a kernel the first time a GEMM shape needs it, behind whatever work
-            # is queued (9-35 ms in the throughput run's first prefill steps; docs/benchmarks.md,
-            # run 161). Sizing the cache from free memory ran a forward of the full step budget;
+            # is queued (tens of ms in a throughput run's first prefill steps). Sizing the cache from free memory ran a forward of the full step budget;
             # a step's last, odd-sized chunk of prompts and the LM head's row counts are met
             # here.
             if config.max_num_batched_tokens > 1:
@@ -216,9 +211,9 @@ class ModelRunner:
             self.generators.pop(rid, None)
         sampling = [c for c in step.chunks if c.sample]
         params = [c.params for c in sampling]
-        tensors = logits = token_ids = host_token_ids = last = None
+        tensors = logits = token_ids = last = None
         if self.graphs is not None and self.graphs.accepts(step.chunks):
-            hidden, logits, token_ids, host_token_ids, tensors = self._replay(step.chunks)
+            hidden, logits, token_ids, tensors = self._replay(step.chunks)
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
             if self.sampling_rank:
@@ -239,7 +234,7 @@ class ModelRunner:
             out = self.sampler(logits, tensors)
         self.last_samples = out.token_ids
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
-        return SampledStep(out, [p.logprobs for p in params], prompt, host_token_ids)
+        return SampledStep(out, [p.logprobs for p in params], prompt)
 
     def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors | None:
         if not chunks:
@@ -250,12 +245,10 @@ class ModelRunner:
             [self._generator(c) for c in chunks], self.model_config.vocab_size, self.device)
 
     def _replay(self, chunks: list[SequenceChunk]) -> tuple[
-            torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
-            SamplingTensors | None]:
+            torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
         """A decode step through the CUDA graphs (every chunk one token, each sampled): the
-        hidden states, the graph's logits and samples where it ran them (on the device, and
-        on the host where the graph writes them there too), and the sampling tensors where the
-        batch needs the general sampler."""
+        hidden states, the graph's logits and samples where it ran them, and the sampling
+        tensors where the batch needs the general sampler."""
         rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
         if rows.feeds_samples and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
             # The previous step sampled outside the graphs: its tokens join the arena.
@@ -271,7 +264,7 @@ class ModelRunner:
                 tensors = self._sampling_tensors(chunks)
         noise_seed = -1 if temperature is None else draw_noise_seed(bool(temperature.any()))
         out = self.graphs.run(rows, temperature, noise_seed)
-        return out.hidden, out.logits, out.token_ids, out.host_token_ids, tensors
+        return out.hidden, out.logits, out.token_ids, tensors
 
     def close(self) -> None:
         self.generators.clear()

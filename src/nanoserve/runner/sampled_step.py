@@ -13,14 +13,11 @@ class SampledStep:
     The copies are queued right behind the step's sampling, ahead of any step launched later,
     so ``result()`` waits for this step alone and the device runs on with the next one.
     ``logprobs_wanted[i]`` is how many top logprobs row ``i`` asked for (None: none);
-    ``prompt_logprobs`` (already on the host) is passed through to the result;
-    ``host_token_ids``, pinned memory that the step's own kernel writes the tokens into,
-    spares their copy.
+    ``prompt_logprobs`` (already on the host) is passed through to the result.
     """
 
     def __init__(self, out: SamplerOutput, logprobs_wanted: list[int | None],
-                 prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
-                 host_token_ids: torch.Tensor | None = None):
+                 prompt_logprobs: dict[str, list[dict[int, float]]] | None = None):
         self.logprobs_wanted = logprobs_wanted
         self.prompt_logprobs = prompt_logprobs or {}
         tensors = [out.token_ids]
@@ -28,11 +25,9 @@ class SampledStep:
             tensors += [out.logprobs, out.logprob_token_ids]
         self.event: torch.cuda.Event | None = None
         if out.token_ids.is_cuda:
-            copied = tensors if host_token_ids is None else tensors[1:]
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in copied]
-            for dst, src in zip(host, copied):
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for dst, src in zip(self.host, tensors):
                 dst.copy_(src, non_blocking=True)
-            self.host = host if host_token_ids is None else [host_token_ids, *host]
             self.event = torch.cuda.Event()
             # The copies run on the source device's stream, which need not be the current one.
             self.event.record(torch.cuda.current_stream(out.token_ids.device))

@@ -47,7 +47,7 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     decode_only = max(q_lens) == 1
     # Cache slots are found here, not with a handful of device ops: those cost more host time
     # to launch than numpy takes, and their kernels load on first use at each new size, waiting
-    # for the device (docs/benchmarks.md, run 161).
+    # for the device.
     order = longest_first(seq_lens) if decode_only else []  # decode takes the longest first
     if dummy:
         slots = np.full(len(ids), -1, dtype=np.int64)

@@ -1,0 +1,150 @@
+"""``nanoserve tune MODEL``: the skinny GEMV's tiles for a model's decode projections, as data.
+
+For each projection of the model (at its tensor-parallel width) and each decode row bucket, it
+times every candidate tiling of the GEMV and the cuBLAS path, each with the fusions the decoder
+asks of that projection (the folded norm, SiLU-and-mul, the residual add), and writes the
+fastest into ``configs/skinny_gemm/<device>.json`` (``kernels/tuning.py``). A candidate is
+timed only once its output matches cuBLAS's. Each timing replays a CUDA graph whose calls walk
+through enough copies of W that none is read from L2, as in a decode step, where every layer's
+weights come from HBM.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from nanoserve.config import ModelConfig
+from nanoserve.kernels import skinny_gemm
+from nanoserve.kernels.skinny_gemm import CUBLAS, ROW_BUCKETS, SkinnyConfig
+from nanoserve.kernels.tuning import device_key, save_entries
+
+# Bytes of W a timing graph walks through: several times any GPU's L2.
+STREAMED_BYTES = 512 << 20
+MAX_COPIES = 64
+
+
+def projection_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, int, dict]]:
+    """The decode projections of one rank: name -> (N, K, fusions of ``linear``)."""
+    heads, kv_heads = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
+    q, kv, hidden = heads * cfg.head_dim, kv_heads * cfg.head_dim, cfg.hidden_size
+    shapes = {"qkv_proj": (q + 2 * kv, hidden, {"norm_eps": cfg.rms_norm_eps}),
+              "o_proj": (hidden, q, {"residual": True})}
+    if len(cfg.moe_layers) < cfg.num_layers:  # some layers have a dense MLP
+        inter = cfg.intermediate_size // tp
+        shapes["gate_up_proj"] = (2 * inter, hidden, {"norm_eps": cfg.rms_norm_eps,
+                                                      "activate": True})
+        shapes["down_proj"] = (hidden, inter, {"residual": True})
+    if cfg.moe_layers:
+        shapes["router"] = (cfg.num_experts, hidden, {})
+    return shapes
+
+
+def candidates(rows: int, k: int) -> list[SkinnyConfig]:
+    """Tilings worth timing for ``rows`` rows over ``k`` inputs: K chunks of 512-4096, 8-16K
+    weights per chunk for one row (4-8K for more), summed per chunk or (one row) at the end."""
+    longest = triton.next_power_of_2(k)
+    out = []
+    for block_k in (512, 1024, 2048, 4096):
+        if block_k > max(longest, 512):
+            continue
+        for elements in ((8192, 16384) if rows == 1 else (4096, 8192)):
+            block_n = elements // rows // block_k
+            if block_n < 1:
+                continue
+            for defer in ((False, True) if rows == 1 else (False,)):
+                out.append(SkinnyConfig(block_n, block_k, 4, 4, defer))
+    return sorted(set(out))
+
+
+def _graph_us(call: Callable[[int], Any], copies: int, replays: int = 10) -> float:
+    """Microseconds per call of ``call(i)`` (i: which copy of W), as a CUDA-graph replay."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # compiles and settles allocations outside the capture
+            call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / replays / copies)
+    return best
+
+
+def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.device
+                    ) -> tuple[SkinnyConfig | str, dict[str, float]]:
+    """The fastest launch (tiles, or ``CUBLAS``) of one projection at ``rows`` rows, and each
+    candidate's microseconds."""
+    from nanoserve.layers.linear import unfused_linear
+
+    gen = torch.Generator(device=device).manual_seed(n + k + rows)
+    copies = max(2, min(MAX_COPIES, STREAMED_BYTES // (2 * n * k)))
+    weights = [torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) * k ** -0.5
+               for _ in range(copies)]
+    x = torch.randn(rows, k, generator=gen, device=device, dtype=torch.bfloat16)
+    # The timed calls add into ``work`` over and over; correctness is judged from ``start``.
+    start = torch.randn(rows, n, generator=gen, device=device, dtype=torch.bfloat16) \
+        if fusions.get("residual") else None
+    work = None if start is None else start.clone()
+    kwargs = {**fusions, "residual": None}
+
+    def run(config: SkinnyConfig | None, i: int, into: torch.Tensor | None) -> torch.Tensor:
+        if config is None:
+            return unfused_linear(x, weights[i], None, **{**kwargs, "residual": into})
+        return skinny_gemm.skinny_linear(x, weights[i], None, config, **{**kwargs,
+                                                                       "residual": into})
+
+    def fresh() -> torch.Tensor | None:
+        return None if start is None else start.clone()
+
+    want = run(None, 0, fresh()).float()
+    times = {CUBLAS: _graph_us(lambda i: run(None, i, work), copies)}
+    for config in candidates(rows, k):
+        got = run(config, 0, fresh()).float()
+        if not torch.allclose(got, want, atol=5e-2, rtol=5e-2):
+            continue  # a tiling that computes something else is never a winner
+        times[repr(tuple(config))] = _graph_us(lambda i: run(config, i, work), copies)
+    configs = {repr(tuple(c)): c for c in candidates(rows, k)}
+    best = min(times, key=times.get)
+    return (CUBLAS if best == CUBLAS else configs[best]), times
+
+
+def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
+               log: Callable[[str], None] = print) -> Path:
+    """Tune every decode projection of the model at ``model`` on the current GPU; returns the
+    tuning file written."""
+    from nanoserve.config import resolve_model_path
+    from nanoserve.models.loader import load_hf_config
+
+    if not torch.cuda.is_available():
+        raise ValueError("nanoserve tune needs a CUDA device")
+    device = torch.device("cuda")
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(str(model))))
+    entries: dict[str, dict[str, Any]] = {}
+    for name, (n, k, fusions) in projection_shapes(cfg, tp).items():
+        for bucket in rows:
+            began = time.perf_counter()
+            best, times = tune_projection(bucket, n, k, fusions, device)
+            entries.setdefault(skinny_gemm.shape_key(n, k), {})[str(bucket)] = \
+                best if best == CUBLAS else best._asdict()
+            log(f"{name} {n}x{k} rows={bucket}: {best} {min(times.values()):.2f} us "
+                f"(cuBLAS {times[CUBLAS]:.2f} us, {len(times)} timed, "
+                f"{time.perf_counter() - began:.0f} s)")
+    path = save_entries("skinny_gemm", device_key(device), entries)
+    log(f"wrote {path}")
+    return path

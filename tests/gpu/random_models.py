@@ -1,0 +1,68 @@
+"""Model folders of real shapes with random bf16 weights, saved by transformers, for the GPU
+parity tests (both engines then load the very same tensors)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+QWEN3_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / ".cache" / "qwen3-tokenizer"
+
+_COMMON = dict(torch_dtype="bfloat16", hidden_act="silu", rms_norm_eps=1e-6)
+_QWEN = dict(_COMMON, rope_theta=1e6, max_position_embeddings=40960, vocab_size=151936,
+             eos_token_id=151645, bos_token_id=151643)
+
+# Config fields of each shape; the layer counts are the real models' unless named otherwise.
+SHAPES = {
+    "qwen3-0.6b": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                       hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                     hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                     tie_word_embeddings=False),
+    # head_dim 64, GQA 7, q/k/v biases, widths that are no power of two.
+    "qwen2.5-0.5b": dict(_QWEN, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                         hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, head_dim=64, intermediate_size=4864,
+                         tie_word_embeddings=True, max_position_embeddings=32768),
+    # head_dim 64, llama3 rope scaling.
+    "llama-1b": dict(_COMMON, architectures=["LlamaForCausalLM"], model_type="llama",
+                     hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                     vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                     rms_norm_eps=1e-5, max_position_embeddings=131072,
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192},
+                     eos_token_id=128001, bos_token_id=128000),
+    # Qwen3-30B-A3B's layer (128 experts, top 8, 768 features each) in 4 layers.
+    "qwen3-moe-small": dict(_QWEN, architectures=["Qwen3MoeForCausalLM"],
+                            model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=4,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            intermediate_size=6144, moe_intermediate_size=768,
+                            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[],
+                            tie_word_embeddings=False),
+}
+
+
+def save_random_hf_model(shape: str, out: Path, seed: int = 0) -> Path:
+    """``out`` holding ``shape``'s config, Qwen3's tokenizer and random bf16 weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3_TOKENIZER_DIR / name, out / name)
+    config = AutoConfig.from_pretrained(out)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
