@@ -1,4 +1,4 @@
-"""Online serving benchmark: replay a workload against a running OpenAI-compatible server.
+"""Online serving: TTFT, ITL, TPOT and throughput of a workload replayed against a running server.
 
 Requests arrive as a Poisson process at ``--request-rate`` (inf: all at once), optionally
 capped at ``--max-concurrency`` in flight, and stream their answers. Metrics follow vLLM's

@@ -1,28 +1,35 @@
-"""Offline throughput on nano-vLLM's workload, against the memory-traffic floor and transformers.
+"""Offline throughput: output tok/s on nano-vLLM's workload per shape, against floor.py's floors.
 
-256 requests, prompts of randint(100, 1024) random ids, max_tokens randint(100, 1024),
-ignore_eos, temperature 0.6, on a Qwen3-0.6B-shaped model with random bf16 weights.
-Prints one JSON line.
+The workload: 256 requests, prompts of randint(100, 1024) random ids, max_tokens
+randint(100, 1024), ignore_eos, temperature 0.6, seed 0; random bf16 weights loaded through
+``LLM(folder, load_format="dummy")``. ``floor_tok_s`` is floor.py's floor for the steps the
+engine's scheduler runs (each step max(bytes / copy bandwidth, FLOPs / matmul peak), the
+ceilings measured once per run), ``bytes_floor_tok_s`` its bytes alone; ``fraction_of_floor``
+is floor seconds / measured seconds. One JSON line per shape (per budget with ``--budgets``).
+
+    python benchmarks/throughput.py --shapes qwen3-0.6b llama-3.2-3b qwen3-8b
+    python benchmarks/throughput.py --device cpu --shapes tiny-qwen3 --num-seqs 4 \\
+        --max-input-len 120 --max-output-len 110
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gc
-import random
 import resource
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
-from common import (SHAPES, GCTimer, copy_bandwidth_gbs, emit, environment, kernel_us,
-                    make_model_dir, weight_bytes)
-from first_run_probes import add_probe_options, before_each_run, before_runs, probe_fields
+from common import (GCTimer, emit, environment, free_device_memory, kernel_us, on_gpu, sync)
+from floor import (DEFAULT_CEILINGS, OFFLINE_MAX_NUM_BATCHED_TOKENS, measure_ceilings,
+                   throughput_requests, workload_floor)
+from shapes import SHAPES, config_of, make_model_dir, tokenizer_kind
 
 from nanoserve import LLM, SamplingParams
-
 
 # getrusage fields reported per timed run: page faults, context switches, CPU seconds.
 USAGE_FIELDS = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw", "ru_utime", "ru_stime")
@@ -30,30 +37,13 @@ USAGE_FIELDS = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw", "ru_utime", "
 
 def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed: int = 0
              ) -> tuple[list[list[int]], list[int]]:
-    random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_in))]
-               for _ in range(num_seqs)]
-    max_tokens = [random.randint(100, max_out) for _ in range(num_seqs)]
-    return prompts, max_tokens
+    """nano-vLLM's prompts and max_tokens (floor.py's ``throughput_requests``)."""
+    return throughput_requests(num_seqs, max_in, max_out, seed)
 
 
 def workload_params(max_tokens: list[int]) -> list[SamplingParams]:
     """The workload's sampling: temperature 0.6, each request to its ``max_tokens`` (ignore_eos)."""
     return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
-
-
-def floor_seconds(shape: dict, prompts: list[list[int]], max_tokens: list[int],
-                  bandwidth_gbs: float, num_gpus: int = 1, kv_bytes: int = 2) -> float:
-    """Bytes the decode steps must read (all KV + weights once per step) / bandwidth.
-
-    With tensor parallelism each of ``num_gpus`` GPUs reads its share at the same time;
-    ``kv_bytes`` per cached value (2: bf16, 1: fp8)."""
-    kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
-                    * shape["head_dim"] * kv_bytes)
-    kv_tokens = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
-    weights = weight_bytes(shape)
-    return ((kv_tokens * kv_per_token + max(max_tokens) * weights)
-            / (bandwidth_gbs * 1e9 * num_gpus))
 
 
 def run_transformers(model_dir: Path, prompts: list[list[int]], max_new: int) -> float:
@@ -100,7 +90,8 @@ def host_timing(enabled: bool, llm: LLM):
     """Yields a dict that gains, per bucket of 32 running requests (decode steps only; steps
     that admit requests are one bucket of their own), the steps' mean host time, the part of it
     spent waiting for the device, and the device time of the step's own work (CUDA events
-    around its launch). A host that never waits is the limit."""
+    around its launch). A host that never waits is the limit. Patches the engine's internals
+    (``SampledStep.result``, ``engine.step``, the runner's ``launch``)."""
     report: dict = {}
     if not enabled:
         yield report
@@ -176,23 +167,29 @@ def host_profile(enabled: bool):
         stats.print_callees(r"llm_engine.py:\d+\(step\)")
 
 
+def device_memory_stats(device: str) -> tuple[dict, dict]:
+    if not on_gpu(device):
+        return {}, {}
+    return torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+
+
 def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
               args: argparse.Namespace) -> tuple[float, dict]:
     """One timed pass of the workload: its seconds and the report of the options' probes."""
     with kernel_profile(args.profile_kernels) as report, \
             host_timing(args.host_timing, llm) as host_report, \
             host_profile(args.host_profile):
-        allocs_before, host_before = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+        allocs_before, host_before = device_memory_stats(args.device)
         collections = GCTimer()  # Python's garbage collections inside the run
         gc.callbacks.append(collections)
         usage_before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync(args.device)
         elapsed = time.perf_counter() - start
         usage_after = resource.getrusage(resource.RUSAGE_SELF)
         gc.callbacks.remove(collections)
-        allocs_after, host_after = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+        allocs_after, host_after = device_memory_stats(args.device)
         # cudaMalloc/cudaFree inside the run: either can stall the host until the device idles;
         # so can new pinned host blocks (cudaHostAlloc), which the host allocator then caches.
         allocs = {f"{key}_in_run": allocs_after.get(key, 0) - allocs_before.get(key, 0)
@@ -206,24 +203,96 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
     return elapsed, {**allocs, **usage, "gc": collections.report(), **report, **host_report}
 
 
+def run_shape(name: str, args: argparse.Namespace, ceilings, env: dict, tmp: Path) -> None:
+    shape = config_of(name, args.layers)
+    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len,
+                                   args.seed)
+    requests = [(len(p), n) for p, n in zip(prompts, max_tokens)]
+    output_tokens = sum(max_tokens)
+    budgets = args.budgets or [args.max_num_batched_tokens]
+    budget = max(b or OFFLINE_MAX_NUM_BATCHED_TOKENS for b in budgets)
+    model_dir = make_model_dir(name, tmp / name, num_hidden_layers=args.layers)
+    extra = {}
+    if args.kv_cache_dtype != "auto":
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.device != "auto":
+        extra["device"] = args.device
+    if args.gpu_memory_utilization is not None:
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
+              max_num_seqs=max(args.num_seqs, 1), max_num_batched_tokens=budget,
+              tensor_parallel_size=args.tensor_parallel_size, **extra)
+    load_s = time.perf_counter() - t0
+    kv_bytes = 1 if args.kv_cache_dtype.startswith("fp8") else 2
+    records = []
+    try:
+        params = workload_params(max_tokens)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        sync(args.device)
+        for run_budget in budgets:
+            if args.budgets:  # the engine was built for the largest; the scheduler takes this
+                llm.engine.scheduler.max_num_batched_tokens = run_budget
+                assert llm.reset_prefix_cache(), "every request of the last run has finished"
+            run_budget = llm.engine.scheduler.max_num_batched_tokens  # the floor's, the engine's
+            elapsed, run_report = timed_run(llm, prompts, params, args)
+            floor = workload_floor(shape, requests, ceilings.bandwidth, ceilings.peak,
+                                   max_num_seqs=max(args.num_seqs, 1),
+                                   max_num_batched_tokens=run_budget, kv_bytes=kv_bytes,
+                                   num_gpus=args.tensor_parallel_size)
+            stats = llm.engine.stats()
+            records.append({
+                "bench": "throughput", "shape": name, "num_seqs": args.num_seqs,
+                "output_tokens": output_tokens, "seconds": round(elapsed, 3),
+                "output_tok_s": round(output_tokens / elapsed, 1),
+                "floor_tok_s": round(output_tokens / floor.seconds, 1),
+                "bytes_floor_tok_s": round(output_tokens / floor.bytes_seconds, 1),
+                "fraction_of_floor": round(floor.seconds / elapsed, 3),
+                "fraction_of_bytes_floor": round(floor.bytes_seconds / elapsed, 3),
+                **floor.record(), "max_num_batched_tokens": run_budget,
+                "num_kv_blocks": stats.num_total_blocks, "preemptions": stats.num_preemptions,
+                "load_seconds": round(load_s, 1), "num_hidden_layers": shape["num_hidden_layers"],
+                "cuda_graphs": on_gpu(args.device) and not args.enforce_eager,
+                "tensor_parallel_size": args.tensor_parallel_size,
+                "kv_cache_dtype": args.kv_cache_dtype, "tokenizer": tokenizer_kind(model_dir),
+                **run_report})
+    finally:
+        llm.close()
+        del llm
+        free_device_memory()
+    if args.hf_max_new:
+        hf = run_transformers(model_dir, prompts, args.hf_max_new)
+        records[-1].update(hf_tok_s=round(hf, 1), hf_max_new=args.hf_max_new,
+                           speedup_vs_hf=round(records[-1]["output_tok_s"] / hf, 1))
+        free_device_memory()
+    for record in records:
+        emit({**record, **ceilings.record(), **env})
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", "--shape", nargs="+", default=["qwen3-0.6b"],
+                        choices=sorted(SHAPES), metavar="SHAPE", help="default: qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="override num_hidden_layers (quick checks; the floor follows)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--hf-max-new", type=int, default=0,
                         help="also time transformers' generate, capped at this many tokens")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (bf16) or fp8; the floor is the issue's, for a bf16 cache, "
-                             "and floor_tok_s_for_cache_dtype is the cache's own")
+                        help="auto (bf16) or fp8; the floor reads the cache's own bytes")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="the engine's per-step token budget (default: the engine's)")
+                        help="the engine's per-step token budget (default: the offline API's)")
     parser.add_argument("--budgets", type=int, nargs="+", default=None,
                         help="time the workload once per step budget, in this order, in one "
                              "process: one engine built for the largest, the prefix cache "
                              "reset before each run (an A/B of budgets on one machine)")
-    add_probe_options(parser)
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also print (to stderr) the device's kernel time over the run, "
                              "by kernel; the profiler slows the host, so seconds grows")
@@ -232,63 +301,34 @@ def main() -> None:
                              "for the device, by number of running requests")
     parser.add_argument("--host-profile", action="store_true",
                         help="also print (to stderr) a cProfile of the host over the run")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="take the H200's default ceilings instead of measuring them")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no shape after this many seconds, or when the last shape's "
+                             "time would cross it (the rest get a skipped line)")
     args = parser.parse_args()
 
-    prompts, max_tokens = workload(args.num_seqs)
-    shape = SHAPES[args.shape]
-    budgets = args.budgets or [args.max_num_batched_tokens]
+    start = time.perf_counter()
+    measure = on_gpu(args.device) and not args.no_measure
+    ceilings = measure_ceilings() if measure else DEFAULT_CEILINGS
+    env = environment()
+    last = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
-        bandwidth = copy_bandwidth_gbs()
-        t0 = time.perf_counter()
-        budget = max(budgets)  # without --budgets, the one budget (None: the engine's)
-        llm = LLM(str(model_dir), load_format="dummy", enforce_eager=args.enforce_eager,
-                  max_num_seqs=max(args.num_seqs, 1),
-                  tensor_parallel_size=args.tensor_parallel_size,
-                  # Passed only when set, so that older builds (A/B runs) take the script.
-                  **({"kv_cache_dtype": args.kv_cache_dtype}
-                     if args.kv_cache_dtype != "auto" else {}),
-                  **({"max_num_batched_tokens": budget} if budget else {}))
-        load_s = time.perf_counter() - t0
-        params = workload_params(max_tokens)
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-        torch.cuda.synchronize()
-        floor = floor_seconds(shape, prompts, max_tokens, bandwidth, args.tensor_parallel_size)
-        own_floor = floor_seconds(shape, prompts, max_tokens, bandwidth,
-                                  args.tensor_parallel_size,
-                                  1 if args.kv_cache_dtype.startswith("fp8") else 2)
-        before_runs(llm, args)
-        records = []
-        for run_budget in budgets:
-            if args.budgets:  # the engine was built for the largest; the scheduler takes this
-                llm.engine.scheduler.max_num_batched_tokens = run_budget
-                assert llm.reset_prefix_cache(), "every request of the last run has finished"
-            before_each_run(llm, args)
-            elapsed, run_report = timed_run(llm, prompts, params, args)
-            records.append(
-                {"bench": "throughput", "shape": args.shape, "num_seqs": args.num_seqs,
-                 "output_tokens": sum(max_tokens), "seconds": round(elapsed, 3),
-                 "output_tok_s": round(sum(max_tokens) / elapsed, 1),
-                 "floor_seconds": round(floor, 3), "floor_tok_s": round(sum(max_tokens) / floor, 1),
-                 "fraction_of_floor": round(floor / elapsed, 3),
-                 "kv_cache_dtype": args.kv_cache_dtype,
-                 "floor_tok_s_for_cache_dtype": round(sum(max_tokens) / own_floor, 1),
-                 "bandwidth_gbs": round(bandwidth, 1),
-                 "num_kv_blocks": llm.engine.stats().num_total_blocks,
-                 "preemptions": llm.engine.stats().num_preemptions,
-                 "load_seconds": round(load_s, 1), "cuda_graphs": not args.enforce_eager,
-                 "tensor_parallel_size": args.tensor_parallel_size,
-                 "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
-                 **probe_fields(args), **run_report})
-        llm.close()
-        del llm
-        torch.cuda.empty_cache()
-        if args.hf_max_new:
-            hf = run_transformers(model_dir, prompts, args.hf_max_new)
-            records[-1].update(hf_tok_s=round(hf, 1), hf_max_new=args.hf_max_new,
-                               speedup_vs_hf=round(records[-1]["output_tok_s"] / hf, 1))
-    for record in records:
-        emit({**record, **environment()})
+        for name in args.shapes:
+            elapsed = time.perf_counter() - start
+            if args.deadline_s is not None and elapsed + last > args.deadline_s:
+                emit({"bench": "throughput", "shape": name, "skipped": "deadline",
+                      "elapsed_s": round(elapsed, 1)})
+                continue
+            began = time.perf_counter()
+            try:
+                run_shape(name, args, ceilings, env, Path(tmp))
+            except Exception as exc:  # noqa: BLE001 (one shape's failure leaves the others)
+                traceback.print_exc()
+                emit({"bench": "throughput", "shape": name, "error": repr(exc)[:500]})
+                free_device_memory()
+            last = time.perf_counter() - began
+            print(f"throughput.py: {name} took {last:.1f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
