@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-# shapes.py holds the shapes (SHAPES here for scripts that import it from common).
-from shapes import SHAPES, make_model_dir  # noqa: F401
 
 
 class GCTimer:
@@ -33,22 +31,6 @@ class GCTimer:
 
     def report(self) -> dict:
         return {"collections": self.counts, "ms": [round(t, 2) for t in self.ms]}
-
-
-def save_random_hf_model(shape: str | dict, out: Path, seed: int = 0,
-                         num_hidden_layers: int | None = None) -> Path:
-    """Random bf16 weights saved by transformers, so both engines load the very same tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    make_model_dir(shape, out, num_hidden_layers=num_hidden_layers)
-    config = AutoConfig.from_pretrained(out)
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    del model
-    torch.cuda.empty_cache()
-    return out
 
 
 def copy_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
@@ -96,6 +78,33 @@ def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def run_shapes(bench: str, shapes: list[str], run_shape: Callable[[str, Path], None],
+               deadline_s: float | None) -> None:
+    """``run_shape(name, tmp)`` for each shape in turn, in one temporary folder: a shape that
+    fails leaves the others an error line, and none starts that the last one's time says
+    would cross ``deadline_s`` (a skipped line instead)."""
+    import tempfile
+    import traceback
+
+    start, last = time.perf_counter(), 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in shapes:
+            elapsed = time.perf_counter() - start
+            if deadline_s is not None and elapsed + last > deadline_s:
+                emit({"bench": bench, "shape": name, "skipped": "deadline",
+                      "elapsed_s": round(elapsed, 1)})
+                continue
+            began = time.perf_counter()
+            try:
+                run_shape(name, Path(tmp))
+            except Exception as exc:  # noqa: BLE001 (one shape's failure leaves the others)
+                traceback.print_exc()
+                emit({"bench": bench, "shape": name, "error": repr(exc)[:500]})
+                free_device_memory()
+            last = time.perf_counter() - began
+            print(f"{bench}: {name} took {last:.1f} s", file=sys.stderr, flush=True)
 
 
 def emit(record: dict) -> None:

@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
-from common import GCTimer, emit, environment, free_device_memory, on_gpu, replay_ms, sync
+from common import (GCTimer, emit, environment, free_device_memory, on_gpu, replay_ms, run_shapes,
+                    sync)
 from floor import DEFAULT_CEILINGS, latency_floor, measure_ceilings
 from shapes import DENSE, SHAPES, config_of, make_model_dir, tokenizer_kind
 
@@ -162,27 +160,11 @@ def main() -> None:
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2")
 
-    start = time.perf_counter()
     measure = on_gpu(args.device) and not args.no_measure
     ceilings = measure_ceilings() if measure else DEFAULT_CEILINGS
     env = environment()
-    last = 0.0
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.shapes:
-            elapsed = time.perf_counter() - start
-            if args.deadline_s is not None and elapsed + last > args.deadline_s:
-                emit({"bench": "latency", "shape": name, "skipped": "deadline",
-                      "elapsed_s": round(elapsed, 1)})
-                continue
-            began = time.perf_counter()
-            try:
-                run_shape(name, args, ceilings, env, Path(tmp))
-            except Exception as exc:  # noqa: BLE001 (one shape's failure leaves the others)
-                traceback.print_exc()
-                emit({"bench": "latency", "shape": name, "error": repr(exc)[:500]})
-                free_device_memory()
-            last = time.perf_counter() - began
-            print(f"latency.py: {name} took {last:.1f} s", file=sys.stderr, flush=True)
+    run_shapes("latency", args.shapes, lambda shape, tmp: run_shape(shape, args, ceilings, env, tmp),
+               args.deadline_s)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,12 @@ import contextlib
 import gc
 import resource
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
-from common import (GCTimer, emit, environment, free_device_memory, kernel_us, on_gpu, sync)
+from common import (GCTimer, emit, environment, free_device_memory, kernel_us, on_gpu, run_shapes,
+                    sync)
 from floor import (DEFAULT_CEILINGS, OFFLINE_MAX_NUM_BATCHED_TOKENS, measure_ceilings,
                    throughput_requests, workload_floor)
 from shapes import SHAPES, config_of, make_model_dir, tokenizer_kind
@@ -308,27 +307,11 @@ def main() -> None:
                              "time would cross it (the rest get a skipped line)")
     args = parser.parse_args()
 
-    start = time.perf_counter()
     measure = on_gpu(args.device) and not args.no_measure
     ceilings = measure_ceilings() if measure else DEFAULT_CEILINGS
     env = environment()
-    last = 0.0
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.shapes:
-            elapsed = time.perf_counter() - start
-            if args.deadline_s is not None and elapsed + last > args.deadline_s:
-                emit({"bench": "throughput", "shape": name, "skipped": "deadline",
-                      "elapsed_s": round(elapsed, 1)})
-                continue
-            began = time.perf_counter()
-            try:
-                run_shape(name, args, ceilings, env, Path(tmp))
-            except Exception as exc:  # noqa: BLE001 (one shape's failure leaves the others)
-                traceback.print_exc()
-                emit({"bench": "throughput", "shape": name, "error": repr(exc)[:500]})
-                free_device_memory()
-            last = time.perf_counter() - began
-            print(f"throughput.py: {name} took {last:.1f} s", file=sys.stderr, flush=True)
+    run_shapes("throughput", args.shapes, lambda shape, tmp: run_shape(shape, args, ceilings, env, tmp),
+               args.deadline_s)
 
 
 if __name__ == "__main__":
