@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanoserve.kernels import skinny_gemm, tuning
 from nanoserve.kernels.skinny_gemm import CUBLAS, SkinnyConfig, from_table, heuristic_config
@@ -81,3 +82,22 @@ def test_tuner_times_every_projection_the_decoder_fuses():
         tilings = candidates(rows, 3072)
         assert tilings and len(set(tilings)) == len(tilings)
         assert all(c.block_n * c.block_k * rows <= 16384 for c in tilings)
+
+
+def test_projection_op_on_the_cpu_composes_its_fusions_as_the_reference():
+    """Off CUDA, ``linear``'s fusions are the plain PyTorch steps, out of place: the norm, the
+    product, SiLU-and-mul, the residual added after the product is rounded."""
+    from nanoserve.layers.activation import silu_and_mul_torch
+    from nanoserve.layers.linear import linear
+    from nanoserve.layers.norm import rms_norm_torch
+
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 16, generator=gen), torch.randn(10, 16, generator=gen)
+    residual = torch.randn(3, 10, generator=gen)
+    before = residual.clone()
+    out = linear(x, w, residual=residual)
+    assert torch.equal(out, before + F.linear(x, w)) and torch.equal(residual, before)
+    assert torch.equal(linear(x, w, norm_eps=1e-6, activate=True),
+                       silu_and_mul_torch(F.linear(rms_norm_torch(x, None, 1e-6), w)))
+    with pytest.raises(ValueError, match="not both"):
+        linear(x, w, activate=True, residual=residual)
