@@ -21,7 +21,7 @@ def interpreted(device: torch.device) -> bool:
 
 @functools.cache
 def device_sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (a nominal few under the CPU interpreter), cached per device."""
+    """Multiprocessors of ``device`` (a nominal few under the interpreter), cached per device."""
     if interpreted(device):
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -29,12 +29,9 @@ def device_sm_count(device: torch.device) -> int:
 
 @functools.cache
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` use programmatic dependent launch (Hopper and later).
-
-    With it, each kernel of a decode layer starts while the kernel before it is still running,
-    reads what depends on nothing (weights, step inputs) and only then waits for that kernel's
-    output (docs/kernels.md). ``NANOSERVE_DISABLE_PDL=1`` turns it off (for A/B measurements).
-    """
+    """Whether kernels on ``device`` use programmatic dependent launch (Hopper and later): each
+    starts while the kernel before still runs, reads what depends on nothing (weights, step
+    inputs), then waits for that kernel's output. ``NANOSERVE_DISABLE_PDL=1`` turns it off."""
     if interpreted(device) or os.environ.get("NANOSERVE_DISABLE_PDL") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
@@ -46,10 +43,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def fp16_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether attention over an fp8 cache computes its products in fp16 rather than in q's
-    bf16: fp8 e4m3 widens to fp16 in one instruction (two values at a time), to bf16 in
-    several, and fp16 holds both fp8 values and probabilities more precisely. The output stays
-    in q's dtype."""
+    """Whether attention over an fp8 cache computes its products in fp16 rather than q's bf16
+    (e4m3 widens to fp16 in one instruction, to bf16 in several); the output stays in q's."""
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
@@ -72,8 +67,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold a tile of scores ``s`` (base-2 logits, -inf where masked) and its values ``v`` into
     an online softmax's running max, sum of exponentials and accumulator; returns them. A row
-    whose max is still -inf after the tile (no valid key yet) comes out NaN: callers give every
-    row a valid key in its first tile, or never store such rows."""
+    with no valid key yet comes out NaN: callers give every row one in its first tile, or never
+    store such rows."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

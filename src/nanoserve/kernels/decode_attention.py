@@ -1,16 +1,12 @@
 """Paged decode attention (one query token per sequence), split along the context.
 
-Flash-decoding: the grid is (KV head, sequence, split), or sequences first (a `DecodeTuning`
-option). Each program attends the whole query group of one KV head (all query heads that share
-it, so each K/V tile is read once per group) to one contiguous slice of the sequence's context
-and writes a partial result: the slice's normalised output and the log2 of its softmax
-denominator. A second small kernel merges the splits (``merge_splits``). With one split the first kernel writes the normalised output directly.
+Flash-decoding (docs/kernels.md): each program attends one KV head's whole query group (each
+K/V tile is read once per group) to one slice of a sequence's context and writes the slice's
+normalised output and the log2 of its softmax denominator; ``merge_splits`` merges the splits.
 
-Given the step's new tokens (``NewTokens``), the split kernel also does what
-``qk_norm_rope_store`` does in prefill: every program normalises (Qwen3) and rotates its q group
-from the qkv projection's raw output, and the program whose slice holds the new token's
-position finishes that token's k, stores k and v into the cache and attends to them from
-registers. That is one dependent launch per layer fewer in every decode step.
+Given the step's new tokens (``NewTokens``), the split kernel also does ``qk_norm_rope_store``'s
+work: it normalises and rotates q, and the program whose slice holds the new token finishes its
+k, stores k and v into the cache and attends to them from registers (one launch per layer fewer).
 """
 from __future__ import annotations
 
@@ -27,28 +23,18 @@ from nanoserve.kernels.decode_kernels import _decode_reduce_kernel, _decode_spli
 
 
 class DecodeTuning(NamedTuple):
-    """Launch options of the split kernel (see docs/kernels.md for the sweep behind the defaults)."""
+    """Launch options of the split kernel (docs/kernels.md explains the defaults)."""
 
     block_n: int = 64  # keys per inner-loop tile
     num_warps: int = 4
-    num_stages: int = 3  # one K/V tile in flight per program (the note below)
-    heads_first: bool = True  # grid (KV head, sequence, split) rather than (sequence, KV head, split)
-    # K and V addressed through one set of 32-bit offsets (when their strides match and the
-    # cache has under 2^31 elements): 96 registers instead of 128 at 64/4, so five programs
-    # fit an SM instead of four (docs/kernels.md).
+    # Block-table loads get (num_stages - 1) // 2 buffers: 3 keeps one K/V tile in flight.
+    num_stages: int = 3
+    heads_first: bool = True  # grid (KV head, sequence, split), not (sequence, KV head, split)
+    # One set of int32 offsets for K and V (equal strides, cache < 2^31 elements): fewer registers.
     narrow_offsets: bool = True
-    # With new tokens to finish (split decode): the slice's first K/V tile is loaded before
-    # waiting for the qkv projection. Cached keys never depend on the forward that reads them,
-    # except the new token's, which this kernel stores itself; a kernel reading keys that
-    # qk_norm_rope_store wrote must not (so without new tokens this is ignored).
+    # With new tokens (only then): load the slice's first K/V tile before waiting for the qkv
+    # projection. Safe because the only key written this forward is the one the kernel stores.
     prefetch_kv: bool = False
-
-
-# K/V addresses come through a block-table load, so Triton's pipeliner gives the K/V loads
-# (num_stages - 1) // 2 buffers: 3 stages keep one tile in flight per program, 5 keep two.
-# Programs then hide latency by occupancy: five per SM at 64/4/3 with narrow offsets, set by
-# registers (96 each) and shared memory alike; 5 stages measured within noise of 3 over the
-# throughput workload.
 
 
 class NewTokens(NamedTuple):
@@ -86,37 +72,28 @@ class NewTokens(NamedTuple):
                  self.cos_sin.stride(0)))
 
 
-# The split heuristic's knobs.
 MIN_TOKENS_PER_SPLIT = 64
-# Enough for a single sequence of a model with two KV heads to reach PROGRAMS_PER_SM on a
-# large GPU once its context is long: the fewer KV heads, the more splits each needs.
+# Enough for one long sequence of a model with two KV heads to fill a large GPU.
 MAX_SPLITS = 128
 PROGRAMS_PER_SM = 5
-# Batches up to this size are latency-bound: their splits fill the GPU, and the split kernel
-# finishes the new tokens itself (attention.triton_backend).
+# Batches up to this size are latency-bound: split to fill the GPU, new tokens finished in-kernel.
 LATENCY_MAX_SEQS = 8
-# Larger batches with fewer programs than BALANCE_BELOW per SM split to BALANCE_TARGET per SM.
 BALANCE_BELOW = 7.5
 BALANCE_TARGET = 15
-# Under TRITON_INTERPRET the "device" is the CPU; small tiles keep the interpreter fast and
-# make short test sequences span several tiles and splits.
+# Small tiles on CPU: a fast interpreter, and short test sequences span several tiles.
 INTERPRETER_BLOCK_N = 16
 
 
-def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """How many context splits a decode launch uses, from host-side ints only (no device sync).
 
-    Up to ``LATENCY_MAX_SEQS`` sequences, aim at ``programs_per_sm`` programs per SM: split
-    only while the (sequence, KV head) programs alone fall short of that. Larger batches
-    below ``BALANCE_BELOW`` programs per SM split so as to make ``BALANCE_TARGET`` per SM: with
-    ragged contexts a launch of about one wave of programs lasts as long as its longest
-    context, and slices of it even out the waves (docs/kernels.md). Never split
-    into slices shorter than ``MIN_TOKENS_PER_SPLIT`` keys.
+    Up to ``LATENCY_MAX_SEQS`` sequences, enough to reach ``PROGRAMS_PER_SM`` programs per SM;
+    larger batches below ``BALANCE_BELOW`` programs per SM split to ``BALANCE_TARGET`` per SM
+    (ragged contexts even out over more waves). No slice is under ``MIN_TOKENS_PER_SPLIT`` keys.
     """
     programs = max(num_seqs * num_kv_heads, 1)
     if num_seqs <= LATENCY_MAX_SEQS:
-        wanted = programs_per_sm * num_sms // programs
+        wanted = PROGRAMS_PER_SM * num_sms // programs
     elif programs < BALANCE_BELOW * num_sms:
         wanted = math.ceil(BALANCE_TARGET * num_sms / programs)
     else:
@@ -135,17 +112,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
-    are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]`` (any strides:
-    the decode graphs keep theirs column-major, so a step uploads only the columns it uses).
-    ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it, and
-    ``tuning`` the tile and launch options (benchmarks sweep them). ``seq_order`` (``[B]`` int32,
-    a permutation of the sequences, longest context first) is the order in which programs
-    take sequences; without it they go in batch order.
-
-    With ``new_tokens``, ``q`` is the projection's raw q (un-normalised, unrotated, left
-    unmodified) and the kernel finishes and stores each sequence's new k/v itself, at position
-    ``seq_lens[i] - 1`` (see the module docstring); the cache holds only the earlier keys.
-    Launch shapes depend on Python ints alone, so the call is CUDA-graph capturable.
+    are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]`` (any strides).
+    ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it.
+    ``seq_order`` (``[B]`` int32, a permutation of the sequences, longest context first) is the
+    order in which programs take sequences; without it they go in batch order.
+    With ``new_tokens``, ``q`` is the projection's raw q (left unmodified) and the kernel
+    finishes and stores each sequence's new k/v itself, at position ``seq_lens[i] - 1``; the
+    cache holds only the earlier keys. Launch shapes depend on Python ints alone, so the call is
+    CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -1,8 +1,5 @@
-"""Device code of paged decode attention: the split kernel and the kernel that merges splits.
-
-The launch rules, tunings and the step's new tokens are host-side concerns: see
-``decode_attention.py``, which launches these.
-"""
+"""Device code of paged decode attention (launched by ``decode_attention.py``): the split
+kernel and the kernel that merges splits."""
 from __future__ import annotations
 
 import triton
@@ -13,8 +10,7 @@ from nanoserve.kernels.common import online_softmax_step
 from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 
 
-# The block table's width follows the longest context of the step: specialising on it (divisible
-# by 16, equal to 1) would compile new variants mid-run, on the serving path.
+# The block table's width follows the step's longest context: specialising on it would recompile.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -38,8 +34,7 @@ def _decode_split_kernel(
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
-    # Heads first puts the KV heads of one sequence in neighbouring programs, which read
-    # neighbouring bytes of the same cache blocks.
+    # Heads first: a sequence's KV heads are neighbouring programs, reading neighbouring bytes.
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         rank = tl.program_id(1)
@@ -47,17 +42,14 @@ def _decode_split_kernel(
         rank = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Programs start in grid order; taking sequences longest first (a step input) keeps one
-    # long context from starting last and running alone after the rest have finished.
+    # Programs start in grid order: longest first keeps a long context from running alone last.
     if ORDERED:
         seq = tl.load(seq_order_ptr + rank)
     else:
         seq = rank
 
-    # The split's slice comes from the on-device length, not the host's max_seq_len, so a
-    # CUDA graph captured once stays correct for any context length it is replayed with.
-    # Lengths and query rows are step inputs, in place before the forward's first kernel, so
-    # with programmatic launch they are read before waiting for q and the new K/V.
+    # The slice comes from the on-device length, so a captured graph suits any context length.
+    # Lengths and query rows are step inputs (written before the forward): read before waiting.
     seq_len = tl.load(seq_lens_ptr + seq)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
@@ -90,17 +82,13 @@ def _decode_split_kernel(
             q_wp = cos
             k_w = cos
             k_wp = cos
-        # The new token's key is the last position; the program whose slice holds it takes it
-        # from registers after the loop, so the loop stops short of it.
+        # The new key (the last position) is taken from registers after the loop: stop before it.
         last = seq_len - 1
         owns_new = (start <= last) & (last < end)
         end = tl.minimum(end, last)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if PREFETCH_KV:
-        # The cached keys and values were all written before this forward's first kernel (the
-        # new token's are not read here), so with programmatic launch the first tile's DRAM
-        # round trip overlaps the qkv projection instead of following it. At batch 1 a split
-        # is one tile, so that is all of its keys.
+        # Cached K/V predate this forward: the first tile's round trip may overlap the qkv GEMV.
         k, v, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, start, end, kv_head, d,
                                     d_mask, stride_btc, stride_kb, stride_ks, stride_kh,
                                     stride_vb, stride_vs, stride_vh,
@@ -158,21 +146,19 @@ def _decode_split_kernel(
                                       * v_new.to(tl.float32))
         m_i = m_new
 
-    out_mask = g_mask[:, None] & d_mask[None, :]
     # Empty sequences and splits (no keys) have l_i == 0: zeros, not NaN.
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        # Each split's own normalised output and the log2 of its softmax denominator: what
-        # `merge_splits` needs.
+        # The split's normalised output and log2 softmax denominator, for `merge_splits`.
         part = (seq * num_heads + head) * NUM_SPLITS + split
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                 out.to(part_o_ptr.dtype.element_ty), mask=out_mask)
+                 out.to(part_o_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -217,8 +203,7 @@ def merge_splits(part_lse_ptr, part_o_ptr, rows, d, d_mask,
     """The attention output of each (sequence, head) row in ``rows`` (``seq * num_heads +
     head``), fp32 ``[len(rows), BLOCK_D]``, from its splits' partial results: their outputs
     weighted by their share of the softmax denominator, ``exp2(lse_s) / sum exp2(lse)``."""
-    # Split by split, every load's address known up front: nothing waits on a reduction
-    # across threads, so all the loads are in flight at once.
+    # Split by split, every load's address known up front: all the loads are in flight at once.
     lse_rows = part_lse_ptr + rows * NUM_SPLITS
     out_rows = part_o_ptr + (rows * NUM_SPLITS)[:, None] * HEAD_DIM + d[None, :]
     top = tl.load(lse_rows)

@@ -1,25 +1,15 @@
 """The experts of a mixture-of-experts MLP on the GPU: two grouped GEMMs, no host sync.
 
-The CPU path (``layers/moe.py``) runs the experts one by one over their tokens, which needs
-the routing on the host. Here the routing stays on the device:
-
-1. ``group_by_expert`` gathers the (token, slot) pairs of the routing by expert and pads each
-   expert's group to a multiple of ``block_m`` rows, in one single-program launch of fixed
-   shape, so a CUDA graph can hold it: the number of blocks is bounded by the batch alone,
-   and blocks past the last used one carry expert -1 and exit at once.
-2. ``_moe_gemm_kernel`` multiplies each block of rows by its expert's weights (one program per
-   block and ``BLOCK_N`` output features, ``tl.dot`` on the tensor cores). The gate/up GEMM
-   gathers its rows from the tokens; the down GEMM reads the activated rows of the pairs and
-   scales each by its routing weight.
+Unlike the CPU path (``layers/moe.py``), the routing stays on the device (vLLM's design, small):
+1. ``group_by_expert`` groups the routing's (token, slot) pairs by expert, each group padded to
+   a multiple of ``block_m`` rows, in one launch of fixed shape (CUDA-graph capturable): the
+   block count is bounded by the batch, and unused blocks carry expert -1 and exit at once.
+2. ``_moe_gemm_kernel`` multiplies each block of rows by its expert's weights: the gate/up GEMM
+   gathers its rows from the tokens, the down GEMM scales each row by its routing weight.
 3. Each token's ``top_k`` results are summed.
 
-Before them, ``route_top_k`` turns the router's logits into the routing in one launch
-(softmax, top-k and renormalisation are five or more launches in PyTorch).
-
-This is vLLM's fused-MoE design (pairs grouped by expert into padded blocks) written small;
-the grid is sized for the worst case, so a block's expert decides its work at run time. Every
-kernel of the chain is launched programmatically dependent (docs/kernels.md) and waits first
-thing: all its inputs come from kernels before it.
+``route_top_k`` makes the routing from the router's logits in one launch. Every kernel of the
+chain is launched under PDL and waits first thing: all its inputs come from kernels before it.
 """
 from __future__ import annotations
 
@@ -35,12 +25,10 @@ from nanoserve.kernels.fused_ops import silu_and_mul
 
 
 class ExpertBlocks(NamedTuple):
-    """The routing's (token, slot) pairs grouped by expert in blocks of ``block_m`` rows.
-
+    """The routing's (token, slot) pairs grouped by expert in blocks of ``block_m`` rows:
     ``pair_ids`` (int32 ``[num_blocks * block_m]``) holds, for each row, the index
     ``token * top_k + slot`` of a pair, or ``num_pairs`` for a padding row; ``block_expert``
-    (int32 ``[num_blocks]``) the expert of each block, -1 for the unused blocks at the end.
-    """
+    (int32 ``[num_blocks]``) the expert of each block, -1 for the unused blocks at the end."""
 
     pair_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -109,8 +97,7 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool
     return weights, experts
 
 
-# Pairs the grouping kernel reads at a time.
-GROUP_CHUNK = 1024
+GROUP_CHUNK = 1024  # pairs the grouping kernel reads at a time
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -121,9 +108,8 @@ def _group_by_expert_kernel(
     PDL: tl.constexpr,
 ):
     """One program: count each expert's pairs, lay out the padded blocks, then give each pair
-    the next free row of its expert's group (``next_row``, int32 ``[BLOCK_E]``, by atomics).
-    Within a group the rows' order is the atomics' order, which changes no result: each row's
-    products are its own."""
+    the next free row of its expert's group (``next_row``, int32 ``[BLOCK_E]``, by atomics,
+    whose order changes no result: each row's products are its own)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -158,8 +144,7 @@ def _group_by_expert_kernel(
 
 
 def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Group the pairs of ``experts`` (``[T, top_k]`` expert indices) by expert. One launch of
-    fixed shape (graph-capturable)."""
+    """Group the pairs of ``experts`` (``[T, top_k]`` expert indices) by expert, in one launch."""
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
@@ -190,8 +175,7 @@ class MoeTiles(NamedTuple):
 
 def moe_tiles(num_pairs: int, num_experts: int, device: torch.device) -> MoeTiles:
     """Taller blocks as experts get more pairs each: 16 rows (the smallest ``tl.dot`` tile)
-    while they get a few, as in decode, up to 128 in long prefills (swept at Qwen3-30B-A3B's
-    shapes)."""
+    while they get a few, as in decode, up to 128 in long prefills."""
     if interpreted(device):
         return MoeTiles(16, 16, 32, 1, 1)
     per_expert = num_pairs / num_experts

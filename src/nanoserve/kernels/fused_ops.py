@@ -1,11 +1,9 @@
 """Fused elementwise kernels for the decode hot path: RMSNorm and SiLU*mul.
 
-Each op replaces a chain of small PyTorch kernels (casts, pow, mean, rsqrt, muls, cat ...) with one
-launch, which is what bounds batch-1 decode latency even inside a CUDA graph. Every kernel
-computes in fp32 and rounds at the same points as the PyTorch reference it replaces
-(`nanoserve.layers.norm`, `.activation`), so results agree to about one unit in the
-last place of the output dtype. Launch shapes depend on tensor shapes alone (no host-device sync,
-no value-dependent allocation), so every op is CUDA-graph capturable.
+Each op replaces a chain of small PyTorch kernels with one launch (launches bound batch-1
+decode). Every kernel computes in fp32 and rounds where the PyTorch reference does
+(`nanoserve.layers.norm`, `.activation`), so results agree to about one ulp of the output
+dtype. Launch shapes depend on tensor shapes alone, so every op is CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def _rms_norm_kernel(
 ):
     if PDL:  # the projection after the norm may start fetching its weights (skinny_gemm.py)
         gdc_launch_dependents()
-    # Rows are indexed (a, b) so that a [T, H, D] view with arbitrary token and head strides
-    # (Qwen3's q/k slices of the fused qkv output) needs no copy; 2-D inputs use b = 0.
+    # Rows are indexed (a, b) so a strided [T, H, D] view (q/k slices of qkv) needs no copy.
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -68,20 +65,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm of ``x [..., D]`` over its last dimension; returns a new contiguous tensor.
 
-    Computes ``(x / sqrt(mean(x^2) + eps)).to(x.dtype) * weight`` in fp32, the rounding order
-    of ``nanoserve.layers.norm.rms_norm_torch`` (no weight: ones). ``x`` may be a strided view
-    (e.g. ``[T, H, D]`` heads sliced out of a fused qkv output) as long as its last dimension
-    is contiguous and its leading dimensions collapse to ``[A, B]`` without a copy (any 2-D or
-    3-D view does). The output dtype is ``promote_types(x.dtype, weight.dtype)``.
-
-    Under programmatic launch the kernel reads ``weight`` before waiting for the kernel before
-    it, so ``weight`` must not be that kernel's output (the layers pass their parameters).
+    ``(x / sqrt(mean(x^2) + eps)).to(x.dtype) * weight`` in fp32, rounded as ``rms_norm_torch``
+    (no weight: ones), in ``promote_types(x.dtype, weight.dtype)``. ``x`` may be a strided view
+    (e.g. heads sliced out of a fused qkv output) with a contiguous last dimension whose leading
+    dimensions collapse to two without a copy (any 2-D or 3-D view does).
+    ``weight`` is read before waiting for the kernel before (PDL): it must not be its output.
     """
     dim = x.shape[-1]
     assert weight is None or (weight.shape == (dim,) and weight.is_contiguous()), \
         "weight must be a contiguous [D]"
     assert x.stride(-1) == 1, "the normalised (last) dimension must be contiguous"
-    # The reference's `x.to(dtype) * weight` promotes, e.g. fp16 activations x fp32 weight -> fp32.
     dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if x.numel() == 0:
@@ -125,13 +118,9 @@ def silu_times(gate, up):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[..., 2N]``; returns ``[..., N]``.
-
-    Computed in fp32 with silu's result rounded to ``x.dtype`` before the multiply, as
-    ``F.silu(gate) * up`` does; the only difference from PyTorch is Triton's ``exp``, within an
-    ulp in fp32, so 16-bit outputs match except for rare one-ulp ties. ``x``'s last dimension
-    must be contiguous; rows may be strided. The output is a new contiguous tensor.
-    """
+    """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[..., 2N]``; returns a new
+    contiguous ``[..., N]``, rounded as :func:`silu_times` (16-bit outputs match PyTorch's but
+    for rare one-ulp ties: Triton's ``exp``). Rows may be strided, the last dimension not."""
     width = x.shape[-1]
     assert width % 2 == 0 and x.stride(-1) == 1, "x is [..., 2N] with a contiguous last dimension"
     n = width // 2

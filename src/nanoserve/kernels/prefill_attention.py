@@ -1,15 +1,10 @@
 """Variable-length causal attention over a paged cache: prefill, chunked prefill, mixed batches.
 
-A program takes ``BLOCK_Q`` consecutive new tokens of one sequence (a query tile) together with
-every query head of one KV head's group, flattened into ``BLOCK_Q * GROUP`` rows, so each K/V
-tile read through the block table serves the whole group. Keys are the sequence's cached prefix
-plus its new tokens; the online softmax runs in fp32, in base 2.
-
-The launch is one program per (query tile, KV head) that has work, from a host-built list of
-(sequence, tile) pairs ordered by the keys each reads, most first (``prefill_work``): no
-program idles on a short sequence's missing tiles (a mixed batch's decodes have one tile of a
-possible dozens), and the longest tiles of every sequence start first, so none is left to run
-alone at the end. A pair's KV heads are neighbouring programs, which read neighbouring bytes.
+A program takes ``BLOCK_Q`` consecutive new tokens of one sequence times every query head of one
+KV head's group (``BLOCK_Q * GROUP`` rows), so each K/V tile serves the whole group, and runs an
+fp32 online softmax over the cached prefix plus the new tokens. Programs come from a host-built
+list of the (sequence, tile) pairs with work, most keys first (``prefill_work``), so none idles
+and no long tile runs alone at the end; a pair's KV heads are neighbours (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -62,9 +57,7 @@ def _attend_tile(
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
-# The block table's width follows the longest context of the step, and the work list's length
-# the step's tiles: specialising on either (divisible by 16, equal to 1) would compile new
-# variants mid-run, on the serving path.
+# The block table's width and the work list's length change every step: no specialising on them.
 @triton.jit(do_not_specialize=["stride_bt", "num_work"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
@@ -112,8 +105,7 @@ def _prefill_kernel(
     first_q_pos = ctx_len + tile * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)  # causal: nothing past the last row
     unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
-    # Key 0 is in the first tile and visible to every row, so m_i is finite after it and the
-    # online softmax never computes exp2(-inf - -inf).
+    # Key 0 is visible to every row, so m_i is finite after the first tile: no exp2(-inf - -inf).
     for tile_start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, q_pos, tile_start, kv_end, block_row, k_cache_ptr, v_cache_ptr,
@@ -154,13 +146,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` and its keys
     are the first ``seq_lens[i]`` cache entries (cached prefix, then the new tokens, already
-    stored). Any query length works, 1 included, so it serves chunked prefill and mixed
-    batches. Rows of ``q`` past ``query_start_loc[-1]`` belong to no sequence and are left
-    unwritten.
-
-    ``work`` is :func:`prefill_work` of the batch's lengths for :func:`query_tile`'s tile, on
-    the device (the runner builds it with the step's inputs). Without it, it is built here from
-    the lengths read back from the device: for tests and benchmarks, not for the serving path.
+    stored); any query length works, 1 included. Rows past ``query_start_loc[-1]`` are left
+    unwritten. ``work`` is :func:`prefill_work` for :func:`query_tile`'s tile, on the device;
+    without it, it is built from lengths read back from the device (tests, benchmarks).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

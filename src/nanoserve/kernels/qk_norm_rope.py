@@ -1,11 +1,9 @@
 """One Triton launch for everything between the qkv projection and attention.
 
-Per token it applies Qwen3's optional per-head q/k RMSNorm, rotates q and k (RoPE), writes q back
-in place and stores the rotated k and the v heads into the paged KV cache. In batch-1 decode
-these four or five ops were separate launches costing a few microseconds each inside a CUDA
-graph; their arithmetic is negligible. Rounding follows the PyTorch reference it replaces
-(``rms_norm_torch`` per head, then ``rotary_embedding_torch``, then ``TorchAttentionBackend.
-store_kv``), so outputs agree with it to about one unit in the last place.
+Per token: Qwen3's optional per-head q/k RMSNorm, RoPE on q and k, q written back in place, the
+rotated k and the v heads stored into the paged KV cache: ops of negligible arithmetic, in one
+launch instead of four or five. Rounding follows the PyTorch reference (``rms_norm_torch`` per
+head, ``rotary_embedding_torch``, ``TorchAttentionBackend.store_kv``) to about one ulp.
 """
 from __future__ import annotations
 
@@ -85,11 +83,9 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Two programs per token, one for its q heads and one for its K/V heads, so the two halves
-    # of the work run side by side; each reads the token's cos/sin row.
+    # Two programs per token, one for its q heads and one for its K/V heads, side by side.
     token = tl.program_id(0).to(tl.int64)
-    # Positions, slots and the cos/sin table are step inputs, in place before the forward's
-    # first kernel ran, so they are read before waiting on the qkv projection (PDL).
+    # Positions, slots and the cos/sin table are step inputs: read before waiting (PDL).
     cos, sin = _load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, HALF, BLOCK_HALF)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if PDL:
@@ -105,8 +101,7 @@ def _qk_norm_rope_store_kernel(
         tl.store(q_first, q1, mask=q_mask)
         tl.store(q_first + HALF, q2, mask=q_mask)
     elif slot >= 0:
-        # Padding tokens (e.g. in a CUDA-graph batch) carry slot -1: their k is never read, so
-        # neither rotated nor stored.
+        # Padding tokens (CUDA-graph batches) carry slot -1: their k is neither rotated nor stored.
         hk = tl.arange(0, BLOCK_HK)
         kv_mask = (hk < NUM_KV_HEADS)[:, None] & (j < HALF)[None, :]
         k_first = k_ptr + token * stride_kt + hk[:, None] * stride_kh + j[None, :]
@@ -139,12 +134,11 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
     ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated ``k [T, Hkv, D]`` and
     ``v [T, Hkv, D]`` are written to ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` at
-    ``slot_mapping[t]`` (-1: not stored); ``k`` and ``v`` themselves are left untouched. With
-    ``q_weight``/``k_weight`` (``[D]``, q's dtype) each head is first RMS-normalised with ``eps``
-    (Qwen3). ``cos_sin`` is RoPE's ``[max_pos, D]`` table of ``[cos | sin]`` rows (half-split
-    layout). Inputs may be strided views (token and head strides, e.g. slices of the fused qkv
-    output) with a contiguous last dimension. Launch shapes come from tensor shapes only and
-    positions are not bounds-checked, so the call is CUDA-graph capturable.
+    ``slot_mapping[t]`` (-1: not stored); ``k`` and ``v`` are left untouched. With
+    ``q_weight``/``k_weight`` (``[D]``, q's dtype) each head is first RMS-normalised with ``eps``.
+    ``cos_sin`` is RoPE's ``[max_pos, D]`` table of ``[cos | sin]`` rows (half-split layout).
+    Inputs may be strided views with a contiguous last dimension. Positions are not
+    bounds-checked, and launch shapes come from tensor shapes only: CUDA-graph capturable.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

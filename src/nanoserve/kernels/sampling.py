@@ -1,24 +1,16 @@
 """Fused greedy / temperature sampling: inverse-transform sampling over per-tile softmax sums.
 
-A temperature row draws token ``i`` with probability ``softmax(logits / T)_i`` by inverse
-transform: one uniform ``u`` per row, and the first token whose running sum of probabilities
-passes ``u``. The softmax is never materialised; two launches read the logits in their own dtype:
+Two launches read the logits once, in their own dtype (docs/kernels.md):
+1. (row, chunk) programs store, per tile of ``TILE`` logits of a sampled row, the largest score
+   ``s = x log2(e) / T`` and the sum of ``2^(s - that max)``; per chunk of a greedy row
+   (temperature 0), the largest logit and its lowest index.
+2. One program per row: greedy takes the first chunk holding the maximum; a sampled row finds
+   the tile where the running weight (float64) passes one uniform ``u`` times the total, and
+   rereads that tile for the token.
 
-1. (row, chunk) programs stream the row once. For each tile of ``TILE`` logits a sampled row
-   stores the tile's largest score ``s = x log2(e) / T`` and the sum of ``2^(s - that max)``;
-   a greedy row (temperature 0) stores each chunk's largest logit and its lowest index.
-2. One program per row. A greedy row takes the first chunk holding the row's maximum. A sampled
-   row weighs each tile by its sum, rescaled to the row's maximum, finds the tile where the
-   running weight (float64) passes ``u`` times the total, and rereads that one tile to find the
-   token inside it.
-
-The pass over the logits costs a multiply, an ``exp2`` and two reductions per tile: it streams at
-memory speed, where noise for every logit (the Gumbel-max trick, this kernel's earlier form) kept
-a Philox draw and two logarithms per logit and was bound by arithmetic. ``u`` comes from Triton's
-counter-based Philox generator keyed by a seed read from device memory and counted by row. Launch
-shapes depend on tensor shapes alone, so nothing waits on the device and a CUDA graph that
-captured the launches draws anew whenever its seed tensor changes. A negative seed draws nothing:
-a decode graph's batch that needs the general sampler skips the pass.
+``u`` comes from Triton's Philox keyed by a seed read from device memory and counted by row, so
+a CUDA graph of the launches draws anew whenever its seed tensor changes. A negative seed draws
+nothing: a decode graph's batch that needs the general sampler skips the pass.
 """
 from __future__ import annotations
 
@@ -28,9 +20,8 @@ import triton.language as tl
 
 from nanoserve.kernels.common import LOG2E, interpreted
 
-# Small batches take TILES_PER_CHUNK tiles per program (4096 logits, 38 programs per row of a
-# 152k vocabulary, so batch 1 spreads over the SMs); larger ones up to MAX_TILES_PER_CHUNK, so
-# each program has more than two tiles to stream (tiles_per_chunk).
+# Small batches take TILES_PER_CHUNK tiles per program, so batch 1 spreads over the SMs; larger
+# ones up to MAX_TILES_PER_CHUNK, so each program has more tiles to stream (tiles_per_chunk).
 TILE = 2048
 TILES_PER_CHUNK = 2
 MAX_TILES_PER_CHUNK = 16
@@ -38,8 +29,7 @@ NUM_WARPS = 4
 # Small tiles on CPU so that short test rows still span several tiles and chunks.
 INTERPRETER_TILE = 32
 _LOG2E = tl.constexpr(LOG2E)
-# A logit past float32's range (an infinite one, or a huge one at a tiny temperature) scores
-# the largest finite value, so that score - max stays defined.
+# Scores clamp at float32's max (inf logits, tiny temperatures) so that score - max is defined.
 _MAX_SCORE = tl.constexpr(3.4028234663852886e38)
 _NO_INDEX = tl.constexpr(2 ** 31 - 1)  # loses every lowest-index tie
 
@@ -54,8 +44,7 @@ def _logits_tile(row_ptr, cols, limit):
 
 @triton.jit
 def _scores(x, temperature):
-    """``x / T`` in base 2 (the same softmax): exp2 of a score difference is a probability
-    ratio."""
+    """``x / T`` in base 2: exp2 of a score difference is a probability ratio."""
     return tl.minimum(x * (_LOG2E / temperature), _MAX_SCORE)
 
 
@@ -92,9 +81,8 @@ def _tile_stats_kernel(
             tl.store(tile_max_ptr + stats + tile, top)
             x = after
     else:
-        # A greedy row needs no per-tile sums: each position keeps its (max, index) over the
-        # chunk's tiles, reduced once into the chunk's first slot. The other slots hold -inf
-        # and no index, which the row's reduction never picks.
+        # Greedy: each position keeps its (max, index) over the chunk, reduced once into the
+        # chunk's first slot; the other slots hold -inf and no index, never picked.
         best = tl.full([TILE], float("-inf"), tl.float32)
         # An all -inf chunk reports its first index, so an all -inf row yields token 0.
         best_idx = first * TILE + offsets
@@ -128,8 +116,7 @@ def _pick_kernel(
     tiles = tl.arange(0, BLOCK_T)
     in_row = tiles < num_tiles
     stats = row.to(tl.int64) * num_tiles + tiles
-    # All three loads before any use, so that the row's results cost one round trip; a greedy
-    # row's sums and a sampled row's indices were never written and go unused.
+    # All three loads before any use: one round trip (unwritten stats go unused).
     tops = tl.load(tile_max_ptr + stats, mask=in_row, other=float("-inf"))
     sums = tl.load(tile_sum_ptr + stats, mask=in_row, other=0.0)
     args = tl.load(tile_arg_ptr + stats, mask=in_row, other=_NO_INDEX)
@@ -169,16 +156,14 @@ def _pick_kernel(
 
 
 def tiles_per_chunk(batch: int) -> int:
-    """Tiles per program: 2 up to 16 rows, doubling with the batch up to 16 tiles from 65 rows
-    (five programs per row of a 152k vocabulary: 1,280 at 256 rows). Tiles' results do not
-    depend on which program computes them, so neither do the tokens."""
+    """Tiles per program: 2 up to 16 rows, doubling with the batch up to 16 tiles from 65 rows.
+    Tiles' results do not depend on which program computes them, so neither do the tokens."""
     return min(MAX_TILES_PER_CHUNK, max(TILES_PER_CHUNK, triton.next_power_of_2(batch) // 8))
 
 
 def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
                         device: torch.device) -> None:
-    """Run the kernels once per chunk width that batches of up to ``max_batch`` rows take, so
-    that none of them compiles in the middle of serving."""
+    """Compile the kernels for each chunk width of batches up to ``max_batch`` rows, up front."""
     first_batch: dict[int, int] = {}
     for batch in range(1, max_batch + 1):
         first_batch.setdefault(tiles_per_chunk(batch), batch)
@@ -189,20 +174,16 @@ def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
                   seed: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Draw one token per row of ``logits [B, V]``; returns ``[B]`` int64 token ids (``out``
-    when given).
+    """Draw one token per row of ``logits [B, V]``: ``[B]`` int64 token ids (into ``out`` if given).
 
     A row with ``temperature`` 0 (``[B]`` float32) takes the argmax of its logits, the lowest
     index on ties as ``torch.argmax``. Any other row draws token ``i`` with probability
     ``softmax(logits / T)_i``, with a uniform from ``seed``: an int in ``[0, 2**62)``, or a
     one-element int64 tensor on the logits' device holding one, read when the kernel runs; a
     negative value there draws nothing and leaves the result as it was. The same seed and
-    inputs give the same tokens (on the same kind of device; the CPU interpreter tiles
-    differently). A token whose logit is -inf is never drawn, unless the whole row is -inf,
-    which yields token 0. NaN logits are never picked (``torch.argmax`` would pick them).
-
-    ``logits`` may be bf16, fp16 or fp32 with any row stride, but a contiguous last dimension.
-    Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+    inputs give the same tokens on the same kind of device. A -inf logit is never drawn unless
+    the whole row is -inf (token 0); NaN logits are never picked (``torch.argmax`` would).
+    ``logits`` (bf16, fp16 or fp32) may have any row stride but a contiguous last dimension.
     """
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"

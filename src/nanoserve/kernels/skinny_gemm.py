@@ -1,28 +1,15 @@
 """y = x W^T (+ b) for the few rows of a decode step (1 to ``MAX_ROWS``), with its fusions.
 
-At small batches a projection is a matrix-vector product: reading W once from HBM is all the
-work, and cuBLAS's tiles for such shapes often reach a fraction of the card's bandwidth. Each
-program owns ``BLOCK_N`` output features and streams their rows of W along K in ``BLOCK_K``
-chunks, multiplying by x on the CUDA cores and summing over K; good tiles take K in few chunks,
-so each program has asked for all of its W before it sums anything.
-
-The fusions are the caller's to ask for (``layers.linear.linear``), each a flag of the launch:
-- ``norm_eps``: x is the un-normalised residual stream and the RMSNorm's weight is folded into
-  W's columns at load time (``ColumnParallelLinear.fold_norm``). Every program reads all of x
-  anyway, so it sums x's squares as it streams it and scales its outputs by
-  ``rsqrt(mean(x^2) + eps)`` at the end: the norm costs no launch and no pass of its own.
-- ``activate``: W = [gate; up]; each program takes the same features of both halves (rows
-  interleaved in its tile) and writes ``silu(gate) * up``.
-- ``residual``: the product is added into the residual stream in place, rounded as
-  ``F.linear(...) + residual`` rounds; each program owns its output features, so no two
-  programs touch one element.
-
-On Hopper the kernel is launched programmatically dependent on the one before it: it fetches its
-first tile of W while that kernel still runs and waits for it only before reading x.
-
-Which rows and shapes take the kernel, and with which tiles, is data: :func:`select` reads
-``configs/skinny_gemm/<device>.json`` (``nanoserve tune``) and otherwise takes one row with
-heuristic tiles and leaves more rows to cuBLAS.
+At small batches a projection is a weight stream, where cuBLAS's tiles can reach a fraction of
+the bandwidth. Each program owns ``BLOCK_N`` output features and streams their rows of W along K
+in ``BLOCK_K`` chunks on the CUDA cores. The fusions, each a launch flag (docs/kernels.md):
+- ``norm_eps``: x is the un-normalised residual stream, the RMSNorm's weight folded into W
+  (``ColumnParallelLinear.fold_norm``); each program sums x's squares as it streams x and
+  scales its outputs by ``rsqrt(mean(x^2) + eps)``: the norm costs no launch of its own.
+- ``activate``: W = [gate; up]; a tile interleaves both halves' rows, writes ``silu(gate) * up``.
+- ``residual``: the product is added into the residual stream in place (each program owns its
+  output features, so no two programs touch one element).
+Which rows and shapes take the kernel, with which tiles, is data (:func:`select`).
 """
 from __future__ import annotations
 
@@ -37,11 +24,7 @@ from nanoserve.kernels.common import interpreted, programmatic_launch
 from nanoserve.kernels.fused_ops import silu_times
 from nanoserve.kernels.tuning import load_table
 
-# W is read once per step, so its lines go first from L1 and L2 and x and the residual stay.
-W_LOAD = ("", "evict_first")  # (cache modifier, eviction policy), in Triton's spellings
-
-# Largest batch the kernel serves: its x tile is a broadcast [rows, BLOCK_N, BLOCK_K] product in
-# registers, which more rows would spill.
+# Largest batch served: a broadcast [rows, BLOCK_N, BLOCK_K] product of more rows would spill.
 MAX_ROWS = 8
 ROW_BUCKETS = (1, 2, 4, 8)
 # A tuning entry that leaves the row bucket to cuBLAS.
@@ -72,8 +55,7 @@ def shape_key(n: int, k: int) -> str:
 
 def heuristic_config(rows: int, n: int, k: int) -> SkinnyConfig:
     """Tiles for a shape nobody tuned: K chunks as long as possible (up to 4096) with 16 KB of
-    16-bit W per chunk, fewer per row as rows grow, so the broadcast product stays in
-    registers."""
+    16-bit W per chunk, less per row as rows grow, so the broadcast product stays in registers."""
     elements = max(1024, 8192 // row_bucket(rows))
     block_k = min(triton.next_power_of_2(k), 4096, elements)
     return SkinnyConfig(max(1, elements // block_k), block_k, 4, 4)
@@ -106,7 +88,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
     DEFER_SUM: tl.constexpr, RMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    W_CACHE: tl.constexpr, W_EVICT: tl.constexpr, ACTIVATE: tl.constexpr,
+    ACTIVATE: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
@@ -125,11 +107,11 @@ def _skinny_gemm_kernel(
         n_mask = n < N
     x_rows = x_ptr + m[:, None] * stride_xm + k[None, :]
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
-    # The first chunk of W depends on nothing: with programmatic launch it is fetched while the
-    # kernel that writes x still runs, and x is read only after waiting for that kernel.
+    # W depends on nothing: its first chunk is requested before waiting for x's kernel (PDL).
+    # W is read once per step, so its lines go first from L1 and L2 and x and the residual stay.
     k_mask = k < K
     w = tl.load(w_rows, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                eviction_policy="evict_first")
     if PDL:
         gdc_wait()
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -151,8 +133,7 @@ def _skinny_gemm_kernel(
             k_mask = (k_start + k) < K
             x_mask = m_mask[:, None] & k_mask[None, :]
             w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + k_start, mask=w_mask, other=0.0, cache_modifier=W_CACHE,
-                    eviction_policy=W_EVICT)
+        w = tl.load(w_rows + k_start, mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_rows + k_start, mask=x_mask, other=0.0).to(tl.float32)
         if RMS:
             sum_sq += tl.sum(x * x, axis=1)
@@ -184,17 +165,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   activate: bool = False, residual: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows, with the fusions
-    of the module docstring.
+    of the module docstring; accumulates in float32, CUDA-graph capturable.
 
     ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
-    result is a new ``[M, N]`` tensor in ``x``'s dtype. Accumulates in float32.
-    ``norm_eps``: the product of ``x / sqrt(mean(x^2) + eps)`` (applied to the product in
-    float32, where the reference rounds the normalised row first). ``activate``: ``weight``
-    is ``[gate; up]`` (``[2I, K]``) and the result ``silu_and_mul`` of the product
-    (``[M, I]``). ``residual`` (``[M, N]`` in x's dtype, contiguous rows): the product is added
-    into it IN PLACE and ``residual`` is returned. Launch shapes depend on shapes alone, so the
-    call is CUDA-graph capturable. ``config``: the tiles (default: :func:`select`'s, or the
-    heuristic's where that leaves the shape to cuBLAS).
+    result is a new ``[M, N]`` tensor in ``x``'s dtype. ``norm_eps``: the norm is applied to
+    the float32 product (the reference rounds the normalised row first). ``activate``:
+    ``weight`` is ``[gate; up]`` and the result ``silu(gate) * up``, ``[M, N / 2]``.
+    ``residual`` (``[M, N]`` in x's dtype, contiguous rows) is added to IN PLACE and returned.
+    ``config``: the tiles (default: :func:`select`'s, or the heuristic's where that leaves the
+    shape to cuBLAS).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -227,7 +206,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl,
         DEFER_SUM=cfg.defer_sum, RMS=norm_eps is not None, ADD_RESIDUAL=residual is not None,
-        W_CACHE=W_LOAD[0], W_EVICT=W_LOAD[1], ACTIVATE=activate,
+        ACTIVATE=activate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y

@@ -1,12 +1,9 @@
 """``nanoserve tune MODEL``: the skinny GEMV's tiles for a model's decode projections, as data.
 
 For each projection of the model (at its tensor-parallel width) and each decode row bucket, it
-times every candidate tiling of the GEMV and the cuBLAS path, each with the fusions the decoder
-asks of that projection (the folded norm, SiLU-and-mul, the residual add), and writes the
-fastest into ``configs/skinny_gemm/<device>.json`` (``kernels/tuning.py``). A candidate is
-timed only once its output matches cuBLAS's. Each timing replays a CUDA graph whose calls walk
-through enough copies of W that none is read from L2, as in a decode step, where every layer's
-weights come from HBM.
+times every candidate tiling whose output matches cuBLAS's, and cuBLAS, with the projection's
+fusions, and writes the fastest into ``configs/skinny_gemm/<device>.json``. Each timing replays
+a CUDA graph walking through enough copies of W that none is read from L2, as in a decode step.
 """
 from __future__ import annotations
 
@@ -101,13 +98,12 @@ def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.devi
     start = torch.randn(rows, n, generator=gen, device=device, dtype=torch.bfloat16) \
         if fusions.get("residual") else None
     work = None if start is None else start.clone()
-    kwargs = {**fusions, "residual": None}
 
     def run(config: SkinnyConfig | None, i: int, into: torch.Tensor | None) -> torch.Tensor:
         if config is None:
-            return unfused_linear(x, weights[i], None, **{**kwargs, "residual": into})
-        return skinny_gemm.skinny_linear(x, weights[i], None, config, **{**kwargs,
-                                                                       "residual": into})
+            return unfused_linear(x, weights[i], None, **{**fusions, "residual": into})
+        return skinny_gemm.skinny_linear(x, weights[i], None, config,
+                                         **{**fusions, "residual": into})
 
     def fresh() -> torch.Tensor | None:
         return None if start is None else start.clone()

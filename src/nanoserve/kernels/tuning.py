@@ -1,9 +1,8 @@
 """Kernel launch configurations as data: one JSON file per op and device, keyed by shape.
 
 ``configs/<op>/<device>.json`` beside this file holds ``{shape key: {row bucket: entry}}``,
-written by ``nanoserve tune MODEL`` (``kernels/tune.py``) on the device it names. An op's
-``select`` reads its file through :func:`load_table` and falls back to its own heuristic for
-shapes the file does not hold, so a model nobody tuned still runs, only on untuned tiles.
+written by ``nanoserve tune MODEL`` on the device it names. An op's ``select`` reads it through
+:func:`load_table` and falls back to its own heuristic for shapes the file does not hold.
 """
 from __future__ import annotations
 
