@@ -14,10 +14,9 @@ from nanoserve.runner.graph_inputs import DecodeRows, GraphArena
 from nanoserve.runner.inputs import SequenceChunk
 
 
-# Attention's launch (its split count, its tiling) is chosen from the max_seq_len a graph is
-# captured with and stays fixed in the graph. Small batches, which split their contexts to
-# fill the GPU, get a graph per cap of a ladder (x4 from SHORTEST_CONTEXT_CAP up to the
-# model's length), so a step runs splits sized for a context within 4x of its own.
+# A graph's attention launch (splits, tiling) is fixed by the max_seq_len it is captured with:
+# small batches get a graph per context cap (x4 steps up to the model's length), so a step's
+# splits are sized for a context within 4x of its own.
 SHORTEST_CONTEXT_CAP = 512
 SHORT_CONTEXT_MAX_BATCH = 8
 
@@ -54,42 +53,30 @@ class DecodeOutput(NamedTuple):
 
     hidden: torch.Tensor
     logits: torch.Tensor | None  # None where the graph stops at the hidden states
-    # Sampled by the fused sampler inside the graph; None where the step's batch needs more
-    # than temperatures (penalties, filters, ...) and the caller samples from ``logits``.
-    token_ids: torch.Tensor | None
+    token_ids: torch.Tensor | None  # None where the batch needs more than the fused sampler
 
 
 class DecodeGraphs:
     """Decode forwards (one token per sequence) captured as CUDA graphs, one per batch size,
-    and for batches up to ``SHORT_CONTEXT_MAX_BATCH`` one per context cap too.
-
-    Inputs live in a static arena that every graph reads (``graph_inputs.GraphArena``): a step
-    copies its inputs there in one go, replays the smallest graph that fits its batch and its
-    longest context, and returns the first rows of its static output. Rows past the batch hold
-    padding. Token ids come through an index, so tokens the previous step sampled into the
-    arena are fed back without a copy.
-
-    With ``sample`` the graphs also run the LM head and the fused greedy / temperature sampler
-    (nanoserve.kernels.sampling), reading each step's temperatures and noise seed from the
-    arena, and write the samples into its first part: a step then costs the host one copy and
-    one graph launch. A batch that needs more than temperatures stages the seed -1, and the
-    graph's sampling pass exits at once.
-    """
+    and for batches up to ``SHORT_CONTEXT_MAX_BATCH`` one per context cap too. A step stages
+    its inputs in the arena (``graph_inputs.GraphArena``), replays the smallest graph that fits
+    its batch and longest context, and returns the first rows of its output. With ``sample``
+    the graphs also run the LM head and the fused sampler, writing the samples into the arena's
+    first part; a batch that needs more than temperatures stages seed -1, and the graph's
+    sampling pass exits at once."""
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
                  device: torch.device, sample: bool = False, max_samples: int = 0):
         self.model = model
         self.sample = sample
-        self.sizes, arena_samples = self._arena_shape(max_batch, max_samples)
+        self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        self.max_blocks = max_blocks
-        self.arena = GraphArena(self.sizes, max_blocks, arena_samples, device)
+        self.arena = GraphArena(self.sizes, max_blocks, max_samples, device)
         self.samples = self.arena.samples
         self.query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         if sample:  # one buffer for every size's logits (a pool keeps live outputs)
-            head = model.lm_head.weight
             self.logits = torch.empty(self.max_batch, model.lm_head.vocab_size,
-                                      dtype=head.dtype, device=device)
+                                      dtype=model.lm_head.weight.dtype, device=device)
         self.max_seq_len = max_seq_len
         # Graphs of one batch size share its arena region.
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -97,21 +84,9 @@ class DecodeGraphs:
         self._capture()
 
     @staticmethod
-    def _arena_shape(max_batch: int, max_samples: int) -> tuple[list[int], int]:
-        """The graph sizes, and how many samples the arena holds: samples of a step the
-        graphs did not run (prefill) may number more than the largest graph's batch."""
-        sizes = capture_sizes(max_batch)
-        return sizes, max(max_samples, sizes[-1])
-
-    @classmethod
-    def arena_bytes(cls, max_batch: int, max_blocks: int, max_samples: int) -> int:
+    def arena_bytes(max_batch: int, max_blocks: int, max_samples: int) -> int:
         """Bytes of the input arena that graphs for batches up to ``max_batch`` keep."""
-        sizes, samples = cls._arena_shape(max_batch, max_samples)
-        return GraphArena.layout(sizes, max_blocks, samples)[1]
-
-    def _keys(self) -> list[GraphKey]:
-        """Every graph to capture."""
-        return [(bs, cap) for bs in self.sizes for cap in context_caps(bs, self.max_seq_len)]
+        return GraphArena.layout(capture_sizes(max_batch), max_blocks, max_samples)[1]
 
     def _forward(self, bs: int, cap: int) -> DecodeOutput:
         region = self.arena.regions[bs]
@@ -133,7 +108,8 @@ class DecodeGraphs:
         pool = None
         # Largest first (batch, then cap: more splits need more scratch), so that each later
         # graph reuses the memory of those before it.
-        for key in sorted(self._keys(), reverse=True):
+        keys = [(bs, cap) for bs in self.sizes for cap in context_caps(bs, self.max_seq_len)]
+        for key in sorted(keys, reverse=True):
             self._forward(*key)  # compiles kernels and settles allocations outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):

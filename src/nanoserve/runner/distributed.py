@@ -1,24 +1,19 @@
-"""Tensor parallelism across processes: rank 0 is the engine's executor, ranks 1..N-1 follow it.
+"""Tensor parallelism across processes: rank 0 is the engine's executor, ranks 1..N-1 follow it
+(their side is in tp_worker.py).
 
-Every rank builds its shard of the model (layers split themselves by the rank they are built
-under) and a KV cache for its own heads. For each step rank 0 hands the step's inputs to the
-workers over a step channel (step_channel.py); then all ranks run the same forward and meet in
-the same collectives, and only rank 0 receives logits and samples. The workers' side is in
-tp_worker.py.
+Every rank builds its shard of the model and a KV cache for its own heads. For each step rank 0
+hands the step's inputs to the workers over a step channel (step_channel.py); all ranks then run
+the same forward, and only rank 0 receives logits and samples.
 
 Starting the group:
-- spawn (default): rank 0 starts ranks 1..N-1 with torch.multiprocessing's spawn context; they
-  meet at a TCPStore that rank 0 opens on a free port, so engines on one host never collide,
-  and read their steps from shared memory.
-- env:// (torchrun): with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set, every process runs
-  the same program; on ranks other than 0 the executor's constructor serves as a worker until
-  rank 0 closes, then exits the process. Steps travel as gloo broadcasts.
+- spawn (default): rank 0 spawns ranks 1..N-1; they meet at a TCPStore on a free port and read
+  their steps from shared memory.
+- env:// (torchrun): every process runs the same program; on ranks other than 0 the executor's
+  constructor serves as a worker until rank 0 closes, then exits. Steps go as gloo broadcasts.
 
-Lifecycle (spawn): workers are daemon processes that watch a pipe only rank 0 writes to, so they
-exit when the engine closes, exits or is killed. A worker's exception travels back over its
-report pipe and rank 0 raises it as a WorkerError. A watchdog thread notices a worker that dies
-while rank 0 waits in a collective and kills the others, so that the collective fails instead of
-hanging (NCCL communicators, which would wait forever, are aborted).
+Lifecycle (spawn): workers are daemons that exit with rank 0's process. A worker's exception
+comes back over its report pipe as a WorkerError. A watchdog kills the other workers when one
+dies, so that a collective rank 0 waits in fails instead of hanging (NCCL's are aborted).
 """
 from __future__ import annotations
 
@@ -55,10 +50,6 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker failed; the message carries the worker's own traceback."""
 
 
-def launched_by_torchrun() -> bool:
-    return all(name in os.environ for name in TORCHRUN_VARS)
-
-
 def check_shardable(model_config: ModelConfig, size: int) -> None:
     """Raise the shape errors every rank would hit (heads, features not divisible by
     ``size``) before any worker starts: the layers' own checks, on a model with no storage."""
@@ -68,11 +59,9 @@ def check_shardable(model_config: ModelConfig, size: int) -> None:
 
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers' shards.
-
     Offers the engine what a ModelRunner does (``num_kv_blocks``, ``launch``, ``close``); owns
-    the worker processes, their pipes and this process's torch.distributed group, so a process
-    holds one such executor at a time. Workers build their inputs on the host, so no step may
-    feed them a token still on the device: the engine collects each step before the next.
+    the workers, their pipes and this process's torch.distributed group (one per process). No
+    step may feed workers a token still on the device: the engine collects each before the next.
     """
 
     feeds_pending_tokens = False
@@ -95,7 +84,7 @@ class TensorParallelExecutor:
             raise RuntimeError("this process already belongs to a torch.distributed group "
                                "(another tensor-parallel engine?); close that one first")
         check_shardable(model_config, self.size)
-        if launched_by_torchrun():
+        if all(name in os.environ for name in TORCHRUN_VARS):
             self._join_torchrun(config, model_config, path)
         else:
             self._spawn(config, model_config, path)

@@ -1,16 +1,13 @@
 """The decode graphs' inputs: one static device arena that a step fills with one copy.
 
-A CUDA graph reads its inputs from the addresses it was captured with. Copying a step's
-tensors into such buffers one by one costs a device operation each (eight per step), which at
-batch 1 adds ~0.03 ms to a ~0.75 ms step. Here every graph size has its region of one arena,
-laid out so that a step's inputs are one contiguous span of it: the host packs that span in
-pinned memory and copies it in one go. The block table is stored column-major
-(``[max_blocks, batch]``): the columns a step uses come first, whatever the batch.
+A CUDA graph reads its inputs from the addresses it was captured with. Each graph size has its
+region of the arena, laid out so that a step's inputs are one contiguous span, packed in pinned
+memory and copied in one go. The block table is column-major (``[max_blocks, batch]``): the
+columns a step uses come first, whatever the batch.
 
-Token ids come through an index: each row names the element of the arena (as int64) that holds
-its token, either the previous step's sample for that request (the arena's first part, where
-the graphs' sampler writes) or the id the host uploaded. So a decode step that feeds back the
-tokens it sampled copies none of them.
+Token ids come through an index: each row names the arena element (as int64) holding its token,
+the previous step's sample (the arena's first part, where the graphs' sampler writes) or the id
+the host uploaded, so feeding back sampled tokens copies none of them.
 """
 from __future__ import annotations
 
@@ -20,10 +17,10 @@ import numpy as np
 import torch
 
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
+from nanoserve.runner.packed_copy import TENSOR_ALIGNMENT, TORCH_DTYPES
 from nanoserve.runner.step_inputs import (first_token_slot, longest_first, padded_block_tables,
                                           table_width)
 
-ALIGNMENT = 16  # bytes: each view starts on a boundary Triton specialises pointers on
 
 
 class DecodeRows(NamedTuple):
@@ -73,37 +70,33 @@ _FIELDS = (("token_ids", np.int64), ("sources", np.int64), ("positions", np.int6
            ("slots", np.int64), ("temperature", np.float32), ("seq_lens", np.int32),
            ("order", np.int32))
 _DTYPES = dict(_FIELDS)
-_TORCH = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 
 
 def _aligned(nbytes: int) -> int:
-    return nbytes - nbytes % -ALIGNMENT
+    return nbytes - nbytes % -TENSOR_ALIGNMENT
 
 
 class GraphRegion:
     """One graph size's inputs: byte offsets in the arena and the device views its graph reads.
-
     ``sources[i]`` is the arena element (as int64) holding row ``i``'s token id. Rows past a
     step's batch hold padding: no slot (nothing stored), length 1 over block 0 (harmless
-    reads), temperature 0. Beside the rows, one int64 scalar: the sampler's noise seed.
-    """
+    reads), temperature 0. Beside the rows, one int64 scalar: the sampler's noise seed."""
 
     @staticmethod
     def size(batch: int, max_blocks: int) -> int:
         """Bytes of a region for ``batch`` rows and block tables ``max_blocks`` wide."""
         fields = sum(_aligned(batch * np.dtype(dtype).itemsize) for _, dtype in _FIELDS)
-        return fields + ALIGNMENT + _aligned(max_blocks * batch * 4)
+        return fields + TENSOR_ALIGNMENT + _aligned(max_blocks * batch * 4)
 
     def __init__(self, arena: torch.Tensor, start: int, batch: int, max_blocks: int):
-        self.batch, self.max_blocks, self.start = batch, max_blocks, start
+        self.batch, self.start = batch, start
         self.offsets: dict[str, int] = {}
         offset = start
         for name, dtype in _FIELDS:
             self.offsets[name] = offset
             offset += _aligned(batch * np.dtype(dtype).itemsize)
         self.offsets["noise_seed"] = offset
-        offset += ALIGNMENT
-        self.tables_start = offset
+        self.tables_start = offset + TENSOR_ALIGNMENT
         (self.token_ids, self.sources, self.positions, self.slots, self.temperature,
          self.seq_lens, self.order) = (self._view(arena, name, dtype, batch)
                                        for name, dtype in _FIELDS)
@@ -113,7 +106,7 @@ class GraphRegion:
 
     def _view(self, arena: torch.Tensor, name: str, dtype, count: int) -> torch.Tensor:
         at = self.offsets[name]
-        return arena[at:at + count * np.dtype(dtype).itemsize].view(_TORCH[dtype])
+        return arena[at:at + count * np.dtype(dtype).itemsize].view(TORCH_DTYPES[dtype])
 
     def upload_bytes(self, width: int) -> int:
         """Bytes from ``start`` that hold a step whose block tables are ``width`` wide."""
@@ -152,19 +145,16 @@ class GraphRegion:
 
 
 class GraphArena:
-    """Static device memory for every decode graph's inputs, and the last sampled tokens.
-
-    The first part holds ``max_samples`` int64 token ids: the graphs' sampler writes there, and
-    a step feeds them back through each row's source index. Then one :class:`GraphRegion` per
-    graph size.
-    """
+    """Static device memory for the last sampled tokens (int64: ``max_samples``, as a prefill
+    step may sample more than the largest graph's batch, and at least that batch), then every
+    decode graph's inputs, a :class:`GraphRegion` per graph size."""
 
     def __init__(self, sizes: list[int], max_blocks: int, max_samples: int,
                  device: torch.device):
         layout, end = self.layout(sizes, max_blocks, max_samples)
         self.memory = torch.zeros(end, dtype=torch.uint8, device=device)
         self.int64 = self.memory.view(torch.int64)  # every part is 16-byte aligned
-        self.samples = self.int64[:max_samples]
+        self.samples = self.int64[:max(max_samples, sizes[-1])]
         self.regions = {bs: GraphRegion(self.memory, at, bs, max_blocks)
                         for bs, at in layout.items()}
         for bs in sizes:  # padding everywhere: what graph capture's warm-up forwards read
@@ -173,7 +163,7 @@ class GraphArena:
     @staticmethod
     def layout(sizes: list[int], max_blocks: int, max_samples: int) -> tuple[dict[int, int], int]:
         """Each graph size's region start, and the arena's bytes."""
-        layout, end = {}, _aligned(8 * max_samples)
+        layout, end = {}, _aligned(8 * max(max_samples, sizes[-1]))
         for bs in sizes:
             layout[bs] = end
             end += GraphRegion.size(bs, max_blocks)

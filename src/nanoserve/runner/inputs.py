@@ -50,7 +50,6 @@ class InFlightStep(Protocol):
 
     def result(self) -> StepOutput:
         """Wait for the step and return its sampled tokens."""
-        ...
 
 
 @dataclass

@@ -27,12 +27,10 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class ModelRunner:
-    """Runs one tensor-parallel rank's share of the model for a step on one device.
-
-    Steps are launched without waiting for the device. A step may feed a request the token
-    that the previous step sampled for it (PENDING_TOKEN in its input): the runner keeps that
-    step's samples on the device for this.
-    """
+    """Runs one tensor-parallel rank's share of the model for a step on one device. Steps are
+    launched without waiting for the device. A step may feed a request the token that the
+    previous step sampled for it (PENDING_TOKEN in its input): the runner keeps that step's
+    samples on the device for this."""
 
     feeds_pending_tokens = True
 
@@ -65,8 +63,7 @@ class ModelRunner:
         self.sampler = Sampler()
         tp = get_tp_group()
         self.sampling_rank = tp.rank == 0  # rank 0 gathers the logits and samples
-        # The LM head and sampler join the decode graphs on one GPU; with tensor parallelism
-        # its gather of the logits stays outside them.
+        # On one GPU the LM head and sampler join the decode graphs (TP gathers logits outside).
         self.graphs_sample = tp.size == 1
         self.stopped = False
         self.generators: dict[str, torch.Generator] = {}
@@ -84,17 +81,15 @@ class ModelRunner:
                 self.max_model_len, self.device, sample=self.graphs_sample,
                 max_samples=config.max_num_seqs)
         if self.device.type == "cuda":
-            # cuBLAS loads a kernel the first time a GEMM shape needs it, behind whatever work
-            # is queued (tens of ms in a throughput run's first prefill steps). Sizing the cache from free memory ran a forward of the full step budget;
-            # a step's last, odd-sized chunk of prompts and the LM head's row counts are met
-            # here.
+            # cuBLAS loads a kernel the first time a GEMM shape needs it, behind queued work:
+            # meet an odd-sized last chunk's shapes and the LM head's row counts here.
             if config.max_num_batched_tokens > 1:
                 self.profile_run(num_tokens=config.max_num_batched_tokens - 1)
             self.model.lm_head.warm_row_counts(config.max_num_seqs)
-        if self.device.type == "cuda" and self.sampling_rank:
-            from nanoserve.kernels.sampling import compile_for_batches
-            compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
-                                self.device)
+            if self.sampling_rank:
+                from nanoserve.kernels.sampling import compile_for_batches
+                compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
+                                    self.device)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -216,7 +211,7 @@ class ModelRunner:
             hidden, logits, token_ids, tensors = self._replay(step.chunks)
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
-            if self.sampling_rank:
+            if self.sampling_rank and sampling:
                 tensors = self._sampling_tensors(sampling)
             with attention_metadata(meta):
                 hidden = self.model(ids, positions)
@@ -236,9 +231,7 @@ class ModelRunner:
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
         return SampledStep(out, [p.logprobs for p in params], prompt)
 
-    def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors | None:
-        if not chunks:
-            return None
+    def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors:
         return SamplingTensors.build(
             [c.params for c in chunks], [c.prompt_token_ids for c in chunks],
             [c.output_token_ids for c in chunks], [c.banned_token_ids for c in chunks],
@@ -263,8 +256,7 @@ class ModelRunner:
             if temperature is None:
                 tensors = self._sampling_tensors(chunks)
         noise_seed = -1 if temperature is None else draw_noise_seed(bool(temperature.any()))
-        out = self.graphs.run(rows, temperature, noise_seed)
-        return out.hidden, out.logits, out.token_ids, tensors
+        return (*self.graphs.run(rows, temperature, noise_seed), tensors)
 
     def close(self) -> None:
         self.generators.clear()

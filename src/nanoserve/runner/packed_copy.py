@@ -11,13 +11,10 @@ TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.
 def packed_to_device(parts: list[tuple[list | np.ndarray, type]], device: torch.device
                      ) -> list[torch.Tensor]:
     """Each ``(values, numpy dtype)`` of ``parts`` (a list or a 1-D array) as a 1-D tensor of
-    that dtype on ``device``.
-
-    One host buffer, one (pinned, asynchronous) copy; the tensors are views of it, so no dtype
-    conversion runs on the device. Each view starts on a 16-byte boundary: Triton specialises
-    pointer arguments on that alignment, and views at varying offsets would compile new kernel
-    variants mid-run. numpy converts a list of numbers about 4x faster than torch.tensor does.
-    """
+    that dtype on ``device``: one host buffer, one (pinned, asynchronous) copy, the tensors
+    views of it, so no dtype conversion runs on the device. Each view starts on a 16-byte
+    boundary: Triton specialises pointer arguments on that alignment, so varying offsets would
+    compile new kernel variants."""
     arrays = [np.asarray(values, dtype=dtype) for values, dtype in parts]
     starts, end = [], 0
     for array in arrays:

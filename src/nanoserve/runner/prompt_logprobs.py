@@ -1,10 +1,8 @@
 """Logprobs of prompt tokens (``SamplingParams.prompt_logprobs``), from a prefill's hidden rows.
 
-Position ``p`` of a prompt predicts its token ``p + 1``: a chunk's first ``prompt_logprob_rows``
-rows go through the LM head, and each row reports the log-softmax of the token it predicts and
-of the top ones. The logits of a long prompt are ``vocab`` floats per token, so rows go through
-in slices. Reading the results waits for the device: a step that carries such a chunk is not
-overlapped with the next.
+Position ``p`` of a prompt predicts its token ``p + 1``. The logits of a long prompt are
+``vocab`` floats per token, so rows go through the LM head in slices. Reading the results waits
+for the device: a step that carries such a chunk is not overlapped with the next.
 """
 from __future__ import annotations
 
@@ -12,17 +10,16 @@ import torch
 
 from nanoserve.runner.inputs import SequenceChunk
 
-# 256 rows of Qwen3's 152k-token vocabulary: two float32 copies of 156 MB at a time, inside
-# the headroom the runner leaves the sampler's float32 copies when it sizes the KV cache.
+# Slices' float32 logits fit the headroom the runner leaves the sampler when sizing the cache.
 ROWS_PER_SLICE = 256
 
 
 def prompt_logprobs(model: torch.nn.Module, chunks: list[SequenceChunk], hidden: torch.Tensor
                     ) -> dict[str, list[dict[int, float]]]:
-    """Per chunk with ``prompt_logprob_rows``, keyed by request id: the entries of the prompt
-    tokens its rows predict, from ``chunk.start + 1`` on. ``hidden`` holds the step's rows in
-    chunk order. Tensor-parallel workers (no sampling state) take part in the LM head's gather
-    and return nothing."""
+    """Per chunk with ``prompt_logprob_rows``, keyed by request id: for each of those first
+    rows, the logprobs of the prompt token it predicts and of the top ones. ``hidden`` holds the
+    step's rows in chunk order. Tensor-parallel workers (no sampling state) take part in the LM
+    head's gather and return nothing."""
     if not any(chunk.prompt_logprob_rows for chunk in chunks):
         return {}
     rows, offset = [], 0

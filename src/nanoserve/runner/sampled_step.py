@@ -8,13 +8,10 @@ from nanoserve.runner.sampler import SamplerOutput
 
 
 class SampledStep:
-    """The sampled tokens (and logprobs) of a launched step, copied to pinned host memory.
-
-    The copies are queued right behind the step's sampling, ahead of any step launched later,
-    so ``result()`` waits for this step alone and the device runs on with the next one.
+    """The sampled tokens (and logprobs) of a launched step, copied to pinned host memory
+    right behind its sampling, so ``result()`` waits for this step alone.
     ``logprobs_wanted[i]`` is how many top logprobs row ``i`` asked for (None: none);
-    ``prompt_logprobs`` (already on the host) is passed through to the result.
-    """
+    ``prompt_logprobs`` (already on the host) is passed through to the result."""
 
     def __init__(self, out: SamplerOutput, logprobs_wanted: list[int | None],
                  prompt_logprobs: dict[str, list[dict[int, float]]] | None = None):
@@ -41,8 +38,7 @@ class SampledStep:
         if len(self.host) == 1:
             return StepOutput(token_ids, prompt_logprobs=self.prompt_logprobs)
         values, ids = self.host[1].tolist(), self.host[2].tolist()
-        logprobs: list[dict[int, float] | None] = []
-        for k, row_values, row_ids in zip(self.logprobs_wanted, values, ids):
-            # Row layout: the sampled token, then the top-k.
-            logprobs.append(None if k is None else dict(zip(row_ids[:k + 1], row_values[:k + 1])))
+        # Row layout: the sampled token, then the top-k.
+        logprobs = [None if k is None else dict(zip(row_ids[:k + 1], row_values[:k + 1]))
+                    for k, row_values, row_ids in zip(self.logprobs_wanted, values, ids)]
         return StepOutput(token_ids, logprobs, self.prompt_logprobs)

@@ -4,11 +4,9 @@ Pipeline, with vLLM's semantics, all in float32: logit biases; tokens outside an
 and banned tokens -> -inf; repetition penalty (prompt + output tokens), then frequency and
 presence penalties (output tokens). Greedy rows take the argmax of the penalised logits; the
 other rows are divided by their temperature, filtered by top-k, then top-p, then min-p, and
-drawn from the softmax with the exponential race.
-Everything per request is a tensor row, so one step costs a fixed number of kernels whatever the
-batch; the only Python loop is over rows with their own seeded generator. On CUDA, a batch that
-needs nothing but greedy or temperature sampling takes one fused Triton pass instead
-(``nanoserve.kernels.sampling``).
+drawn from the softmax with the exponential race. Parameters are tensor rows, so a step costs a
+fixed number of kernels whatever the batch. On CUDA, a batch that needs nothing but greedy or
+temperature sampling takes one fused Triton pass instead (``nanoserve.kernels.sampling``).
 """
 from __future__ import annotations
 
@@ -23,11 +21,9 @@ _NEG_INF = float("-inf")
 
 @dataclass
 class SamplerOutput:
-    """The sampled tokens of one step and, when some row asked, their logprobs.
-
-    Logprobs come from the log-softmax of the model's raw logits (before penalties, temperature
-    and filters), as vLLM reports by default. Every row gets ``max_logprobs`` top entries; a row
-    that asked for fewer keeps the first ones.
+    """The sampled tokens of one step and, when some row asked, their logprobs: from the
+    log-softmax of the raw logits (before penalties, temperature and filters), as vLLM reports
+    by default. Every row gets ``max_logprobs`` top entries; one that asked fewer keeps the first.
     """
 
     token_ids: torch.Tensor  # [B] int64
@@ -36,10 +32,8 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    """Picks the next token of every row of a batch of logits, per-row parameters and all.
-
-    Issues no host-device synchronisation: the caller reads ``token_ids`` back once.
-    """
+    """Picks the next token of every row of a batch of logits, without a host-device sync
+    (the caller reads ``token_ids`` back once)."""
 
     def forward(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         if _fused_path_applies(logits, tensors):
@@ -80,13 +74,9 @@ def with_fused_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 
 
 def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """Return ``logits`` [B, V] with the logit biases added, tokens outside a row's allowed
-    list and banned tokens at -inf, and the three penalties applied.
-
-    Repetition penalty (tokens of the prompt or the output): a positive logit is divided by the
-    penalty, any other multiplied by it. Then each output token's logit loses
-    ``frequency * count + presence``. The input is not modified.
-    """
+    """``logits`` [B, V] (not modified) after the biases, allowed and banned lists and the
+    penalties. Repetition (prompt or output tokens): a positive logit is divided by the penalty,
+    any other multiplied by it; then each output token loses ``frequency * count + presence``."""
     if tensors.logit_bias is not None:
         index, bias = tensors.logit_bias
         logits = logits.index_put(index, bias, accumulate=True)
@@ -115,11 +105,9 @@ def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Ten
 
 
 def filter_logits(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """Return penalised ``logits`` divided by temperature, with tokens cut by top-k, top-p and
-    min-p (in that order) at -inf; ``softmax`` of the result is what sampled rows draw from.
-
-    Greedy rows come back unscaled and unfiltered. The input is not modified.
-    """
+    """Penalised ``logits`` (not modified) divided by temperature, with tokens cut by top-k,
+    top-p and min-p (in that order) at -inf: what sampled rows draw from. Greedy rows come back
+    unscaled and unfiltered."""
     # Greedy rows are divided by 1: their result is discarded for the argmax anyway.
     temperature = torch.where(tensors.temperature == 0.0, 1.0, tensors.temperature)
     logits = logits / temperature[:, None]
@@ -158,12 +146,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 def _exponential_race(probs: torch.Tensor,
                       seeded_rows: list[tuple[int, torch.Generator]]) -> torch.Tensor:
     """Draw one token per row: with q_i ~ Exp(1), argmax_i p_i / q_i is token i with
-    probability p_i (normalisation is not needed).
-
-    Unseeded rows share one batched draw from the default generator; a seeded row overwrites
-    its q with exactly one draw of V values from its own generator, so its tokens depend only
-    on its seed and its own logits, not on the rest of the batch.
-    """
+    probability p_i. Unseeded rows share one batched draw; a seeded row redraws its q (V values)
+    from its own generator, so its tokens depend only on its seed and logits, not the batch."""
     q = torch.empty_like(probs).exponential_()
     for row, generator in seeded_rows:
         q[row].exponential_(generator=generator)

@@ -1,7 +1,7 @@
 """A batch's sampling parameters and token histories as device tensors, built once per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,13 +16,11 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclass
 class SamplingTensors:
-    """Per-step sampling parameters of a batch, as device tensors.
-
-    Made once per engine step by :meth:`build`; row ``i`` describes row ``i`` of the logits given
-    to :class:`~nanoserve.runner.sampler.Sampler`. Settings that cannot change a row's result
-    are normalised away (greedy rows carry temperature 0, no filter and no generator), and the
-    host-side flags let a batch skip every stage no row uses without looking at device data.
-    """
+    """Per-step sampling parameters of a batch, as device tensors, made once per engine step by
+    :meth:`build`; row ``i`` describes row ``i`` of the logits given to
+    :class:`~nanoserve.runner.sampler.Sampler`. Settings that cannot change a row's result are
+    normalised away (greedy rows carry temperature 0, no filter and no generator), and the
+    host-side flags let a batch skip every stage no row uses without looking at device data."""
 
     temperature: torch.Tensor  # [B] float32, 0 = greedy
     top_p: torch.Tensor  # [B] float32, 1 where off
@@ -38,7 +36,7 @@ class SamplingTensors:
     logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
     # rows that may sample only some tokens [R], and those (rows [N], token ids [N]), int64
     allowed_tokens: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None
-    generators: list[torch.Generator | None]  # a seeded sampled row's own generator, else None
+    seeded_rows: list[tuple[int, torch.Generator]]  # (row, own generator) of seeded sampled rows
     all_greedy: bool
     all_random: bool  # no row is greedy
     max_top_k: int  # largest top-k of a row that uses it, 0 if none does
@@ -46,17 +44,8 @@ class SamplingTensors:
     any_min_p: bool
     any_count_penalty: bool  # some row uses a frequency or presence penalty
     max_logprobs: int  # largest number of top logprobs asked for, -1 if no row asked
-    # No row needs more than its temperature: no penalty, bias, banned or allowed list, top-k /
-    # top-p / min-p filter or seeded generator. Such a batch may take the fused CUDA sampler.
-    only_temperature: bool
-    # [1] int64: the fused sampler's noise seed (drawn from torch's default CPU generator, so no
-    # device sync and torch.manual_seed still makes runs reproducible); 0 when every row is
-    # greedy (nothing is drawn); -1 when the batch needs more than temperatures.
-    noise_seed: torch.Tensor
-    seeded_rows: list[tuple[int, torch.Generator]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.seeded_rows = [(i, g) for i, g in enumerate(self.generators) if g is not None]
+    only_temperature: bool  # see temperatures_only: the batch may take the fused CUDA sampler
+    noise_seed: torch.Tensor  # [1] int64, see draw_noise_seed; -1 when not only_temperature
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -64,13 +53,10 @@ class SamplingTensors:
               generators: list[torch.Generator | None], vocab_size: int,
               device: torch.device) -> SamplingTensors:
         """Gather a batch's parameters and token histories into tensors on ``device``.
-
         ``generators[i]`` is request ``i``'s own generator (on ``device``) when it has a seed.
         ``banned_token_ids[i]`` are the ids row ``i`` must not produce this step; ids outside
         the vocabulary are ignored. Token histories are only sent for rows whose penalties
-        read them. All of it goes in one asynchronous copy (staged in pinned memory on CUDA).
-        """
-        device = torch.device(device)
+        read them. All of it goes in one asynchronous copy (staged in pinned memory on CUDA)."""
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         sampled = [not g for g in greedy]
         top_k = [min(p.top_k, vocab_size) if s and p.top_k > 0 else vocab_size
@@ -136,7 +122,8 @@ class SamplingTensors:
             banned_tokens=(banned_rows, banned_ids) if banned else None,
             logit_bias=((bias_t[0], bias_t[1]), bias_t[2]) if bias else None,
             allowed_tokens=(allowed_t[0], (allowed_t[1], allowed_t[2])) if allowed else None,
-            generators=[g if s else None for g, s in zip(generators, sampled)],
+            seeded_rows=[(i, g) for i, (g, s) in enumerate(zip(generators, sampled))
+                         if s and g is not None],
             all_greedy=not any(sampled),
             all_random=all(sampled),
             max_top_k=max_top_k,
@@ -182,9 +169,8 @@ def max_logprobs(params: list[SamplingParams]) -> int:
 
 
 def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
-    """[len(rows), longest] int64 array of ``rows``, right-padded with ``pad``."""
-    # Filled row by row through numpy: several times faster than torch.tensor on nested lists,
-    # which matters for long prompts.
+    """[len(rows), longest] int64 array of ``rows``, right-padded with ``pad`` (filled through
+    numpy, which is much faster than torch.tensor on long nested lists)."""
     out = np.full((len(rows), max(map(len, rows), default=0)), pad, dtype=np.int64)
     for i, row in enumerate(rows):
         out[i, :len(row)] = row

@@ -1,13 +1,13 @@
 """Carries each step from rank 0 to the tensor-parallel workers.
 
-A worker only needs what shapes the forward: per chunk, its token ids, start position, block
-table and whether it ends in a sampled token. Sampling parameters, request ids and histories
+A worker only needs what shapes the forward; sampling parameters, request ids and histories
 stay on rank 0, which alone samples. The step is packed into one flat int64 array (no pickling):
 
-    [num_chunks, (num_tokens, start, sample, num_blocks) per chunk, all token ids, all blocks]
+    [num_chunks, (num_tokens, start, sample, num_blocks, prompt_logprob_rows) per chunk,
+     all token ids, all blocks]
 
-Two channels carry it: through shared memory to workers that rank 0 spawned on its own host
-(the default), and as gloo broadcasts to ranks that torchrun started, which may be anywhere.
+Two channels carry it: shared memory to workers that rank 0 spawned on its own host (the
+default), and gloo broadcasts to ranks that torchrun started, which may be anywhere.
 """
 from __future__ import annotations
 
@@ -72,15 +72,12 @@ class StepChannel(Protocol):
 
 
 class SharedMemoryStepChannel:
-    """Rank 0 writes each step into one shared-memory slot that every same-host worker reads.
-
-    A step costs a copy and a semaphore post per worker, where a broadcast over TCP costs a
-    round trip (on the H200 hosts' sandboxed loopback, about 40 ms). Semaphores order the
-    accesses: rank 0 waits until every worker has copied the previous step out (``done``), writes
-    the next one, then posts ``ready`` to each. Rank 0 builds the channel before spawning the
-    workers and passes it to them as a process argument; each worker sets ``rank`` on its copy.
-    Rank 0 stops waiting, and raises, once ``abandoned`` (its watchdog's event) is set.
-    """
+    """Rank 0 writes each step into one shared-memory slot that every same-host worker reads:
+    a copy and a semaphore post per worker, not a TCP round trip. Rank 0 waits until every
+    worker has copied the previous step out (``done``), writes the next one, then posts
+    ``ready`` to each. It builds the channel before spawning the workers, which get it as a
+    process argument and set ``rank`` on their copy. Rank 0 stops waiting, and raises, once
+    ``abandoned`` (its watchdog's event) is set."""
 
     def __init__(self, ctx: SpawnContext, num_workers: int, capacity: int,
                  abandoned: threading.Event):
@@ -122,10 +119,8 @@ class SharedMemoryStepChannel:
 
 
 class GlooStepChannel:
-    """Rank 0 broadcasts each step over a gloo group; for ranks torchrun started.
-
-    Each step is two broadcasts: a one-element header with the payload's length (-1: close),
-    then the payload. Must be created on all ranks together.
+    """Rank 0 broadcasts each step over a gloo group, to ranks torchrun started: a one-element
+    header with the payload's length (-1: close), then the payload. Create on all ranks together.
     """
 
     def __init__(self) -> None:

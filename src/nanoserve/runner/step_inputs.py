@@ -16,17 +16,14 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
                    last_samples: torch.Tensor | None, last_sample_rows: dict[str, int],
                    dummy: bool = False, prefill_tile: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
-    """Token ids, positions, attention metadata and the rows to sample, on ``device``.
-
-    The rows to sample are None when every row is sampled (decode steps), which spares the
-    gather of the model's output before the LM head.
+    """Token ids, positions, attention metadata and the rows to sample (None when every row is
+    sampled, which spares a gather before the LM head), on ``device``.
 
     A chunk whose last token is PENDING_TOKEN gets the previous step's sample for its request
     (row ``last_sample_rows[request_id]`` of ``last_samples``), read on the device. ``dummy``
     (the memory-profiling pass) stores nothing and reads every sequence through block 0. With
     ``prefill_tile`` (the attention backend's, 0 for none), steps that are not decode-only also
-    carry the prefill kernel's work list for that many tokens a tile.
-    """
+    carry the prefill kernel's work list."""
     ids: list[int] = []
     positions: list[int] | np.ndarray = []
     q_lens, seq_lens, last = [], [], []
@@ -45,9 +42,8 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks)
     tables = padded_block_tables(chunks, width)
     decode_only = max(q_lens) == 1
-    # Cache slots are found here, not with a handful of device ops: those cost more host time
-    # to launch than numpy takes, and their kernels load on first use at each new size, waiting
-    # for the device.
+    # Cache slots are found on the host: device ops would cost more to launch than numpy takes,
+    # and would load kernels at each new size.
     order = longest_first(seq_lens) if decode_only else []  # decode takes the longest first
     if dummy:
         slots = np.full(len(ids), -1, dtype=np.int64)
@@ -65,14 +61,12 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         [(v, np.int64) for v in (ids, positions, [] if sample_all else last,
                                  pending_at, pending_rows, slots)]
         + [(v, np.int32) for v in (starts, seq_lens, tables, order, work.ravel())], device)
-    b = len(chunks)
     if pending_at == pending_rows == list(range(len(ids))):
         ids_t = last_samples[:len(ids)]  # each token is the previous step's sample, in order
     elif pending_at:
         ids_t[pending_at_t] = last_samples[pending_rows_t]
-    tables_t = tables_t.view(b, width)
     meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t,
-                             slot_mapping=slots_t, block_tables=tables_t,
+                             slot_mapping=slots_t, block_tables=tables_t.view(len(chunks), width),
                              max_query_len=max(q_lens), max_seq_len=max(seq_lens),
                              seq_order=order_t if decode_only else None,
                              prefill_work=work_t.view(2, -1) if with_work else None)

@@ -1,9 +1,6 @@
-"""The worker side of tensor parallelism: ranks 1..N-1, each running its shard of every step.
-
-A worker builds its shard of the model like rank 0 does, then runs each step that rank 0
-broadcasts until rank 0 sends close. Spawned workers (see distributed.py) also report to rank 0
-over a pipe ("up" when about to join the group, or their error) and exit with rank 0's process.
-"""
+"""The worker side of tensor parallelism (see distributed.py): ranks 1..N-1, each running its
+shard of every step until rank 0 sends close. Spawned workers also report to rank 0 over a pipe
+("up" when about to join the group, or their error) and exit with rank 0's process."""
 from __future__ import annotations
 
 import os
@@ -45,13 +42,9 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, path: Path, ra
 
 
 def leave_process_group(backend: str, abort: bool) -> None:
-    """Leave this process's torch.distributed group, if it is in one.
-
-    NCCL is always aborted: its orderly destroy waited forever on the H200s once CUDA graphs
-    had captured its collectives (the runner destroys its graphs first, see
-    DecodeGraphs.release), and aborting frees the communicators without waiting for peers,
-    which have exited or are exiting too.
-    """
+    """Leave this process's torch.distributed group, if it is in one. NCCL is always aborted:
+    its orderly destroy can hang once CUDA graphs captured its collectives, and aborting frees
+    the communicators without waiting for peers, which are exiting too."""
     if not dist.is_initialized():
         return
     if abort or backend == "nccl":
@@ -62,11 +55,8 @@ def leave_process_group(backend: str, abort: bool) -> None:
 
 def serve(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int, size: int,
           device: torch.device, channel: StepChannel) -> None:
-    """A worker's life once in the group: build its shard, run rank 0's steps until close.
-
-    Its collectives come in rank 0's order: the runner's (KV blocks agreed, profile run), then
-    each step's forward.
-    """
+    """A worker's life once in the group: build its shard, run rank 0's steps until close
+    (its collectives come in rank 0's order: the runner's start-up, then each step's)."""
     runner = build_runner(config, model_config, path, rank, size, device)
     freeze_startup_heap()
     while (step := channel.recv()) is not None:
