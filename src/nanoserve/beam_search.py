@@ -1,10 +1,6 @@
-"""Beam search over the engine: ``LLM.beam_search(prompts, BeamSearchParams(...))``, and the
-server's ``use_beam_search``.
-
-As in vLLM, beam search is a loop around the engine rather than a mode of it: each step asks
-the engine for one token of every live beam, with the top ``2 * beam_width`` logprobs, and the
-loop keeps the best (``BeamSearch`` holds the state; the offline API and the server each drive
-it). Prefix caching spares recomputing a beam's earlier full blocks each step. The rules are transformers' beam search with ``early_stopping=True``:
+"""Beam search (``LLM.beam_search``, the server's ``use_beam_search``) as a loop around the
+engine, as in vLLM: each step asks for one token of every live beam with the top
+``2 * beam_width`` logprobs. The rules are transformers' with ``early_stopping=True``:
 
 - the candidates are the ``2 * beam_width`` best (beam, token) continuations by cumulative
   logprob; walking them best first, an EOS ranked within the first ``beam_width`` ends a
@@ -40,21 +36,17 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         widest = MAX_LOGPROBS // 2
-        check_int("beam_width", self.beam_width)
-        if not 1 <= self.beam_width <= widest:
-            raise ValueError(f"beam_width must be in [1, {widest}] (each step reads "
-                             f"2 * beam_width logprobs), got {self.beam_width}")
-        check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.length_penalty, int | float) or not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        check_int("beam_width", self.beam_width, 1, widest,
+                  f"in [1, {widest}] (each step reads 2 * beam_width logprobs)")
+        check_int("max_tokens", self.max_tokens, 1)
+        penalty = self.length_penalty
+        if not isinstance(penalty, int | float) or not math.isfinite(penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {penalty!r}")
 
 
 @dataclass
 class BeamSequence:
-    """One hypothesis: its generated tokens (ending with the EOS if one ended it), their
-    cumulative logprob, its score and its text."""
+    """One hypothesis: its generated tokens (with the EOS that ended it, if one did)."""
 
     token_ids: list[int]
     cumulative_logprob: float
@@ -72,11 +64,9 @@ class BeamSearchOutput:
 
 
 class BeamSearch:
-    """The state of one beam search over a batch of prompts, apart from how the engine is
-    driven: ``requests()`` gives the token ids the engine must extend by one token (one
-    request per live beam, with ``step_params``), ``advance()`` takes each one's top logprobs
-    back, until ``done``; then ``results()``. ``LLM.beam_search`` drives it synchronously, the
-    server through the async engine."""
+    """One beam search's state over a batch of prompts, whoever drives the engine: until
+    ``done``, extend each of ``requests()`` by one token with ``step_params`` and pass their
+    top logprobs to ``advance()``; then ``results()``."""
 
     def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams,
                  eos_token_ids: Sequence[int]):
@@ -149,7 +139,7 @@ class BeamSearch:
 
 def beam_search(llm: LLM, prompts: str | Sequence[str] | Sequence[list[int]],
                 params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search of every prompt (see the module docstring), the prompts batched together."""
+    """Beam search of every prompt, the prompts batched together."""
     prompt_ids = [p if isinstance(p, list) else llm.tokenizer.encode(p)
                   for p in as_prompt_list(prompts)]
     search = BeamSearch(prompt_ids, params, llm.engine.model_config.eos_token_ids)

@@ -24,8 +24,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
-    # "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): one byte per K/V value,
-    # unscaled, so twice the blocks in the same memory and half the bytes attention reads.
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): one unscaled byte per K/V value.
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -77,12 +76,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass
 class ModelConfig:
-    """What the runtime needs to know about a model, read from a Hugging Face config.
-
-    Normalises the differences between config layouts: ``rope_parameters`` (transformers 5)
-    versus ``rope_theta`` + ``rope_scaling``, a missing ``head_dim``, and EOS ids spread over
-    config.json and generation_config.json.
-    """
+    """What the runtime needs to know about a model, read from a Hugging Face config whatever
+    its layout (``rope_parameters`` or ``rope_theta`` + ``rope_scaling``, a missing
+    ``head_dim``, EOS ids in config.json and generation_config.json)."""
 
     architecture: str
     hidden_size: int

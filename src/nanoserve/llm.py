@@ -18,10 +18,8 @@ from nanoserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
 
-# The per-step token budget when the caller gives none. Offline batches are judged by
-# throughput: twice the server's budget halves the eager prefill steps (vLLM's and nano-vLLM's
-# offline default too). The server keeps EngineConfig's, which
-# bounds how long one step's prefill can hold up the streams' next tokens.
+# Offline batches want throughput: twice the server's per-step token budget halves the prefill
+# steps. The server keeps EngineConfig's, which bounds how long a prefill holds up streams.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
 
 
@@ -65,8 +63,7 @@ class LLM:
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Each prompt's ``params.beam_width`` best continuations by beam search
-        (``nanoserve.beam_search``), in the order of the prompts."""
+        """Each prompt's ``params.beam_width`` best continuations, in the order of the prompts."""
         return beam_search(self, prompts, params)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -74,11 +71,8 @@ class LLM:
              use_tqdm: bool = True, *, add_generation_prompt: bool = True,
              tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate.
-
-        As vLLM's: ``tools`` (OpenAI function definitions) and ``chat_template_kwargs`` (e.g.
-        Qwen3's ``{"enable_thinking": False}``) go to the template; the answers are returned
-        as text (the server parses tool calls out of them)."""
+        """Render each conversation with the chat template (and ``tools``,
+        ``chat_template_kwargs``, as vLLM's), then generate; answers come back as text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]
@@ -133,8 +127,7 @@ class LLM:
 
 
 def _samples_as_one(samples: Iterable[RequestOutput]) -> RequestOutput:
-    """The ``n`` finished samples of one prompt as one output: the first's request, with every
-    sample's completion, indexed in order."""
+    """The ``n`` finished samples of one prompt as the first's output holding every completion."""
     samples = list(samples)
     first = samples[0]
     completions = [dataclasses.replace(s.outputs[0], index=k) for k, s in enumerate(samples)]

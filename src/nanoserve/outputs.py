@@ -27,6 +27,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    # With SamplingParams.prompt_logprobs: per prompt token (the first None), its logprob and
-    # the top ones'.
+    # With SamplingParams.prompt_logprobs: per prompt token (the first None), its own and the
+    # top logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -1,8 +1,5 @@
-"""What a prompt may be, and the context-length rule every request obeys.
-
-Shared by the offline API, the engine and the server, so that all three accept the same prompts
-and refuse the same over-long requests.
-"""
+"""What a prompt may be, and the context-length rule every request obeys (one place, so the
+offline API, the engine and the server accept and refuse the same requests)."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,11 +13,8 @@ def as_prompt_list(prompts: Any) -> list[Any]:
 
 
 class ContextLengthError(ValueError):
-    """A request whose prompt plus ``max_tokens`` does not fit in ``max_model_len``.
-
-    ``prompt_too_long``: the prompt alone leaves no room for a token, so the prompt (rather
-    than ``max_tokens``) is what to shorten.
-    """
+    """A request whose prompt plus ``max_tokens`` does not fit in ``max_model_len``;
+    ``prompt_too_long``: the prompt alone leaves no room, so it is what to shorten."""
 
     def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int):
         self.prompt_too_long = num_prompt_tokens >= max_model_len

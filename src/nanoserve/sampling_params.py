@@ -9,11 +9,8 @@ MAX_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop; mirrors vLLM's SamplingParams.
-
-    Every field is checked in ``__post_init__``: an invalid value raises ValueError naming the
-    field and the allowed range, so bad input is refused before it reaches the engine.
-    """
+    """How to pick each next token and when to stop; mirrors vLLM's SamplingParams. An invalid
+    field raises ValueError naming it and its allowed range."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -45,9 +42,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, low=0.0, high=None, rule=">= 0")
         _check_number("top_p", self.top_p, low=0.0, high=1.0, rule="in (0, 1]", low_open=True)
-        check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disable) or >= 1, got {self.top_k}")
+        check_int("top_k", self.top_k, -1, rule="-1, 0 (disable) or >= 1")
         _check_number("min_p", self.min_p, low=0.0, high=1.0, rule="in [0, 1]")
         _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=None,
                       rule="> 0", low_open=True)
@@ -56,28 +51,17 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0,
                       rule="in [-2, 2]")
         if self.seed is not None:
-            check_int("seed", self.seed)
-            if not 0 <= self.seed < 2**63:
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            check_int("seed", self.seed, 0, 2**63 - 1, "in [0, 2**63)")
         if self.max_tokens is not None:
-            check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        check_int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            check_int("max_tokens", self.max_tokens, 1)
+        check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                check_int(name, value)
-                if not 0 <= value <= MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
-        check_int("n", self.n)
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+        check_int("n", self.n, 1)
         if self.logit_bias is not None:
             self.logit_bias = _checked_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
@@ -107,9 +91,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def for_sample(self, index: int) -> SamplingParams:
-        """The parameters of sample ``index`` of ``n``: one sequence each; seeded requests
-        give sample ``index`` the seed ``seed + index``, so the samples differ and each is
-        reproducible alone."""
+        """The parameters of sample ``index`` of ``n``: one sequence, seeded ``seed + index``
+        (if seeded) so the samples differ and each is reproducible alone."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
         return replace(self, n=1, seed=seed)
 
@@ -145,10 +128,14 @@ def _checked_bias(bias: object) -> dict[int, float]:
     return {token: float(value) for token, value in bias.items()}
 
 
-def check_int(name: str, value: object) -> None:
-    """A ValueError naming ``name`` unless ``value`` is an int (a bool is not one)."""
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None,
+              rule: str | None = None) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an int (a bool is not one) in
+    [``low``, ``high``] (None: unbounded); ``rule`` words the range, default ``>= low``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {rule or f'>= {low}'}, got {value}")
 
 
 def _check_number(name: str, value: object, *, low: float | None, high: float | None,

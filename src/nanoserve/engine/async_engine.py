@@ -1,9 +1,8 @@
 """AsyncLLMEngine: one thread owns an LLMEngine and steps it; asyncio callers stream outputs.
 
-Why a thread: a model step takes milliseconds to seconds and must never block the event loop,
-while the LLMEngine itself is not thread-safe. So exactly one thread touches it. Callers talk
-to that thread through a thread-safe command queue (add / abort / stop), drained between
-steps, and get outputs back on per-request asyncio queues via ``call_soon_threadsafe``.
+A step must never block the event loop and the LLMEngine is not thread-safe, so one thread
+touches it: callers send commands (add / abort / stop) on a thread-safe queue drained between
+steps, and get outputs back on per-request asyncio queues.
 """
 from __future__ import annotations
 
@@ -75,8 +74,6 @@ class AsyncLLMEngine:
 
         return cls(lambda: LLMEngine.from_config(config))
 
-    # ---- caller side (any thread / the event loop) -------------------------------------------
-
     def start(self) -> None:
         """Build the engine inside its thread (so one thread owns every device resource)."""
         self._thread.start()
@@ -111,11 +108,8 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; returns once the engine accepted it.
-
-        Raises ValueError for input the engine refuses (it names the field), EngineDeadError
-        when the engine no longer takes requests.
-        """
+        """Queue a request; returns once the engine accepted it. Raises ValueError for input
+        the engine refuses, EngineDeadError when the engine no longer takes requests."""
         stream = RequestStream(request_id, self.abort)
         accepted = stream.loop.create_future()
         with self._admission:
@@ -134,11 +128,8 @@ class AsyncLLMEngine:
         self._commands.put(_Abort([request_id]))
 
     def begin_shutdown(self) -> None:
-        """Refuse new requests and abort those in flight so their streams end now.
-
-        Safe to call from a signal handler: it only sets a flag and uses SimpleQueue.put,
-        which is reentrant.
-        """
+        """Refuse new requests and abort those in flight so their streams end now; safe in a
+        signal handler (it sets a flag and calls the reentrant SimpleQueue.put)."""
         self._accepting = False
         self._commands.put(_Abort(None))
 
@@ -154,17 +145,15 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not started")
         return self._engine
 
-    # ---- engine thread -----------------------------------------------------------------------
-
     def _run(self) -> None:
         try:
             self._engine = self._make_engine()
             self.stats = self._engine.stats()
         except BaseException as exc:  # reported to start()'s caller
             self._startup_error = exc
-            self._ready.set()
             return
-        self._ready.set()
+        finally:
+            self._ready.set()
         try:
             self._serve(self._engine)
         except BaseException:
@@ -230,9 +219,8 @@ class AsyncLLMEngine:
         try:
             outputs = engine.step()
         except Exception as exc:
-            # One batch ran every request together, so the culprit is unknown: end all of
-            # them with an error. If the executor survived, keep serving new requests; if it
-            # stopped (a tensor-parallel group breaks for good), stop serving: health -> 503.
+            # The culprit in the batch is unknown: fail all of them. Keep serving new requests
+            # unless the executor stopped for good (a broken tensor-parallel group).
             logger.exception("engine step failed; failing the requests in flight")
             failed = list(self._live)
             self._fail_live(RequestFailedError(f"the engine failed: {exc!r}"))

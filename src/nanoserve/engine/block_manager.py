@@ -9,14 +9,12 @@ import xxhash
 
 
 def hash_block(parent_hash: int | None, tokens: bytes) -> int:
-    """Chain hash of a full block's packed token ids: seeded with ``parent_hash``, the hash of
-    the block before it, so it depends on every token before it."""
+    """Chain hash of a full block's packed token ids, seeded with the previous block's hash."""
     return xxhash.xxh64_intdigest(tokens, seed=parent_hash or 0)
 
 
 def packed_blocks(token_ids: list[int], first: int, end: int, block_size: int) -> list[bytes]:
-    """Blocks ``first`` to ``end`` (exclusive) of ``token_ids``, each as its packed uint32 ids:
-    one conversion for them all, then slices."""
+    """Blocks ``first`` to ``end`` (exclusive) of ``token_ids``, each as packed uint32 ids."""
     data = array("I", token_ids[first * block_size:end * block_size]).tobytes()
     step = block_size * array("I").itemsize
     return [data[i:i + step] for i in range(0, len(data), step)]
@@ -24,12 +22,8 @@ def packed_blocks(token_ids: list[int], first: int, end: int, block_size: int) -
 
 @dataclass
 class Block:
-    """One cache block: its reference count and, once full and computed, its prefix hash.
-
-    ``tokens`` (its token ids, packed as uint32) and ``parent_hash`` (the hash of the block
-    before it) let a lookup confirm a hash hit: the block holds these tokens, computed after
-    the same prefix.
-    """
+    """One cache block: its reference count and, once full and computed, its prefix hash;
+    ``tokens`` (packed) and ``parent_hash`` let a lookup tell a hit from a hash collision."""
 
     block_id: int
     ref_count: int = 0
@@ -39,12 +33,9 @@ class Block:
 
 
 class BlockManager:
-    """Hands out cache blocks, shares full blocks between requests with the same prefix.
-
-    A full block is registered under the chain hash of its tokens once its K/V are computed.
-    Freed blocks keep their hash and go to the back of an LRU free list, so a later request
-    with the same prefix can take them back until they are reused for something else.
-    """
+    """Hands out cache blocks, shares full computed blocks (by chain hash) between requests
+    with the same prefix. Freed blocks keep their hash at the back of an LRU free list, so a
+    later request can take them back until they are reused."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -72,7 +63,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding a prefix of ``token_ids``, leaving at least one token to compute."""
+        """Cached blocks holding a prefix of ``token_ids``, leaving at least one to compute."""
         if not self.enable_prefix_caching:
             return []
         matched: list[int] = []
@@ -91,9 +82,8 @@ class BlockManager:
         return matched
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, so later requests compute theirs again (vLLM's
-        ``reset_prefix_cache``, e.g. between benchmark runs). Only when no block is in use,
-        since a running request's blocks must stay findable; returns whether it reset."""
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``); only when no block is in
+        use, since a running request's blocks must stay findable. Returns whether it reset."""
         if len(self.free) != len(self.blocks):
             return False
         self.cached.clear()

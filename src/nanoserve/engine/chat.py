@@ -8,13 +8,9 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, Any]],
                 add_generation_prompt: bool = True,
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of ``conversation`` rendered by the tokenizer's chat template, with the
-    ``tools`` (OpenAI's function definitions) it can call when given, and ``template_kwargs``
-    as further template variables.
-
-    Raises ValueError when the tokenizer has no template; the template itself raises on
-    conversations it does not accept.
-    """
+    """Token ids of ``conversation`` rendered by the tokenizer's chat template, with ``tools``
+    (OpenAI function definitions) and ``template_kwargs`` as template variables. Raises
+    ValueError when the tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,

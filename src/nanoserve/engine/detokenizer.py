@@ -9,11 +9,9 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas, never splitting a multi-byte character.
-
-    Decodes a short sliding window (``prefix_offset:``) and emits only what lies past the
-    text of the tokens already read; a window ending in U+FFFD waits for the next token.
-    """
+    """Turns a stream of token ids into text deltas, never splitting a multi-byte character:
+    decodes a short sliding window and emits what lies past the text of the tokens already
+    read; a window ending in U+FFFD waits for the next token."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
@@ -41,11 +39,8 @@ class IncrementalDetokenizer:
         return self._decode(self.ids[self.prefix_offset:] + token_ids)[len(context):]
 
     def flush(self) -> str:
-        """The text still held back at the end, rendered as a full decode renders it.
-
-        An incomplete character waits for the next token; when there is none (the request
-        finished) it comes out as U+FFFD, so the final text equals ``tokenizer.decode``.
-        """
+        """The text still held back at the end (an incomplete character as U+FFFD), so the
+        final text equals ``tokenizer.decode``."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -28,7 +28,6 @@ class Executor(Protocol):
 
     def launch(self, step: StepInput) -> InFlightStep:
         """Queue the step's work and return without waiting for it."""
-        ...
 
     def close(self) -> None: ...
 
@@ -49,15 +48,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Tokenizes, validates, schedules and runs requests, one ``step()`` at a time.
+    """Tokenizes, validates, schedules and runs requests, one ``step()`` at a time; not
+    thread-safe, so one caller (the offline LLM, or the async engine's thread) drives it.
 
-    A step schedules and launches the next batch, then collects the previous batch's tokens:
-    the host's work for one step (scheduling, input building, outputs) overlaps the device's
-    work for the other. Tokens of the batch in flight are pending (see Request). The engine
-    collects before it schedules instead (no overlap) when the executor cannot feed pending
-    tokens (tensor parallelism) or when some request's penalties need its full token history.
-
-    Not thread-safe: one caller (the offline LLM, or the async engine's thread) drives it.
+    A step launches the next batch, then collects the previous one's (pending) tokens, so the
+    host's work for one overlaps the device's for the other. It collects first instead when
+    the executor cannot feed pending tokens or some request's penalties need its full history.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any,
@@ -96,13 +92,10 @@ class LLMEngine:
         freeze_startup_heap()
         return engine
 
-    # ---- requests in ----------------------------------------------------------------------
-
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True) -> None:
-        """Queue a request. ``stream=False``: step() reports it only once, when finished, and
-        its text is detokenized once at the end unless stop strings need watching."""
+        """Queue a request. ``stream=False``: step() reports it only once, when finished."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -171,8 +164,6 @@ class LLMEngine:
         return (self.scheduler.has_unfinished() or bool(self.aborted)
                 or self.in_flight is not None)
 
-    # ---- one step -------------------------------------------------------------------------
-
     def step(self) -> list[RequestOutput]:
         outputs = [self._finalize(req) for req in self.aborted]
         self.aborted = []
@@ -198,9 +189,8 @@ class LLMEngine:
         return outputs
 
     def _forget_pending(self) -> None:
-        """After a failed step: drop every token still on the device, so that no later step
-        is fed one the runner no longer holds. Their requests go on from the tokens the host
-        knows, recomputing the last one to sample again."""
+        """After a failed step: drop every token still on the device (the runner no longer
+        holds them); their requests recompute their last known token to sample again."""
         self.in_flight = None
         for req in self.requests.values():
             if req.num_pending_tokens:

@@ -1,9 +1,5 @@
-"""Prometheus metrics of a server, named like vLLM's but under a ``nanoserve:`` prefix.
-
-Two sources: engine-wide state (queue sizes, cache use, cumulative token counts) is read from
-the latest EngineStats snapshot whenever /metrics is scraped, so it can never drift from the
-engine; per-request latencies are observed from every RequestOutput as the engine emits it.
-"""
+"""Prometheus metrics of a server, named like vLLM's under a ``nanoserve:`` prefix: engine
+state read from the latest EngineStats at scrape time, latencies from every RequestOutput."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -57,14 +53,11 @@ class _EngineStatsCollector(Collector):
             ("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
             ("generation_tokens", "Tokens generated.", stats.generation_tokens),
         )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], value)
-            yield family
-        for name, doc, value in counters:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], value)
-            yield family
+        for kind, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in metrics:
+                family = kind(PREFIX + name, doc, labels=["model_name"])
+                family.add_metric([self._model_name], value)
+                yield family
 
 
 class ServerMetrics:

@@ -24,13 +24,9 @@ class FinishReason(str, enum.Enum):
 class Request:
     """One generation request: prompt + output tokens and how far the KV cache covers them.
 
-    ``num_computed_tokens`` counts tokens whose K/V are in the cache; a request samples a token
-    in a step that brings it up to ``num_tokens``. Preemption resets it to 0 and the request
-    recomputes prompt and output so far, so nothing it produced is lost.
-
-    ``num_pending_tokens`` counts tokens sampled by steps still running on the device: they
-    count in ``num_tokens`` (the next step feeds them from the device) but are not yet in
-    ``token_ids``, which holds known tokens only.
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache (preemption resets it to 0
+    and the request recomputes them). ``num_pending_tokens`` counts tokens sampled by steps
+    still on the device: in ``num_tokens``, not yet in ``token_ids`` (known tokens only).
     """
 
     request_id: str
@@ -68,13 +64,12 @@ class Request:
             self.prompt_logprobs = [None]
 
     def prompt_logprob_rows(self, start: int, num_tokens: int) -> int:
-        """How many of a chunk's positions, from ``start`` on, predict a prompt token (the
-        one after each): the rows whose logprobs a request asking for prompt logprobs needs."""
+        """How many of a chunk's positions, from ``start`` on, predict a prompt token."""
         return max(0, min(start + num_tokens, self.num_prompt_tokens - 1) - start)
 
     def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
-        """Logprobs of the prompt tokens at ``first``, ``first + 1``, ...; those already
-        known (a preempted request computes its prompt again) are dropped."""
+        """Logprobs of the prompt tokens from ``first`` on, less those already known (a
+        preempted request computes its prompt again)."""
         assert self.prompt_logprobs is not None and first <= len(self.prompt_logprobs)
         self.prompt_logprobs.extend(entries[len(self.prompt_logprobs) - first:])
 

@@ -1,8 +1,5 @@
-"""RequestStream: one request's outputs crossing from the engine thread to an asyncio task.
-
-The engine thread never touches asyncio objects directly; it schedules the helpers below onto
-the consumer's event loop with ``call_soon_threadsafe``.
-"""
+"""RequestStream: one request's outputs crossing from the engine thread to an asyncio task;
+the engine thread only schedules the helpers below onto the consumer's event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -13,11 +10,8 @@ from nanoserve.outputs import RequestOutput
 
 
 class RequestStream:
-    """The outputs of one request, from the engine thread to the asyncio task consuming them.
-
-    Outputs are cumulative, so a consumer that falls behind gets only the newest one: this
-    keeps slow clients from making the server queue (and serialise) every intermediate step.
-    """
+    """The outputs of one request; they are cumulative, so a consumer that falls behind gets
+    only the newest one (slow clients do not make the server serialise every step)."""
 
     def __init__(self, request_id: str, abort: Callable[[str], None]):
         self.request_id = request_id

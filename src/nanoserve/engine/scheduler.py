@@ -35,11 +35,9 @@ class SchedulerOutput:
 class Scheduler:
     """Mixes decodes and (chunked) prefills under a per-step token budget.
 
-    Running requests go first, oldest first; when blocks run out the newest running request
-    is preempted (its blocks freed, its progress reset so it is recomputed later). Waiting
-    requests are admitted in FIFO order while blocks and the budget last, reusing cached
-    prefix blocks. A running request that has sampled all its ``max_tokens`` (some maybe still
-    on the device) is not scheduled again.
+    Running requests go first, oldest first; when blocks run out the newest is preempted (to
+    be recomputed later). Waiting requests are admitted in FIFO order while blocks and the
+    budget last, reusing cached prefix blocks.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
@@ -109,9 +107,8 @@ class Scheduler:
         return out
 
     def advance(self, chunk: ScheduledChunk) -> None:
-        """Record that the chunk's K/V are (or, once its step runs, will be) in the cache;
-        publish newly full blocks whose tokens are all known, and count the chunk's sampled
-        token as pending until its step's result arrives."""
+        """Count the chunk's K/V as computed (once its step runs) and its sampled token as
+        pending until the step's result arrives."""
         req = chunk.request
         if not chunk.samples:
             self.num_partial_prefills += 1
@@ -121,8 +118,7 @@ class Scheduler:
             req.num_pending_tokens += 1
 
     def register_known_blocks(self, req: Request) -> None:
-        """Hash the request's newly full, computed blocks for the prefix cache. A pending
-        token's id is unknown, so a block holding one waits until the token lands."""
+        """Hash the request's newly full, computed blocks whose token ids are all known."""
         known = min(req.num_computed_tokens, len(req.token_ids))
         if known // self.bm.block_size > req.num_registered_blocks:
             req.num_registered_blocks = self.bm.register_full_blocks(
