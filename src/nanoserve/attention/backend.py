@@ -13,9 +13,8 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(Protocol):
-    """Stores new K/V into the paged cache and computes causal attention over it.
-
-    Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V.
+    """Stores new K/V into the paged cache and computes causal attention over it. Per layer,
+    K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     ``q`` is ``[T, num_heads, head_dim]``, ``k``/``v`` are ``[T, num_kv_heads, head_dim]``; the
     output is ``[T, num_heads, head_dim]``. Slots of -1 in the slot mapping are skipped.
     """
@@ -25,10 +24,9 @@ class AttentionBackend(Protocol):
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                   ) -> torch.Tensor:
-        """Per-head q/k norms (when given) and RoPE on the projection's q and k; the rotated k
-        and v into the caches at ``meta.slot_mapping``; then causal attention of q over the
-        cache. ``q``, ``k`` and ``v`` may be modified in place: do not use them afterwards.
-        """
+        """Per-head q/k norms (when given) and RoPE on q and k; k and v into the caches at
+        ``meta.slot_mapping``; then causal attention of q over the cache. ``q``, ``k`` and
+        ``v`` may be modified in place: do not use them afterwards."""
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         """Tokens of a sequence per prefill program, for the runner to list the programs of a

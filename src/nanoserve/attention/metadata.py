@@ -10,12 +10,10 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Describes a flattened batch of sequences for one forward pass.
+    """A forward pass's batch: every sequence's new tokens back to back (``T`` in all).
 
-    The batch packs every scheduled sequence's new tokens back to back (``T`` tokens in all).
-    Sequence ``i`` contributes ``query_start_loc[i+1] - query_start_loc[i]`` new tokens whose
-    keys are appended after ``seq_lens[i] - q_len_i`` tokens already in the paged cache; its
-    keys are read through ``block_tables[i]`` (padded with 0 past the sequence's last block).
+    Sequence ``i`` adds ``query_start_loc[i+1] - query_start_loc[i]`` tokens after the
+    ``seq_lens[i] - q_len_i`` already cached, its keys read through ``block_tables[i]``.
     """
 
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative new-token counts
@@ -24,12 +22,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
-    # [B] int32 in decode-only steps: the sequences, longest context first. Decode kernels
-    # hand sequences to programs in this order (see kernels/decode_attention.py); None keeps
-    # batch order.
+    # [B] int32 in decode-only steps: decode kernels' sequence order (None: batch order).
     seq_order: torch.Tensor | None = None
-    # [2, N] int32 in other steps on the GPU: the prefill kernel's programs, (sequence, query
-    # tile) pairs with the most keys first (attention/prefill_work.py).
+    # [2, N] int32 in other steps on the GPU: the prefill kernel's programs (prefill_work.py).
     prefill_work: torch.Tensor | None = None
 
     @property

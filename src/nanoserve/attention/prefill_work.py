@@ -1,5 +1,4 @@
-"""The prefill attention kernel's programs for a batch: a host-side list, built with the step's
-inputs (pure numpy: the CPU install has no Triton)."""
+"""The prefill attention kernel's programs, listed on the host in numpy (no Triton on CPU)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

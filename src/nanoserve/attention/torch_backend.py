@@ -31,8 +31,7 @@ class TorchAttentionBackend:
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> torch.Tensor:
-        """The norm and rotary modules, then :meth:`store_kv`: the unfused reference
-        sequence."""
+        """The norm and rotary modules, then :meth:`store_kv`: the unfused reference."""
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = rotary(positions, q, k)

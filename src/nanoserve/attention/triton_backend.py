@@ -18,33 +18,18 @@ if TYPE_CHECKING:
 
 
 SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False, prefetch_kv=True)
-# Splits of one tile (a batch-1 graph captured for a short context) have nothing to pipeline:
-# without the stages' shared memory the programs start sooner, beside the projection they
-# wait for.
+# A split of one tile has nothing to pipeline: without stages the programs start sooner.
 ONE_TILE_SPLIT_TUNING = SPLIT_DECODE_TUNING._replace(num_stages=1)
-# The prefetched tile is live through the wait: compiled for sm_90, 168 registers against 165
-# with Triton 3.6 (three programs per SM either way), 145 against 114 with Triton 3.9 (three
-# instead of four). Launches that fit the device at three per SM (batch 1: 8 KV heads x 32
-# splits) take it; larger ones keep their occupancy.
+# The prefetched tile costs registers: launches larger than this many programs per SM skip it.
 PREFETCH_PROGRAMS_PER_SM = 3
-# Over an fp8 cache, two warps per program read the throughput workload's K/V 15% faster than
-# four.
+# An fp8 cache's K/V are read faster by two warps per program than by four.
 FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
 
 
 class TritonAttentionBackend:
     """GPU path: flash-decoding for decode-only batches, paged varlen prefill for the rest.
-
-    In split decode of small batches (up to ``LATENCY_MAX_SEQS`` sequences) the split kernel
-    also applies the q/k norms and RoPE and stores the new K/V (one launch); otherwise
-    ``qk_norm_rope_store`` does, then the decode or prefill kernel attends.
-
-    Nothing here reads device values on the host, so the decode path can be captured in a CUDA
-    graph (run it once outside capture first, so Triton compiles its kernels). The decode split
-    count is chosen from ``meta.max_seq_len`` at capture time and stays fixed in the graph; the
-    kernel partitions each sequence's actual length at replay, so results stay correct for any
-    length, but a graph captured with a short ``max_seq_len`` under-splits long contexts.
-    """
+    Nothing reads device values on the host, so decode can be a CUDA graph; its split count,
+    from ``meta.max_seq_len`` at capture, under-splits longer contexts (correctly)."""
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         return query_tile(num_heads, num_kv_heads, device)
@@ -54,7 +39,7 @@ class TritonAttentionBackend:
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> torch.Tensor:
-        # One fused launch instead of q norm, k norm, RoPE and the store (batch-1 decode latency).
+        # One fused launch instead of q norm, k norm, RoPE and the store.
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
                                   slot_mapping, *_norm_args(q_norm, k_norm))
 
@@ -67,11 +52,8 @@ class TritonAttentionBackend:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                        num_sms)
-            # A small batch is bound by the chain of dependent launches: the split kernel
-            # finishes the new tokens itself, one launch fewer. Larger ones, split or not,
-            # fill the GPU and their K/V loop runs better without that work's registers
-            # (docs/kernels.md). 64-bit K/V offsets measured faster here, 32-bit ones (more
-            # programs per SM) in large batches.
+            # A small batch is bound by its chain of launches: the split kernel finishes the
+            # new tokens itself. Larger ones run better without that work's registers.
             if splits > 1 and meta.num_seqs <= LATENCY_MAX_SEQS:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
@@ -99,10 +81,9 @@ class TritonAttentionBackend:
 
 def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int
                         ) -> DecodeTuning:
-    """The split kernel's tuning for a launch of ``programs`` programs whose ``max_seq_len``
-    keys go into ``splits`` splits: one stage when a split is at most one tile, but only with
-    the tile read before the wait (one stage without it measured slower than three),
-    and that only while the launch fits the device at three programs per SM."""
+    """The split kernel's tuning for ``programs`` programs splitting ``max_seq_len`` keys
+    ``splits`` ways: the prefetch only while the launch fits ``PREFETCH_PROGRAMS_PER_SM``, and
+    then one stage where a split is at most one tile."""
     if programs > PREFETCH_PROGRAMS_PER_SM * num_sms:
         return SPLIT_DECODE_TUNING._replace(prefetch_kv=False)
     tiles = -(-max_seq_len // SPLIT_DECODE_TUNING.block_n)

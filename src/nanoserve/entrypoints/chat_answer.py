@@ -1,8 +1,5 @@
-"""A chat answer's parts: reasoning (``--reasoning-parser``), content and tool calls.
-
-The reasoning is split off first; tool calls are parsed from what remains. Whole answers
-(``split_answer``) and streamed ones (``AnswerStream``) follow the same rules.
-"""
+"""A chat answer's parts, whole or streamed: reasoning (``--reasoning-parser``), split off
+first, then content and the tool calls parsed from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,11 +1,8 @@
-"""Token logprobs in OpenAI's two shapes: chat's ``logprobs.content`` and completions' legacy
-``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists.
+"""Token logprobs in chat's and completions' (legacy lists) shapes, and vLLM's prompt_logprobs.
 
-The engine gives, for each generated token, a dict of the sampled token's logprob and the top
-ones (raw model logprobs, before temperature and filters, as vLLM reports them). A token's
-text is its id decoded alone. With ``echo``, completions list the prompt's tokens first, the
-first of them with null logprobs (nothing predicts it). vLLM's ``prompt_logprobs`` come back
-in its shape: per prompt token (the first null) a map from token id to logprob and text.
+The engine gives, per token, a dict of its logprob and the top ones (the raw model's, as vLLM
+reports them); a token's text is its id decoded alone. A prompt's first token has null
+logprobs: nothing predicts it.
 """
 from __future__ import annotations
 
@@ -67,8 +64,7 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, float]]
 
 def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, float] | None],
                         top: int, decode: Decode, offset: int = 0) -> CompletionLogprobs:
-    """Completions' shape; ``text_offset`` counts each token's text from ``offset`` on. A None
-    entry (an echoed prompt's first token) has null logprobs."""
+    """Completions' shape, ``text_offset`` from ``offset`` on; a None entry has null logprobs."""
     tokens = [decode([token]) for token in token_ids]
     offsets = []
     for text in tokens:
@@ -104,21 +100,16 @@ def _by_text(entry: dict[int, float], top: int, decode: Decode) -> dict[str, flo
     return alternatives
 
 
-def choice_logprobs(chat: bool, top: int | None, decode: Decode, echo: bool = False
-                    ) -> Callable[[RequestOutput], BaseModel | None]:
-    """What a full response's choice carries as ``logprobs``: its tokens' in the endpoint's
-    shape, the prompt's first with ``echo``, or None when the request asked for none (``top``
-    None)."""
-
-    def of(final: RequestOutput) -> BaseModel | None:
-        out = final.outputs[0]
-        if top is None or out.logprobs is None:
-            return None
-        if chat:
-            return chat_logprobs(out.token_ids, out.logprobs, top, decode)
-        if echo:
-            return completion_logprobs(final.prompt_token_ids + out.token_ids,
-                                       final.prompt_logprobs + out.logprobs, top, decode)
-        return completion_logprobs(out.token_ids, out.logprobs, top, decode)
-
-    return of
+def choice_logprobs(final: RequestOutput, chat: bool, top: int | None, decode: Decode,
+                    echo: bool = False) -> BaseModel | None:
+    """A full response's choice's ``logprobs`` in the endpoint's shape (the prompt's first
+    with ``echo``); None when the request asked for none (``top`` None)."""
+    out = final.outputs[0]
+    if top is None or out.logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(out.token_ids, out.logprobs, top, decode)
+    if echo:
+        return completion_logprobs(final.prompt_token_ids + out.token_ids,
+                                   final.prompt_logprobs + out.logprobs, top, decode)
+    return completion_logprobs(out.token_ids, out.logprobs, top, decode)

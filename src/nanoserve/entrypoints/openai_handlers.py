@@ -1,7 +1,5 @@
 """The OpenAI endpoints' logic: requests in, engine requests out, and back as OpenAI bodies.
-
-Imported lazily by the server (it needs starlette), never by the engine.
-"""
+Imported lazily by the server (it needs starlette), never by the engine."""
 from __future__ import annotations
 
 import asyncio
@@ -32,10 +30,8 @@ from nanoserve.sampling_params import SamplingParams
 
 
 class OpenAIServing:
-    """Serves completions, chat completions, tokenize and detokenize for one model.
-
-    ``reasoning_parser`` (nanoserve.entrypoints.reasoning): split chat answers' thinking into
-    ``reasoning_content``."""
+    """Serves completions, chat completions, tokenize and detokenize for one model;
+    ``reasoning_parser``: split chat answers' thinking into ``reasoning_content``."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
                  reasoning_parser: str | None = None):
@@ -48,8 +44,6 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
                            code="model_not_found")
 
-    # ---- endpoints ---------------------------------------------------------------------------
-
     async def completions(self, body: Any, request: Request) -> Response:
         arrival = time.time()
         req: CompletionRequest = parse_request(CompletionRequest, body)
@@ -58,10 +52,10 @@ class OpenAIServing:
         given = as_prompt_list(req.prompt)
         if not given:
             raise APIError("prompt must not be empty", param="prompt")
-        whole = [self._token_ids(p) for p in given]
+        # Tokenized here rather than in the engine so length errors can name the field.
+        whole = [self.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in given]
         prompts, params = self._params(req, req.max_tokens, whole, "prompt", "max_tokens")
-        # An echo repeats a text prompt as given and a token (or truncated) prompt decoded, as
-        # vLLM does.
+        # As vLLM's, an echo repeats a text prompt as given, a token or truncated one decoded.
         echo = [text if isinstance(text, str) and kept is ids else self._decode(kept)
                 for text, ids, kept in zip(given, whole, prompts)] if req.echo else None
         return await self._generate(f"cmpl-{uuid.uuid4().hex}", prompts, params, req, arrival,
@@ -104,14 +98,8 @@ class OpenAIServing:
             raise APIError(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": self.engine.tokenizer.decode(req.tokens)}
 
-    # ---- input preparation -------------------------------------------------------------------
-
     def _decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
-
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        # Tokenized here rather than in the engine so length errors can name the field.
-        return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                      tools: list[dict[str, Any]] | None = None,
@@ -152,8 +140,6 @@ class OpenAIServing:
                                ) from None
         return prompts, params
 
-    # ---- generation --------------------------------------------------------------------------
-
     async def _generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                         req: CompletionRequest | ChatCompletionRequest, arrival: float,
                         request: Request, chat: bool, echo: list[str] | None = None
@@ -162,9 +148,8 @@ class OpenAIServing:
         if req.use_beam_search:
             return await self._beam_search(request_id, prompts, params, req, arrival, request,
                                            chat)
-        # One engine request per prompt and sample; choice i * n + k is prompt i's sample k,
-        # OpenAI's numbering. With best_of, each prompt's best_of samples are ranked by their
-        # cumulative logprob (which the engine then reports) and the n best kept.
+        # One engine request per prompt and sample (choice i * n + k: prompt i's sample k);
+        # with best_of, the n of highest cumulative logprob (the engine then reports it) kept.
         samples = req.samples_per_prompt()
         engine_params = params if samples == params.n else \
             dataclasses.replace(params, logprobs=params.logprobs or 0)
@@ -201,20 +186,19 @@ class OpenAIServing:
         if echo is not None:
             outs = [dataclasses.replace(o, text=echo[i // params.n] + o.text)
                     for i, o in enumerate(outs)]
-        logprobs_of = choice_logprobs(chat, params.logprobs, self._decode, echo is not None)
+        logprobs = [choice_logprobs(f, chat, params.logprobs, self._decode, echo is not None)
+                    for f in finals]
         prompt_logprobs = None if req.prompt_logprobs is None else \
             [prompt_logprobs_out(f, req.prompt_logprobs, self._decode) for f in finals]
-        body = full_response(request_id, self.served_model_name, chat, outs, usage,
-                             [logprobs_of(f) for f in finals], prompt_logprobs,
-                             _parses_tool_calls(req), self.reasoning_parser)
+        body = full_response(request_id, self.served_model_name, chat, outs, usage, logprobs,
+                             prompt_logprobs, _parses_tool_calls(req), self.reasoning_parser)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _beam_search(self, request_id: str, prompts: list[list[int]],
                            params: SamplingParams, req: CompletionRequest | ChatCompletionRequest,
                            arrival: float, request: Request, chat: bool) -> Response:
-        """vLLM's ``use_beam_search``: ``n`` beams per prompt (``nanoserve.beam_search``), each
-        step's beams sent to the engine as requests; the choices are each prompt's beams, best
-        first."""
+        """vLLM's ``use_beam_search``: each step's ``n`` beams per prompt go to the engine as
+        requests; the choices are each prompt's beams, best first."""
         max_tokens = params.max_tokens or self.engine.max_model_len - max(map(len, prompts))
         try:
             beam_params = BeamSearchParams(params.n, max_tokens, params.ignore_eos,

@@ -50,8 +50,7 @@ class _GenerationRequest(_Strict):
     use_beam_search: bool | None = False  # vLLM's extra fields: n beams, scored with
     length_penalty: float | None = 1.0  # length_penalty (nanoserve.beam_search)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
-    # Constrained output is not implemented: a request that asks for it is refused, not
-    # answered with unconstrained text.
+    # Constrained output is not implemented: asking for it is refused, not ignored.
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
@@ -85,26 +84,22 @@ class _GenerationRequest(_Strict):
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams for this request; a bad value raises a 400 APIError naming it."""
-        given = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty, "seed": self.seed,
-            "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens, "n": self.n,
-            "logprobs": self.top_logprobs_wanted(),
-            "prompt_logprobs": self.prompt_logprobs_wanted(),
-            "logit_bias": None if self.logit_bias is None else _token_keys(self.logit_bias),
-            "allowed_token_ids": self.allowed_token_ids,
-            "truncate_prompt_tokens": self.truncate_prompt_tokens,
-        }
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        given.update(logprobs=self.top_logprobs_wanted(),
+                     prompt_logprobs=self.prompt_logprobs_wanted(),
+                     logit_bias=None if self.logit_bias is None else _token_keys(self.logit_bias))
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, **kwargs)
         except ValueError as exc:
             raise value_error_to_api(exc) from None
+
+
+# Request fields passed to SamplingParams as they are.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                    "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                    "skip_special_tokens", "n", "allowed_token_ids", "truncate_prompt_tokens")
 
 
 def _token_keys(bias: dict[str, float]) -> dict[int, float]:
@@ -146,10 +141,8 @@ class CompletionRequest(_GenerationRequest):
             if self.best_of != (self.n or 1) and (self.stream or self.use_beam_search):
                 raise APIError("best_of ranks finished samples: it works without stream and "
                                "use_beam_search", param="best_of")
-        unsupported = {"suffix": bool(self.suffix)}
-        for name, used in unsupported.items():
-            if used:
-                raise APIError(f"{name} is not supported", param=name)
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
 
 
 class TextPart(_Strict):
@@ -163,9 +156,8 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
-        """The message for a chat template: content parts joined into one string. An
-        assistant's missing content (OpenAI's null beside tool_calls) is an empty string:
-        templates such as Qwen3's search the content for a thinking block."""
+        """The message for a chat template, content parts joined; an assistant's null content
+        is "": templates such as Qwen3's search the content for a thinking block."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
@@ -216,8 +208,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def offers_tools(self) -> bool:
-        """Whether tools go to the chat template and the answer is parsed for their calls
-        (there are some, and tool_choice is not 'none')."""
+        """Whether tools go to the template and answers are parsed for calls (not 'none')."""
         return bool(self.tools) and self.tool_choice != "none"
 
     def tools_offered(self) -> list[dict[str, Any]] | None:

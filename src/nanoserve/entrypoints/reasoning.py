@@ -1,10 +1,8 @@
-"""A chat answer's reasoning ("thinking") split from its content, as vLLM's --reasoning-parser.
+"""A chat answer's ``<think>`` reasoning split from its content, as vLLM's --reasoning-parser.
 
-Reasoning models write their thinking between ``<think>`` and ``</think>`` before the answer.
-``qwen3``: an answer reasons only when it opens with ``<think>`` (Qwen3 with thinking switched
-off, ``chat_template_kwargs: {"enable_thinking": false}``, answers directly). ``deepseek_r1``:
-the answer reasons from its start, as DeepSeek-R1's template opens the block in the prompt. An
-answer cut short (max_tokens) while thinking has reasoning and no content.
+``qwen3``: an answer reasons only when it opens with ``<think>`` (Qwen3 with thinking off
+answers directly). ``deepseek_r1``: from its start, as DeepSeek-R1's template opens the block
+in the prompt. An answer cut short while thinking has reasoning and no content.
 
 Standard library only: the CLI reads REASONING_PARSERS where the server's packages may be
 missing.
@@ -32,8 +30,7 @@ class ReasoningStream:
         self.sent = 0  # characters of the reasoning passed on
 
     def split(self, text: str, finished: bool) -> tuple[str, str | None]:
-        """The reasoning that the cumulative ``text`` adds, and the content so far (None while
-        thinking)."""
+        """The reasoning the cumulative ``text`` adds, and the content so far (None: thinking)."""
         if not finished and THINK_START.startswith(text):
             return "", None  # the answer may be opening its thinking block
         reasoning, content = split_reasoning(text, self.parser)

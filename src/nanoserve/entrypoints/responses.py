@@ -1,5 +1,4 @@
-"""OpenAI API response bodies (whole and streamed) as pydantic models, and the whole body of a
-finished request."""
+"""OpenAI API response bodies, whole and streamed, as pydantic models."""
 from __future__ import annotations
 
 import time
@@ -131,9 +130,8 @@ def full_response(request_id: str, model: str, chat: bool, outs: list[Completion
                   usage: UsageInfo, logprobs: list[BaseModel | None],
                   prompt_logprobs: list[PromptLogprobs] | None = None,
                   tool_calls: bool = False, reasoning_parser: str | None = None) -> BaseModel:
-    """``logprobs`` per choice; ``prompt_logprobs`` per choice (chat has one prompt: its
-    response carries them once), or None when not asked for; ``tool_calls`` and
-    ``reasoning_parser``: see chat_message."""
+    """A finished request's body; ``logprobs`` and ``prompt_logprobs`` (None: not asked for)
+    per choice, though chat's one prompt carries them once."""
     if chat:
         messages = [chat_message(o, tool_calls, reasoning_parser) for o in outs]
         return ChatCompletionResponse(

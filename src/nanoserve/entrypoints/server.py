@@ -27,12 +27,9 @@ def nanoserve_version() -> str:
 
 def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
               api_key: str | None = None, reasoning_parser: str | None = None) -> "FastAPI":
-    """The FastAPI app serving ``engine`` (already started) under ``served_model_name``.
-
-    With ``api_key`` set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``;
-    /health, /version and /metrics stay open for probes and scrapers. ``reasoning_parser``:
-    see nanoserve.entrypoints.reasoning.
-    """
+    """The FastAPI app serving ``engine`` (already started) under ``served_model_name``. With
+    ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
+    ``Authorization: Bearer KEY``."""
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
@@ -60,6 +57,9 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     app = FastAPI(title="nanoserve", version=nanoserve_version())
     api = APIRouter(dependencies=[Depends(require_key)])
 
+    def answer(message: str, status: int, kind: str) -> JSONResponse:
+        return JSONResponse(APIError(message, status, type=kind).body(), status_code=status)
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -67,25 +67,17 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(exc.detail), exc.status_code, type=kind).body(),
-                            status_code=exc.status_code)
+        return answer(str(exc.detail), exc.status_code, kind)
 
     @app.exception_handler(EngineDeadError)
     async def engine_down(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(APIError(str(exc), 503, type="service_unavailable").body(),
-                            status_code=503)
+        return answer(str(exc), 503, "service_unavailable")
 
+    # The engine thread logged a RequestFailedError's cause; starlette, any other's traceback.
     @app.exception_handler(RequestFailedError)
-    async def request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
-        # The engine thread logged the cause; only this request's client hears about it.
-        return JSONResponse(APIError(str(exc), 500, type="internal_server_error").body(),
-                            status_code=500)
-
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        # A bug: starlette logs the traceback after this answer is sent.
-        return JSONResponse(APIError(str(exc), 500, type="internal_server_error").body(),
-                            status_code=500)
+        return answer(str(exc), 500, "internal_server_error")
 
     @app.get("/health")
     async def health() -> Response:
@@ -124,8 +116,6 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     app.include_router(api)
     return app
 
-
-# ---- the `serve` command -----------------------------------------------------------------------
 
 def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register `nanoserve serve [MODEL] ...` with the shared engine flags."""
@@ -179,11 +169,9 @@ def _graceful_server(config: Any, engine: "AsyncLLMEngine") -> Any:
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
-        """A uvicorn server whose first SIGINT/SIGTERM aborts in-flight requests and exits 0.
-
-        uvicorn would otherwise wait for every open stream to finish generating, and re-raise
-        the signal after shutting down, killing the process before the engine is closed.
-        """
+        """A uvicorn server whose first SIGINT/SIGTERM aborts in-flight requests and exits 0:
+        uvicorn would wait for every open stream, then re-raise the signal, killing the
+        process before the engine is closed."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             engine.begin_shutdown()  # signal-safe: a flag and a SimpleQueue.put

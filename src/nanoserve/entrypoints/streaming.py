@@ -33,12 +33,9 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body generator when it ends.
-
-    On a client disconnect starlette cancels the sending task, which may leave the generator
-    suspended at a ``yield`` and its ``finally`` (where requests are aborted) pending until
-    garbage collection. Closing it explicitly frees the request's KV blocks at once.
-    """
+    """A StreamingResponse that always closes its body generator when it ends: on a disconnect
+    the generator may be left suspended, its ``finally`` (which aborts the requests and so
+    frees their KV blocks) pending until garbage collection."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -70,9 +67,8 @@ class ChunkWriter:
                  decode: Decode | None = None, echo: list[str] | None = None,
                  tool_calls: bool = False, reasoning_parser: str | None = None):
         """``echo``: each prompt's text, which opens its choices' first chunk (completions);
-        ``tool_calls``: parse chat answers for them (their text is held back from the first
-        ``<tool_call>``, and the calls go out in the last chunk); ``reasoning_parser``: send
-        chat answers' thinking as ``reasoning_content``."""
+        ``tool_calls``: parse chat answers for them (sent in the last chunk);
+        ``reasoning_parser``: send chat answers' thinking as ``reasoning_content``."""
         self.request_id, self.model, self.chat = request_id, model, chat
         self.tool_calls, self.reasoning_parser = tool_calls, reasoning_parser
         self.include_usage = include_usage
@@ -113,8 +109,8 @@ class ChunkWriter:
             cancel_all(streams)  # on disconnect (GeneratorExit/cancel) this aborts them
 
     def _logprobs_since(self, sent: _Sent, out: RequestOutput) -> BaseModel | None:
-        """The logprobs of every token since the choice's last chunk, its text shown or held
-        back, the echoed prompt's first (None unless the request asked for logprobs)."""
+        """The logprobs of every token since the choice's last chunk (the echoed prompt's
+        first); None unless the request asked for logprobs."""
         completion = out.outputs[0]
         if self.top_logprobs is None or completion.logprobs is None:
             return None

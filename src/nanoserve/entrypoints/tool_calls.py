@@ -1,10 +1,7 @@
-"""Tool calls in a chat answer, in the Hermes format that Qwen2.5, Qwen3 and Hermes models emit.
-
-The model writes each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(usually with newlines inside the tags), after any plain content. As vLLM's ``hermes`` parser
-does, an answer whose calls do not all parse as JSON objects with a name is returned as plain
-content, and text after the first call is not content.
-"""
+"""Tool calls in a chat answer, in the Hermes format that Qwen2.5, Qwen3 and Hermes models emit:
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after any plain content. As vLLM's
+``hermes`` parser, an answer whose calls do not all parse as JSON objects with a name is plain
+content, and text after the first call is not content."""
 from __future__ import annotations
 
 import json
@@ -35,8 +32,7 @@ class ToolCall(BaseModel):
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``text``'s content (None when empty) and its tool calls (empty: ``text`` is all
-    content)."""
+    """``text``'s content (None when empty) and tool calls (none: ``text`` is all content)."""
     start = text.find(TOOL_CALL_START)
     if start < 0:
         return text, []
@@ -56,13 +52,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 class ToolCallStream:
-    """One streamed choice's content, with its tool calls held back until the answer ends.
-
-    Text is passed on as content up to the first ``<tool_call>``; from there on it is held,
-    and at the end parsed: into tool calls, or, when they do not parse, flushed as content.
-    The end of the text that could still begin the tag is held too, so that no part of a tag
-    goes out as content.
-    """
+    """One streamed choice's content up to the first ``<tool_call>`` (no part of a tag goes
+    out); the rest is held, and at the end parsed into tool calls or flushed as content."""
 
     def __init__(self) -> None:
         self.shown = 0  # characters of the text passed on as content
@@ -83,8 +74,7 @@ class ToolCallStream:
         return new
 
     def finish(self, text: str) -> tuple[str, list[ToolCall]]:
-        """At the end of the answer (the whole ``text``): the content still to go out, and
-        the tool calls."""
+        """At the answer's end (the whole ``text``): the content still to go out, and calls."""
         _, calls = parse_tool_calls(text)
         if calls:
             return "", calls

@@ -9,11 +9,8 @@ from nanoserve.layers.parallel_state import Narrow, get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary's rows; lookups are all-reduced.
-
-    Slices are ``ceil(vocab / tp)`` rows; rows past the vocabulary (on the last ranks) are
-    zero padding that no token id reaches.
-    """
+    """Each rank holds ``ceil(vocab / tp)`` rows of the vocabulary (zero padding past its end);
+    lookups are all-reduced."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -44,10 +41,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the vocabulary: each rank scores its slice; rank 0 gathers the slices.
-
-    Only rank 0 samples, so the other ranks get None rather than the full logits.
-    """
+    """Logits over the vocabulary: each rank scores its slice; rank 0, which samples, gathers
+    them and the other ranks get None."""
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                 ) -> torch.Tensor | None:
@@ -63,9 +58,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     @torch.inference_mode()
     def warm_row_counts(self, max_rows: int) -> None:
-        """This rank's GEMM once at every row count up to ``max_rows``, the rows an eager step
-        may score. cuBLAS loads a kernel the first time a row count needs it: ~3 ms on an idle
-        H200, tens of ms behind a prefill step's queued work."""
+        """This rank's GEMM once at every row count up to ``max_rows``: cuBLAS loads a kernel
+        the first time a row count needs it, which would stall an eager step."""
         x = torch.zeros(max_rows, self.weight.shape[1], dtype=self.weight.dtype,
                         device=self.weight.device)
         for rows in range(1, max_rows + 1):

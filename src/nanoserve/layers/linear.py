@@ -1,14 +1,7 @@
-"""Linear layers that shard themselves across tensor-parallel ranks.
-
-Column-parallel layers split output features (no communication); row-parallel layers split
-input features and all-reduce their partial sums. Fused QKV and merged gate/up layers are
-column-parallel layers whose output is several checkpoint tensors stacked: each tensor's shard
-goes in its own slot of the parameter.
-
-Loading is two calls per checkpoint tensor: ``checkpoint_slice`` says which part of it this
-rank needs (so the loader reads only that part from disk), ``weight_loader`` puts that part in
-place. At size 1 the slice is the whole tensor and the forward is a plain ``F.linear``.
-"""
+"""Linear layers that shard themselves across tensor-parallel ranks: column-parallel ones split
+output features (fused QKV and gate/up stack checkpoint tensors, one slot each), row-parallel
+ones input features. Loading a checkpoint tensor is ``checkpoint_slice`` (the part this rank
+reads from disk), then ``weight_loader``."""
 from __future__ import annotations
 
 import torch
@@ -26,16 +19,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            norm_eps: float | None = None, activate: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """The projection op: ``F.linear(x, weight, bias)`` with the fusions the caller asks for.
-
     ``norm_eps``: ``x`` is un-normalised and ``weight`` carries the RMSNorm's weight in its
     columns (``ColumnParallelLinear.fold_norm``): the product of ``x / rms(x)``.
     ``activate``: ``weight`` is a merged ``[gate; up]`` and the result ``silu(gate) * up``.
     ``residual``: the result is ``residual + product`` (on CUDA written into ``residual`` in
-    place: do not reuse the tensor passed).
-
-    On CUDA in 16 bits, a decode-sized batch goes to the skinny GEMV where its ``select``
-    says so (all three fusions inside it); otherwise cuBLAS, with the norm and the activation
-    as launches of their own and the residual added by the GEMM (``beta = 1``).
+    place: do not reuse the tensor passed). On CUDA in 16 bits, a decode-sized batch goes to
+    the skinny GEMV (all fusions inside) where its ``select`` says so.
     """
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
         from nanoserve.kernels import skinny_gemm
@@ -50,8 +39,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    norm_eps: float | None = None, activate: bool = False,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`linear` through ``F.linear`` (cuBLAS on CUDA), each fusion a step of its own but
-    the residual add, which the GEMM does (``beta = 1``) where it can."""
+    """:func:`linear` through ``F.linear``, each fusion a step of its own but the residual add,
+    which the GEMM does (``beta = 1``) where it can."""
     if activate and residual is not None:
         raise ValueError("linear adds into a residual or activates, not both")
     if norm_eps is not None:
@@ -80,19 +69,23 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) \
             if bias else None
 
+    def _slot(self, shard_id: ShardId) -> tuple[int, int]:
+        """(offset, size) of checkpoint tensor ``shard_id``'s shard in this rank's parameter."""
+        return 0, self.out_per_rank
+
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        size = param.shape[0]
+        size = self._slot(shard_id)[1]
         return Narrow(0, self.tp.rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ShardId = None) -> None:
-        param.data.copy_(loaded)
+        offset, size = self._slot(shard_id)
+        param.data.narrow(0, offset, size).copy_(loaded)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, activate: bool = False
                 ) -> torch.Tensor:
-        """``linear(norm(x))``; where the norm's weight is folded into this projection (the
-        GPU path), the op applies the rest of the norm itself. With ``activate`` (a merged
-        ``[gate; up]`` projection), ``silu_and_mul`` of it."""
+        """``linear(norm(x))`` (a folded norm is applied by the op); with ``activate``,
+        ``silu_and_mul`` of it."""
         if norm is not None and norm.folded:
             return linear(x, self.weight, self.bias, norm_eps=norm.eps, activate=activate)
         if norm is not None:
@@ -101,10 +94,8 @@ class ColumnParallelLinear(nn.Module):
 
     @torch.no_grad()
     def fold_norm(self, norm: RMSNorm) -> None:
-        """Carry ``norm``'s weight in this projection's columns (``W[:, k] * g[k]``, computed
-        in float32) and set the norm's weight to ones: the same product, with the weight
-        multiply done once at load time. :meth:`forward` then passes the norm's eps to the
-        projection op, which applies each row's 1 / rms."""
+        """Carry ``norm``'s weight in this projection's columns (``W[:, k] * g[k]``, in
+        float32), leaving the norm each row's 1 / rms, which the projection op applies."""
         folded = self.weight.float() * norm.weight.float()[None, :]
         self.weight.copy_(folded.to(self.weight.dtype))
         norm.weight.fill_(1.0)
@@ -119,28 +110,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
 
     def _slot(self, shard_id: ShardId) -> tuple[int, int]:
-        """(offset, size) of checkpoint tensor ``shard_id``'s shard in this rank's parameter."""
         sizes = [divide(s, self.tp.size, "output features") for s in self.out_sizes]
         index = int(shard_id)
         return sum(sizes[:index]), sizes[index]
 
-    def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        size = self._slot(shard_id)[1]
-        return Narrow(0, self.tp.rank * size, size)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
-        offset, size = self._slot(shard_id)
-        param.data.narrow(0, offset, size).copy_(loaded)
-
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """Fused q/k/v projection split by heads; KV heads are replicated when ranks outnumber them.
-
-    Each rank holds ``num_heads / tp`` query heads and the KV heads they attend with: its own
-    ``num_kv_heads / tp`` heads, or, with fewer KV heads than ranks, a copy of the one head
-    that its query heads share (``tp / num_kv_heads`` consecutive ranks hold the same head).
-    """
+    """Fused q/k/v projection split by heads; KV heads are replicated when ranks outnumber them
+    (``tp / num_kv_heads`` consecutive ranks then hold a copy of the same head)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
@@ -173,33 +150,26 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's columns (input features) split; partial sums all-reduced."""
+    """y = x W^T with W's columns (input features) split; partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.tp = get_tp_group()
         self.in_per_rank = divide(in_features, self.tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
                                    requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
-            if bias else None
+        self.bias = None  # no supported architecture biases a row-parallel projection
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        if param.dim() == 1:  # the bias is whole on every rank
-            return None
         size = param.shape[1]
         return Narrow(1, self.tp.rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ShardId = None) -> None:
-        if param.dim() == 1 and self.tp.rank > 0:
-            param.data.zero_()  # the all-reduce sums the ranks: the bias is added on rank 0 only
-            return
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The all-reduced product; with ``residual``, ``residual`` plus it (on one rank the
-        projection op adds it in its epilogue)."""
+        """The all-reduced product; with ``residual``, ``residual`` plus it."""
         if self.tp.size == 1:
             return linear(x, self.weight, self.bias, residual=residual)
         out = self.tp.all_reduce(linear(x, self.weight, self.bias))

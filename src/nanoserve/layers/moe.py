@@ -1,15 +1,6 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a router picks the top-k experts of each token, each
-expert is a SiLU-gated MLP, and a token's output is its experts' outputs weighted by the router.
-
-Tensor parallelism splits every expert's intermediate features across ranks, as the dense MLP
-splits its own: gate/up by rows, down by columns, one all-reduce at the end. The router is
-replicated, so every rank routes every token the same way.
-
-On the CPU the experts run one after another over the tokens routed to them, which reads the
-routing on the host. On CUDA two grouped GEMMs over blocks of tokens grouped by expert do the
-same with the routing left on the device (``kernels/fused_moe.py``), so decode steps can be
-CUDA graphs.
-"""
+"""Mixture-of-experts MLP (Qwen3-MoE): a replicated router weights each token's top-k SiLU-gated
+experts, whose intermediate features tensor parallelism splits as the dense MLP's. On CUDA,
+grouped GEMMs keep the routing on the device, so decode steps can be CUDA graphs."""
 from __future__ import annotations
 
 import torch
@@ -21,16 +12,14 @@ from nanoserve.layers.linear import linear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 
-# A checkpoint tensor of one expert: (expert index, "gate" | "up" | "down"); None for the
-# fused layout that holds every expert in one tensor (transformers 5's own parameters).
+# One expert's checkpoint tensor: (index, "gate" | "up" | "down"); None: all experts in one.
 ExpertShard = tuple[int, str] | None
 
 
 def experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` with the experts' weights stacked
-    (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``), one expert at a time: the CPU path
-    and the reference of the fused GPU kernels."""
+    """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` (``gate_up`` ``[E, 2I, H]``,
+    ``down`` ``[E, H, I]``), one expert at a time: the CPU path and the GPU kernels' reference."""
     out = torch.zeros_like(x)
     # Ascending expert order, each adding into its tokens' rows: transformers' order.
     for e in torch.unique(experts).tolist():
@@ -79,9 +68,6 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.per_rank),
                                       requires_grad=False)
 
-    def _mine(self) -> slice:
-        return slice(self.tp.rank * self.per_rank, (self.tp.rank + 1) * self.per_rank)
-
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ExpertShard = None
                          ) -> Narrow | None:
         start = self.tp.rank * self.per_rank
@@ -93,7 +79,7 @@ class Experts(nn.Module):
                       shard_id: ExpertShard = None) -> None:
         if shard_id is None:
             if param is self.gate_up_proj:
-                mine = self._mine()
+                mine = slice(self.tp.rank * self.per_rank, (self.tp.rank + 1) * self.per_rank)
                 gate, up = loaded[:, :self.full], loaded[:, self.full:]
                 loaded = torch.cat([gate[:, mine], up[:, mine]], dim=1)
             param.data.copy_(loaded)

@@ -6,8 +6,7 @@ from torch import nn
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The PyTorch formula (CPU path and reference): float32 maths, rounded before the weight
-    (none: a weight of ones)."""
+    """The PyTorch formula (CPU path and reference): float32, rounded before the weight."""
     dtype = x.dtype
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
@@ -21,9 +20,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        # True once the projection that reads this norm's output carries the weight in its own
-        # columns (``ColumnParallelLinear.fold_norm``): what is left of the norm is each row's
-        # 1 / rms, which that projection applies (``linear(..., norm_eps=)``).
+        # Set by ``ColumnParallelLinear.fold_norm``: the reading projection applies the rest.
         self.folded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

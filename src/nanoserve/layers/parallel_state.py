@@ -1,9 +1,5 @@
-"""Which tensor-parallel rank this process is, and the collectives the layers need.
-
-Layers read the current group once, when they are built (``get_tp_group``), and keep it: the
-model runner builds a rank's model inside ``tensor_parallel_group(rank, size)``, so a process can
-hold a size-1 model and a rank of a tensor-parallel one side by side.
-"""
+"""Which tensor-parallel rank this process is, and the collectives the layers need. Layers
+read the group once, when built, so a process can hold models of different sizes side by side."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -25,11 +21,7 @@ class Narrow(NamedTuple):
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """Rank and size of this process in its tensor-parallel group (size 1: no communication).
-
-    The group is the default torch.distributed process group: one tensor-parallel group per
-    process, whose global ranks are its tensor-parallel ranks.
-    """
+    """Rank and size of this process in the default torch.distributed group (1: no traffic)."""
 
     rank: int = 0
     size: int = 1

@@ -43,8 +43,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The PyTorch backend's path; on CUDA the Triton backend rotates inside its fused
-        # q/k-norm + RoPE + K/V-store kernel, reading ``cos_sin`` directly.
+        # The PyTorch backend's path; the Triton backend reads ``cos_sin`` in its own kernel.
         return rotary_embedding_torch(positions, q, k, self.cos_sin)
 
 

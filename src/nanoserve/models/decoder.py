@@ -1,12 +1,7 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3: they differ by a few switches.
-
-Llama: no biases. Qwen2: q/k/v biases. Qwen3: RMSNorm on each head of q and k before RoPE.
-Qwen3-MoE: Qwen3 with a mixture of experts in place of the MLP in some or all layers.
-Everything device- or parallelism-specific comes in through the layer classes and the
-attention metadata, never through branches here. The hidden state between layers is the
-residual stream itself: each pre-norm is the next projection's to apply (``norm=``), and each
-output projection adds into the stream (``residual=``), fused where the device can.
-"""
+"""One decoder-only transformer for Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms)
+and Qwen3-MoE (experts in place of some MLPs); device and parallelism come in through the layer
+classes and the attention metadata. Between layers flows the residual stream: each pre-norm is
+applied by the next projection (``norm=``), each output projection adds into it (``residual=``)."""
 from __future__ import annotations
 
 import re
@@ -66,8 +61,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated feed-forward of a normalised input: merged gate/up (column parallel), then the
-    down projection (row parallel) of silu(gate) * up, added into the residual stream."""
+    """SiLU-gated feed-forward: merged gate/up (column parallel), then down (row parallel)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,9 +100,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None) -> torch.Tensor:
-        """The final hidden states of the step's tokens: ``ids``, or where ``token_table`` is
-        given, ``token_table[ids]`` (the decode graphs' arena, which holds the tokens the last
-        step sampled)."""
+        """The final hidden states of the tokens ``ids``, or ``token_table[ids]`` (the decode
+        graphs' arena of the tokens last sampled)."""
         if token_table is not None:
             ids = token_table[ids]
         residual = self.embed_tokens(ids)
@@ -167,10 +160,9 @@ class DecoderForCausalLM(nn.Module):
         return self.model(ids, positions, token_table)
 
     def fold_norm_weights(self) -> None:
-        """Fold each layer's pre-norm weights into the projections that read the norms (qkv,
-        and gate/up where the MLP is dense: a router reads the normalised row too), the GPU
-        path: the projection op then applies the norm's row scale inside its own launch. The
-        final norm stays, since the LM head may share the embedding's weights."""
+        """Fold each layer's pre-norm weights into the projections that read them (qkv, and
+        gate/up where the MLP is dense: a router reads the normalised row too), the GPU path.
+        The final norm stays: the LM head may share the embedding's weights."""
         for layer in self.model.layers:
             layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
             if isinstance(layer.mlp, MLP):
@@ -178,8 +170,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor | None:
-        """Logits of ``hidden``'s rows; None on tensor-parallel ranks other than 0. ``out``:
-        see ParallelLMHead.forward."""
+        """Logits of ``hidden``'s rows (None on ranks but 0); ``out``: see ParallelLMHead."""
         return self.lm_head(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:

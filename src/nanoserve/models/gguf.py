@@ -1,8 +1,5 @@
-"""GGUF files: locating the packaged default model, reading config, tokenizer and weights.
-
-Config and tokenizer come from transformers' GGUF support; weights are read here with the
-``gguf`` package so that they stream one tensor at a time under Hugging Face parameter names.
-"""
+"""GGUF files: the packaged default model, config and tokenizer (transformers' GGUF support),
+and weights, streamed one tensor at a time with the ``gguf`` package."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +8,6 @@ import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,8 +50,7 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors with no Hugging Face parameter: llama3 GGUFs store precomputed RoPE frequency
-# factors, which transformers derives from the config's rope scaling instead.
+# No Hugging Face parameter: transformers derives llama3's RoPE factors from the config.
 _SKIPPED_NAMES = {"rope_freqs.weight"}
 # llama.cpp's converter interleaves the two rotary halves of q/k rows only for llama.
 _PERMUTED_ARCHS = {"llama"}
@@ -76,13 +71,8 @@ def default_model_path() -> Path:
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
-    """Whether the engine should load ``path`` as GGUF rather than as a Hugging Face folder.
-
-    True for any path named ``*.gguf`` (even a missing one, so that loading it reports the
-    missing file rather than a confusing hub lookup), and for a folder that holds ``.gguf``
-    files but no ``.safetensors``: a folder with safetensors is a Hugging Face checkpoint.
-    A folder with several ``.gguf`` files counts too; loading it then asks for one file.
-    """
+    """Whether to load ``path`` as GGUF: any ``*.gguf`` path (even a missing one, so that the
+    error names the file), or a folder with ``.gguf`` files and no ``.safetensors``."""
     path = Path(path)
     if path.suffix.lower() == ".gguf":
         return True
@@ -107,8 +97,7 @@ def _resolve_gguf_file(path: str | os.PathLike) -> Path:
         path = files[0]
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    # A cheap look at the magic catches most wrong files before transformers' parser
-    # fails on them with messages that do not name the file.
+    # transformers' parser fails on wrong files with messages that do not name them.
     with path.open("rb") as f:
         if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic)")
@@ -143,11 +132,8 @@ def _from_gguf(auto_class: type, path: str | os.PathLike, what: str) -> Any:
 
 
 def load_gguf_eos_token_ids(path: str | os.PathLike) -> list[int]:
-    """Token ids that end generation per the GGUF metadata: EOS, then end-of-turn/message ids.
-
-    Chat models often mark turn ends with a token other than EOS (``eot``/``eom``); the
-    config keeps only EOS, so the engine adds these to its stop set.
-    """
+    """Token ids that end generation per the GGUF metadata: EOS, then end-of-turn/message ids
+    (which the config, keeping only EOS, misses)."""
     import gguf  # lazily: the package is only needed for GGUF files
     reader = _open_reader(_resolve_gguf_file(path))
     ids: list[int] = []
@@ -166,11 +152,7 @@ def _int_field(reader: gguf.GGUFReader, file: Path, key: str) -> int:
 
 
 def _unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: back from interleaved rotary pairs to two halves.
-
-    Per head, llama.cpp stores rows as (pair index i, half j) so that rotary pairs are
-    adjacent; Hugging Face's rotate_half layout wants (half j, pair index i).
-    """
+    """Undo llama.cpp's q/k row order: per head (pair i, half j) back to (half j, pair i)."""
     head_dim = weight.shape[0] // n_heads
     return (weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
             .transpose(1, 2).reshape(weight.shape))
@@ -178,13 +160,8 @@ def _unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def iter_gguf_weights(path: str | os.PathLike,
                       dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream a GGUF file's tensors, dequantized to ``dtype``, under Hugging Face names.
-
-    Supports the llama, qwen2 and qwen3 architectures. The file is memory-mapped and each
-    tensor is dequantized only when the iterator reaches it, so peak memory is one tensor
-    beyond what the caller keeps. ``lm_head.weight`` is yielded only when the
-    file stores an output matrix; without one, the embeddings are tied.
-    """
+    """Stream a GGUF file's tensors (llama, qwen2, qwen3), each dequantized to ``dtype`` when
+    reached, under Hugging Face names; ``lm_head.weight`` only where the file has one."""
     import gguf  # lazily: the package is only needed for GGUF files
     file = _resolve_gguf_file(path)
     reader = _open_reader(file)

@@ -57,10 +57,8 @@ def _generation_eos_ids(path: Path) -> list[int]:
 
 
 class CheckpointTensor:
-    """One checkpoint tensor, read whole or only the slice that a tensor-parallel rank needs.
-
-    Valid until the iterator that yielded it moves on (its safetensors file is open until then).
-    """
+    """One checkpoint tensor, read whole or only a rank's slice; valid until the iterator that
+    yielded it moves on."""
 
     def __init__(self, name: str, shape: Sequence[int], dtype: torch.dtype,
                  read: Callable[[tuple[slice, ...]], torch.Tensor]):
@@ -82,11 +80,7 @@ class CheckpointTensor:
 
 
 def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Every checkpoint tensor under its Hugging Face name, one at a time, read on demand.
-
-    From safetensors, a slice reads only its own bytes; a GGUF tensor is dequantized whole
-    and then sliced.
-    """
+    """Every checkpoint tensor under its Hugging Face name, one at a time, read on demand."""
     if gguf.is_gguf(path):
         for name, tensor in gguf.iter_gguf_weights(path, dtype):
             yield name, CheckpointTensor(name, tensor.shape, dtype, tensor.__getitem__)
@@ -105,8 +99,7 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, Checkpoi
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
-    """Random weights of the right shapes (``load_format="dummy"``), for benchmarking
-    architectures without a checkpoint."""
+    """Random weights of the right shapes (``load_format="dummy"``), for benchmarks."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for name, param in model.named_parameters():
         if "norm" in name:

@@ -17,17 +17,17 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(cfg: ModelConfig, backend: AttentionBackend) -> nn.Module:
-    cls = MODEL_CLASSES.get(cfg.architecture)
-    if cls is None:
-        raise ValueError(f"architecture {cfg.architecture!r} is not supported; "
-                         f"supported: {', '.join(sorted(MODEL_CLASSES))}")
-    return cls(cfg, backend)
+    return MODEL_CLASSES[_supported(cfg.architecture)](cfg, backend)
 
 
 def check_architecture(hf_config: object) -> str:
     """The config's architecture name, or a clear error listing what is supported."""
     names = getattr(hf_config, "architectures", None) or []
-    arch = names[0] if names else f"<model_type {getattr(hf_config, 'model_type', '?')}>"
+    return _supported(names[0] if names
+                      else f"<model_type {getattr(hf_config, 'model_type', '?')}>")
+
+
+def _supported(arch: str) -> str:
     if arch not in MODEL_CLASSES:
         raise ValueError(f"architecture {arch!r} is not supported; "
                          f"supported: {', '.join(sorted(MODEL_CLASSES))}")
