@@ -105,7 +105,7 @@ def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factor
 def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
     """``max_num_seqs=1``: every decode step is batch 1, latency.py's path (split decode that
     reads its first K/V tile before the programmatic wait for the qkv projection). Some
-    generations cross the decode graphs' context caps (512, 2048) and change graphs."""
+    generations cross the decode graphs' context caps (512, 2048, ...) and change graphs."""
     assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
                                         f"{shape} one sequence at a time",
                                         prompt_lens=[5, 120, 300, 490, 500, 1000, 2030, 2040],

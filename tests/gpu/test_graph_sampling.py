@@ -38,18 +38,21 @@ def _generate_recording(model_dir: Path, params) -> tuple[list, list[tuple], lis
     temperatures, seed) cloned; and the shape of the logits each general-sampler call
     received."""
     from nanoserve import LLM
+    from nanoserve.runner.cuda_graph import graph_key
 
     llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.5)
     runner = llm.engine.executor
     graphs, replays, sampler_inputs = runner.graphs, [], []
     run, sample = graphs.run, runner.sampler.forward
-    regions, key_for = graphs.arena.regions, graphs.key_for  # the graphs' static inputs
+    # the graphs' static inputs, and what picks a step's graph
+    regions, sizes, max_len = graphs.arena.regions, graphs.sizes, graphs.max_seq_len
 
     def recording_run(*args):
         out = run(*args)
         if out.token_ids is not None:
             n = out.token_ids.shape[0]
-            region = regions[key_for(n, 1)[0]]  # one region per batch size, any context
+            # one region per batch size, any context
+            region = regions[graph_key(sizes, max_len, n, 1)[0]]
             replays.append((out.logits.clone(), out.token_ids.clone(),
                             region.temperature[:n].clone(), region.noise_seed.clone()))
         return out
