@@ -16,6 +16,7 @@ import torch
 CONFIG_DIR = Path(__file__).with_name("configs")
 
 
+@functools.cache  # an op's select asks on every eager call: the driver is asked once
 def device_key(device: torch.device) -> str:
     """The file name a device's tunings go under, e.g. ``NVIDIA_H200``."""
     return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
