@@ -108,6 +108,7 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
         names = getattr(hf_config, "architectures", None) or [arch_from_model_type(hf_config)]
         arch = names[0]
+        refuse_unhonoured_fields(hf_config, arch)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         theta, scaling = _rope_of(hf_config)
@@ -129,8 +130,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf_config, "attention_bias", False))
-            or arch == "Qwen2ForCausalLM",
+            attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=str(dtype).replace("torch.", "") if dtype else "float32",
             eos_token_ids=sorted(set(eos)),
@@ -140,6 +140,47 @@ class ModelConfig:
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
             moe_layers=_moe_layers(hf_config, num_experts),
         )
+
+
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
+    """Raise ValueError naming the first config field this engine would not honour: a model
+    that loads must be the model its config describes, never a silently different one."""
+    def field(name: str) -> Any:
+        return getattr(hf_config, name, None)
+
+    window = field("sliding_window")
+    if (window is not None and field("use_sliding_window") is not False
+            and window < getattr(hf_config, "max_position_embeddings", window + 1)):
+        raise ValueError(f"sliding_window={window} is not supported: nanoserve runs full "
+                         f"attention only")
+    quantization = field("quantization_config")
+    method = (quantization.get("quant_method", "?") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", "?")) if quantization else None
+    # transformers marks what it read from a GGUF file "gguf": weights dequantized as they load.
+    if method is not None and str(method).lower() != "gguf":
+        raise ValueError(f"quantization_config ({method}) is not supported: nanoserve loads "
+                         f"16- and 32-bit float weights")
+    act = field("hidden_act")
+    if act is not None and act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+    rope = field("rope_parameters")
+    partial = field("partial_rotary_factor") or (
+        rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported: RoPE rotates "
+                         f"every dimension")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if field(name) is not None:
+            raise ValueError(f"{name}={field(name)} is not supported")
+    if field("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    # Qwen2's q/k/v biases are its architecture's; elsewhere attention_bias also biases o_proj.
+    if field("attention_bias") and arch != "Qwen2ForCausalLM":
+        raise ValueError(f"attention_bias=True is not supported for {arch}")
 
 
 def _moe_layers(hf_config: Any, num_experts: int) -> tuple[int, ...]:
