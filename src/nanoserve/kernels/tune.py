@@ -84,7 +84,7 @@ def _graph_us(call: Callable[[int], Any], copies: int, replays: int = 10) -> flo
 
 
 def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.device
-                    ) -> tuple[SkinnyConfig | str, dict[str, float]]:
+                    ) -> tuple[SkinnyConfig | str, dict[SkinnyConfig | str, float]]:
     """The fastest launch (tiles, or ``CUBLAS``) of one projection at ``rows`` rows, and each
     candidate's microseconds."""
     from nanoserve.layers.linear import unfused_linear
@@ -109,15 +109,14 @@ def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.devi
         return None if start is None else start.clone()
 
     want = run(None, 0, fresh()).float()
-    times = {CUBLAS: _graph_us(lambda i: run(None, i, work), copies)}
+    times: dict[SkinnyConfig | str, float] = {
+        CUBLAS: _graph_us(lambda i: run(None, i, work), copies)}
     for config in candidates(rows, k):
         got = run(config, 0, fresh()).float()
         if not torch.allclose(got, want, atol=5e-2, rtol=5e-2):
             continue  # a tiling that computes something else is never a winner
-        times[repr(tuple(config))] = _graph_us(lambda i: run(config, i, work), copies)
-    configs = {repr(tuple(c)): c for c in candidates(rows, k)}
-    best = min(times, key=times.get)
-    return (CUBLAS if best == CUBLAS else configs[best]), times
+        times[config] = _graph_us(lambda i: run(config, i, work), copies)
+    return min(times, key=times.get), times
 
 
 def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
