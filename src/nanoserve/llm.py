@@ -45,6 +45,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for p in params:  # grammars compile side by side, before the first add waits
+            if isinstance(p, SamplingParams) and p.structured_outputs is not None:
+                self.engine.structured_outputs().compiler.submit(p.structured_outputs)
         ids: list[list[str]] = []
         try:
             for prompt, p in zip(prompts, params):

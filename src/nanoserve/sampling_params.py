@@ -1,10 +1,58 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 # Top logprobs a request may ask for per token (vLLM's default cap).
 MAX_LOGPROBS = 20
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match, with vLLM's names; exactly one field is set:
+    ``json`` a JSON schema (a dict or its text), ``regex``, ``choice`` (one of the strings),
+    ``grammar`` (EBNF, as xgrammar reads it), ``json_object`` (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(_CONSTRAINTS)}, got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its "
+                             f"text), got {type(value).__name__}")
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got "
+                             f"{value!r}")
+        if kind == "choice" and (not isinstance(value, (list, tuple)) or not value or not all(
+                isinstance(c, str) and c for c in value)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {value!r}")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """The constraint as (kind, text): what compiled grammars are cached by."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str):
+            return self.kind, value
+        return self.kind, json.dumps(value)
 
 
 @dataclass
@@ -37,6 +85,7 @@ class SamplingParams:
     # Keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = None
     n: int = 1  # independent samples of the prompt (LLM.generate and the server fan them out)
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +135,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers, "
                              f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

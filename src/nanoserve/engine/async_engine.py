@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from nanoserve.engine.request_stream import RequestStream, call_in_loop, deliver, resolve_future
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from nanoserve.config import EngineConfig
@@ -122,6 +122,12 @@ class AsyncLLMEngine:
             stream.cancel()  # queued after the add, so the engine drops what it just took
             raise
         return stream
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile (or find cached) the grammar of ``spec`` on the compiler's threads; raises
+        ValueError when it does not compile."""
+        compiler = self._require_engine().structured_outputs().compiler
+        await asyncio.wrap_future(compiler.submit(spec))
 
     def abort(self, request_id: str) -> None:
         """Abort one request; thread-safe and a no-op for unknown or finished requests."""

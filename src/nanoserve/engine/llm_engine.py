@@ -1,9 +1,10 @@
 """LLMEngine: validates and tokenizes requests, runs scheduler steps, turns tokens into outputs."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
@@ -16,6 +17,11 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import check_context_length, truncate_prompt
 from nanoserve.runner.inputs import PENDING_TOKEN, InFlightStep, SequenceChunk, StepInput
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from nanoserve.engine.structured_output import StructuredOutputs
 
 
 class Executor(Protocol):
@@ -74,6 +80,8 @@ class LLMEngine:
         self.finished_ids: list[str] = []
         self.in_flight: tuple[list[ScheduledChunk], InFlightStep] | None = None
         self.num_history_requests = 0  # unfinished requests whose sampling reads past tokens
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -122,12 +130,25 @@ class LLMEngine:
                 f"new tokens but the whole cache has {self.block_manager.num_blocks}; "
                 "lower max_tokens or give the cache more memory")
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
+        if params.structured_outputs is not None:
+            self.structured_outputs().add(request_id, params.structured_outputs)
         req = Request(request_id, text, ids, params, max_tokens, eos,
                       arrival_time=arrival_time or time.time(), stream=stream)
         self.requests[request_id] = req
         self.num_history_requests += params.needs_token_history
         self.output_processor.add(req)
         self.scheduler.add(req)
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar compiler and matchers, made on first use (xgrammar loads then)."""
+        with self._structured_lock:  # the server's event loop may get here first
+            if self._structured is None:
+                from nanoserve.engine.structured_output import GrammarCompiler, StructuredOutputs
+
+                compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                           list(self.model_config.eos_token_ids))
+                self._structured = StructuredOutputs(compiler)
+            return self._structured
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -174,12 +195,16 @@ class LLMEngine:
                 outputs += self._collect(previous)
                 previous = None
             sched = self.scheduler.schedule()
+            step = None
             if sched.chunks:
-                self.in_flight = (sched.chunks,
-                                  self.executor.launch(self._step_input(sched.chunks)))
+                # Overlapped, a grammar's bitmask waits for the previous step's tokens.
+                step = self._step_input(sched.chunks, with_bitmask=not overlap)
+                self.in_flight = (sched.chunks, self.executor.launch(step))
                 for chunk in sched.chunks:
                     self.scheduler.advance(chunk)
             outputs += self._collect(previous)
+            if step is not None and step.grammar_rows and step.token_bitmask is None:
+                self.in_flight[1].apply_bitmask(self._bitmask(sched.chunks, step.grammar_rows))
             if not overlap:
                 current, self.in_flight = self.in_flight, None
                 outputs += self._collect(current)
@@ -223,7 +248,13 @@ class LLMEngine:
                 req.logprobs = req.logprobs if req.logprobs is not None else []
                 req.logprobs.append(token_logprobs)
             self.generation_tokens += 1
-            self.output_processor.append_token(req, token, now)
+            matcher = self._structured and self._structured.matchers.get(req.request_id)
+            if matcher is not None and not matcher.accept_token(token):
+                req.finish(FinishReason.ERROR, f"the grammar does not allow token {token}")
+            else:
+                self.output_processor.append_token(req, token, now)
+                if matcher is not None and matcher.is_terminated() and not req.finished:
+                    req.finish(FinishReason.STOP)  # the grammar ended on a stop it ignores
             self.scheduler.register_known_blocks(req)
             if req.finished:
                 self.scheduler.finish(req)
@@ -232,7 +263,14 @@ class LLMEngine:
                 outputs.append(self.output_processor.output(req))
         return outputs
 
-    def _step_input(self, chunks: list[ScheduledChunk]) -> StepInput:
+    def _bitmask(self, chunks: list[ScheduledChunk], rows: list[int]) -> np.ndarray:
+        """The next-token bitmasks of a step's sampling ``rows`` under a grammar."""
+        sampling = [c.request for c in chunks if c.samples]
+        return self._structured.bitmask([None if sampling[i].finished
+                                         else sampling[i].request_id for i in rows])
+
+    def _step_input(self, chunks: list[ScheduledChunk], with_bitmask: bool = True
+                    ) -> StepInput:
         seqs = []
         for c in chunks:
             req, params = c.request, c.request.params
@@ -252,12 +290,17 @@ class LLMEngine:
                 prompt_logprob_rows=0 if req.prompt_logprobs is None
                 else req.prompt_logprob_rows(c.start, c.num_tokens)))
         finished, self.finished_ids = self.finished_ids, []
-        return StepInput(seqs, finished)
+        grammar_rows = [i for i, c in enumerate(c for c in chunks if c.samples)
+                        if c.request.params.structured_outputs is not None]
+        bitmask = self._bitmask(chunks, grammar_rows) if grammar_rows and with_bitmask else None
+        return StepInput(seqs, finished, grammar_rows, bitmask)
 
     def _finalize(self, req: Request) -> RequestOutput:
         del self.requests[req.request_id]
         self.num_history_requests -= req.params.needs_token_history
         self.output_processor.remove(req)
+        if self._structured is not None:
+            self._structured.remove(req.request_id)
         self.finished_ids.append(req.request_id)
         return self.output_processor.output(req)
 
@@ -276,4 +319,6 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
 
     def close(self) -> None:
+        if self._structured is not None:
+            self._structured.compiler.close()
         self.executor.close()

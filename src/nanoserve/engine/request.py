@@ -18,6 +18,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the request failed alone; the rest of the batch goes on
 
 
 @dataclass

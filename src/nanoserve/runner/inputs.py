@@ -1,8 +1,11 @@
 """What the engine asks the model runner to compute in one step (plain Python, no tensors)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -31,8 +34,14 @@ class SequenceChunk:
 
 @dataclass
 class StepInput:
+    """A step's chunks; ``grammar_rows`` are the sampling rows (indices among the chunks that
+    sample) under a grammar, whose next-token bitmask ([rows, ceil(V / 32)] int32) comes with
+    the step, or, when None, later through ``DeferredSample.apply_bitmask``."""
+
     chunks: list[SequenceChunk]
     finished_request_ids: list[str] = field(default_factory=list)
+    grammar_rows: list[int] = field(default_factory=list)
+    token_bitmask: np.ndarray | None = None
 
 
 @dataclass
@@ -50,6 +59,23 @@ class InFlightStep(Protocol):
 
     def result(self) -> StepOutput:
         """Wait for the step and return its sampled tokens."""
+
+
+class DeferredSample:
+    """A launched step whose sampling waits for its grammar rows' bitmask, which the host
+    fills while the forward runs; ``apply_bitmask`` queues the sampling, before any later
+    step is launched."""
+
+    def __init__(self, sample: Callable[[np.ndarray], InFlightStep]):
+        self.sample = sample
+        self.sampled: InFlightStep | None = None
+
+    def apply_bitmask(self, bitmask: np.ndarray) -> None:
+        self.sampled = self.sample(bitmask)
+
+    def result(self) -> StepOutput:
+        assert self.sampled is not None, "apply_bitmask must come before result"
+        return self.sampled.result()
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from nanoserve.attention.backend import select_backend
@@ -14,11 +15,12 @@ from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.runner.graph_inputs import decode_rows
-from nanoserve.runner.inputs import (CompletedStep, InFlightStep, SequenceChunk, StepInput,
-                                     StepOutput)
+from nanoserve.runner.inputs import (CompletedStep, DeferredSample, InFlightStep, SequenceChunk,
+                                     StepInput, StepOutput)
+from nanoserve.runner.packed_copy import packed_to_device
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
-from nanoserve.runner.sampler import Sampler, with_fused_logprobs
+from nanoserve.runner.sampler import Sampler, SamplerOutput, with_fused_logprobs
 from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed, max_logprobs,
                                                temperatures_only)
 from nanoserve.runner.step_inputs import prepare_inputs
@@ -225,11 +227,25 @@ class ModelRunner:
             return CompletedStep(StepOutput([]))
         if token_ids is not None:
             out = with_fused_logprobs(logits, token_ids, max_logprobs(params))
-        else:
-            out = self.sampler(logits, tensors)
+            return self._sampled(out, sampling, prompt)
+
+        @torch.inference_mode()
+        def sample(bitmask: np.ndarray | None) -> SampledStep:
+            if step.grammar_rows:
+                rows, bits = packed_to_device([(step.grammar_rows, np.int64),
+                                               (bitmask.ravel(), np.int32)], self.device)
+                tensors.token_bitmask = (rows, bits.view(len(step.grammar_rows), -1))
+            return self._sampled(self.sampler(logits, tensors), sampling, prompt)
+
+        if step.grammar_rows and step.token_bitmask is None:
+            return DeferredSample(sample)
+        return sample(step.token_bitmask)
+
+    def _sampled(self, out: SamplerOutput, sampling: list[SequenceChunk],
+                 prompt: dict[str, list[dict[int, float]]]) -> SampledStep:
         self.last_samples = out.token_ids
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
-        return SampledStep(out, [p.logprobs for p in params], prompt)
+        return SampledStep(out, [c.params.logprobs for c in sampling], prompt)
 
     def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors:
         return SamplingTensors.build(

@@ -1,8 +1,8 @@
 """Turn each sequence's last-position logits into its next token, vectorised over the batch.
 
-Pipeline, with vLLM's semantics, all in float32: logit biases; tokens outside an allowed list
-and banned tokens -> -inf; repetition penalty (prompt + output tokens), then frequency and
-presence penalties (output tokens). Greedy rows take the argmax of the penalised logits; the
+Pipeline, with vLLM's semantics, all in float32: tokens a grammar forbids -> -inf; logit
+biases; tokens outside an allowed list and banned tokens -> -inf; repetition penalty (prompt
++ output tokens), then frequency and presence penalties (output tokens). Greedy rows take the argmax of the penalised logits; the
 other rows are divided by their temperature, filtered by top-k, then top-p, then min-p, and
 drawn from the softmax with the exponential race. Parameters are tensor rows, so a step costs a
 fixed number of kernels whatever the batch. On CUDA, a batch that needs nothing but greedy or
@@ -76,7 +76,12 @@ def with_fused_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """``logits`` [B, V] (not modified) after the biases, allowed and banned lists and the
     penalties. Repetition (prompt or output tokens): a positive logit is divided by the penalty,
-    any other multiplied by it; then each output token loses ``frequency * count + presence``."""
+    any other multiplied by it; then each output token loses ``frequency * count + presence``.
+    Tokens a row's grammar does not allow next are -inf before all of it."""
+    if tensors.token_bitmask is not None:
+        rows, bits = tensors.token_bitmask
+        allowed = unpack_bitmask(bits, logits.shape[-1])
+        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
     if tensors.logit_bias is not None:
         index, bias = tensors.logit_bias
         logits = logits.index_put(index, bias, accumulate=True)
@@ -165,6 +170,12 @@ def _with_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     top_ids = logprobs.topk(max_logprobs, dim=-1).indices
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     return SamplerOutput(token_ids, logprobs.gather(1, ids), ids)
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] bool from [R, ceil(V / 32)] int32 bitmasks: token t is bit t % 32 of word t // 32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 def _token_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

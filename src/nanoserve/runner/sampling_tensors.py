@@ -46,6 +46,8 @@ class SamplingTensors:
     max_logprobs: int  # largest number of top logprobs asked for, -1 if no row asked
     only_temperature: bool  # see temperatures_only: the batch may take the fused CUDA sampler
     noise_seed: torch.Tensor  # [1] int64, see draw_noise_seed; -1 when not only_temperature
+    # Rows under a grammar [R] int64 and their next-token bitmasks [R, ceil(V / 32)] int32
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -140,12 +142,13 @@ def temperatures_only(params: list[SamplingParams], banned_token_ids: list[list[
                       generators: list[torch.Generator | None], vocab_size: int
                       ) -> np.ndarray | None:
     """Each row's temperature (float32, 0 where greedy) when no row of the batch needs more
-    than its temperature (no penalty, bias, banned or allowed list, top-k / top-p / min-p
-    filter or seeded generator), so that the fused sampler serves it; otherwise None."""
+    than its temperature (no penalty, bias, banned or allowed list, grammar, top-k / top-p /
+    min-p filter or seeded generator), so that the fused sampler serves it; otherwise None."""
     temperature = np.zeros(len(params), dtype=np.float32)
     for row, (p, banned, generator) in enumerate(zip(params, banned_token_ids, generators)):
         if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                 or p.presence_penalty != 0.0 or p.logit_bias or p.allowed_token_ids
+                or p.structured_outputs is not None
                 or any(0 <= t < vocab_size for t in banned)):
             return None
         if p.temperature < GREEDY_TEMPERATURE:

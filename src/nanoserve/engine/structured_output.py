@@ -1,0 +1,142 @@
+"""Structured output: grammars compiled by xgrammar, one matcher per constrained request, and
+the next-token bitmask of every constrained row of a step (a 1 bit: the token may come next).
+
+Compilation runs on a thread pool and is cached by the constraint's text, so callers that
+must not block (the server) wait for it beside the engine. A matcher advances on each token
+the request accepts; its grammar only lets an end-of-sequence token through where the output
+may end, so a request ends (finish reason ``stop``) exactly when its grammar is complete.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from nanoserve.sampling_params import StructuredOutputsParams
+
+CACHE_SIZE = 512  # compiled grammars kept (least recently used goes first)
+# Whitespace allowed between JSON tokens: plenty for any layout, and a sampled model cannot
+# spend its whole budget on blank lines.
+MAX_WHITESPACE = 16
+# JSON-schema keywords that xgrammar accepts but does not enforce: refused, never ignored.
+UNENFORCED_KEYWORDS = frozenset({
+    "uniqueItems", "not", "contains", "minContains", "maxContains", "dependentRequired",
+    "dependentSchemas", "if", "then", "else", "unevaluatedProperties", "unevaluatedItems"})
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems")
+
+
+class GrammarCompiler:
+    """Compiles constraints into xgrammar grammars for one tokenizer, off the caller's thread,
+    keeping the latest ``CACHE_SIZE``. Errors are ValueErrors naming the constraint's field."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 num_threads: int = 2):
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="nanoserve-grammar")
+        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar of ``spec``, as a future (done at once when cached)."""
+        key = spec.key()
+        with self.lock:
+            future = self.cache.get(key)
+            if future is None:
+                future = self.cache[key] = self.pool.submit(self._compile, *key)
+            self.cache.move_to_end(key)
+            while len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+        return future
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        return self.submit(spec).result()
+
+    def _compile(self, kind: str, text: str) -> Any:
+        try:
+            if kind == "json":
+                check_enforceable(json.loads(text))
+                return self.compiler.compile_json_schema(text, max_whitespace_cnt=MAX_WHITESPACE)
+            if kind == "json_object":  # any object: no property is "additional" here
+                return self.compiler.compile_json_schema(
+                    '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_WHITESPACE)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "choice":
+                choices = json.loads(text)
+                return self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+            return self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError) as exc:  # xgrammar reports bad input as RuntimeError
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: "
+                             f"{reason.split(': ', 1)[-1]}") from None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_enforceable(schema: Any, path: str = "#") -> None:
+    """A ValueError if ``schema`` uses a keyword the grammar would silently not enforce."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__} at {path}")
+    for word in UNENFORCED_KEYWORDS & schema.keys():
+        if not (word == "uniqueItems" and schema[word] is False):
+            raise ValueError(f"the keyword {word!r} at {path} is not supported")
+    for group in _NAMED_SCHEMAS:
+        for name, sub in (schema.get(group) or {}).items():
+            check_enforceable(sub, f"{path}/{group}/{name}")
+    for group in _SCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(group) or []):
+            check_enforceable(sub, f"{path}/{group}/{i}")
+    for group in _SCHEMA_VALUES:
+        if isinstance(schema.get(group), dict):
+            check_enforceable(schema[group], f"{path}/{group}")
+
+
+class StructuredOutputs:
+    """Every constrained request's matcher: advanced on the tokens the request accepts, and
+    asked for the next-token bitmask of the rows a step samples."""
+
+    def __init__(self, compiler: GrammarCompiler):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.compiler = compiler
+        self.matchers: dict[str, Any] = {}
+        self.words = -(-compiler.vocab_size // 32)
+        self.batch = xgr.BatchGrammarMatcher()
+
+    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        """Start ``request_id``'s matcher; a constraint that does not compile raises."""
+        self.matchers[request_id] = self.xgr.GrammarMatcher(self.compiler.compile(spec))
+
+    def remove(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance the request's matcher; False when its grammar does not allow ``token``."""
+        return self.matchers[request_id].accept_token(token)
+
+    def bitmask(self, request_ids: list[str | None]) -> np.ndarray:
+        """[len(request_ids), ceil(V / 32)] int32: each row's allowed next tokens, all bits
+        set for rows without a live matcher (None, or a request that has ended)."""
+        bits = np.full((len(request_ids), self.words), -1, dtype=np.int32)
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.matchers
+                and not self.matchers[rid].is_terminated()]
+        if rows:
+            self.batch.batch_fill_next_token_bitmask(
+                [self.matchers[request_ids[i]] for i in rows], bits, rows)
+        return bits
