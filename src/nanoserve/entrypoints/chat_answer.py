@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoserve.entrypoints.reasoning import ReasoningStream, split_reasoning
-from nanoserve.entrypoints.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from nanoserve.entrypoints.tool_calls import (ForcedToolCalls, ToolCall, ToolCallStream,
+                                              parse_tool_calls)
 
 
 @dataclass
@@ -17,12 +18,17 @@ class AnswerParts:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-def split_answer(text: str, tool_calls: bool, reasoning_parser: str | None) -> AnswerParts:
-    """A whole answer's parts; ``tool_calls``: parse the content for them."""
+def split_answer(text: str, tool_calls: bool | ForcedToolCalls,
+                 reasoning_parser: str | None) -> AnswerParts:
+    """A whole answer's parts; ``tool_calls``: parse the content for them (True), or read it
+    as the calls a grammar forced."""
     reasoning, content = split_reasoning(text, reasoning_parser) if reasoning_parser \
         else (None, text)
     if reasoning is not None:
         content = content or None  # vLLM's: no content rather than an empty one
+    if isinstance(tool_calls, ForcedToolCalls):
+        calls = tool_calls.parse(content or "")
+        return AnswerParts(None if calls else content, reasoning, calls)
     if tool_calls and content:
         before, calls = parse_tool_calls(content)
         if calls:
@@ -33,9 +39,11 @@ def split_answer(text: str, tool_calls: bool, reasoning_parser: str | None) -> A
 class AnswerStream:
     """One streamed chat choice: each cumulative text in, the parts it adds out."""
 
-    def __init__(self, tool_calls: bool, reasoning_parser: str | None):
+    def __init__(self, tool_calls: bool | ForcedToolCalls, reasoning_parser: str | None):
         self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        self.tool_calls = ToolCallStream() if tool_calls else None
+        # Forced calls: nothing goes out as content; the whole answer is parsed at the end.
+        self.forced = tool_calls if isinstance(tool_calls, ForcedToolCalls) else None
+        self.tool_calls = ToolCallStream() if tool_calls and not self.forced else None
         self.content_sent = ""  # without tool calls: the content passed on
 
     def advance(self, text: str, finished: bool) -> AnswerParts:
@@ -44,6 +52,9 @@ class AnswerStream:
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(text, finished)
             text = content or ""
+        if self.forced is not None:
+            calls = self.forced.parse(text) if finished else []
+            return AnswerParts(text if finished and not calls else "", reasoning, calls)
         if self.tool_calls is None:
             delta, self.content_sent = text[len(self.content_sent):], text
             return AnswerParts(delta, reasoning)

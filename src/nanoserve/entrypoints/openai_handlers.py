@@ -15,6 +15,7 @@ from starlette.responses import Response
 from nanoserve.engine.async_engine import AsyncLLMEngine
 from nanoserve.engine.chat import render_chat
 from nanoserve.engine.request_stream import RequestStream
+from nanoserve.entrypoints.constraints import requested_constraint
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.logprobs import choice_logprobs, prompt_logprobs_out
 from nanoserve.entrypoints.protocol import (
@@ -22,6 +23,7 @@ from nanoserve.entrypoints.protocol import (
     check_template_kwargs, value_error_to_api)
 from nanoserve.entrypoints.responses import UsageInfo, full_response
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
+from nanoserve.entrypoints.tool_calls import ForcedToolCalls
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.prompts import (ContextLengthError, as_prompt_list, check_context_length,
@@ -120,8 +122,11 @@ class OpenAIServing:
                 ) -> tuple[list[list[int]], SamplingParams]:
         """The request's SamplingParams and its prompts as the engine will run them
         (truncated, when asked): a bad value or an over-long prompt is a 400 naming it."""
+        constraint = requested_constraint(req)
+        if constraint is not None and req.use_beam_search:
+            raise APIError("use_beam_search cannot be constrained", param=constraint[1])
         try:
-            params = req.sampling_params(max_tokens)
+            params = req.sampling_params(max_tokens, constraint and constraint[0])
         except APIError as error:
             if error.param == "max_tokens" and max_field != "max_tokens":
                 raise APIError(error.message.replace("max_tokens", max_field, 1),
@@ -140,11 +145,22 @@ class OpenAIServing:
                                ) from None
         return prompts, params
 
+    async def _compile_grammar(self, params: SamplingParams,
+                               req: CompletionRequest | ChatCompletionRequest) -> None:
+        """Wait, off the event loop and the engine thread, for the request's grammar; one
+        that does not compile is a 400 naming the field that asked for it."""
+        if params.structured_outputs is not None:
+            try:
+                await self.engine.compile_grammar(params.structured_outputs)
+            except ValueError as exc:
+                raise APIError(str(exc), param=requested_constraint(req)[1]) from None
+
     async def _generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                         req: CompletionRequest | ChatCompletionRequest, arrival: float,
                         request: Request, chat: bool, echo: list[str] | None = None
                         ) -> Response:
         """``echo``: each prompt's text, to begin its choices' text (completions)."""
+        await self._compile_grammar(params, req)
         if req.use_beam_search:
             return await self._beam_search(request_id, prompts, params, req, arrival, request,
                                            chat)
@@ -241,8 +257,12 @@ class OpenAIServing:
         return Response(body.model_dump_json(), media_type="application/json")
 
 
-def _parses_tool_calls(req: CompletionRequest | ChatCompletionRequest) -> bool:
-    return isinstance(req, ChatCompletionRequest) and req.offers_tools()
+def _parses_tool_calls(req: CompletionRequest | ChatCompletionRequest
+                       ) -> bool | ForcedToolCalls:
+    """How chat answers become tool calls: forced by tool_choice, parsed (True), or not."""
+    if not isinstance(req, ChatCompletionRequest):
+        return False
+    return req.forced_tool_calls() or req.offers_tools()
 
 
 def _best(samples: list[RequestOutput], n: int) -> list[RequestOutput]:

@@ -11,7 +11,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.entrypoints.errors import APIError
-from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoserve.entrypoints.constraints import tool_choice_schema
+from nanoserve.entrypoints.tool_calls import ForcedToolCalls
+from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class _Strict(BaseModel):
@@ -50,14 +52,15 @@ class _GenerationRequest(_Strict):
     use_beam_search: bool | None = False  # vLLM's extra fields: n beams, scored with
     length_penalty: float | None = 1.0  # length_penalty (nanoserve.beam_search)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
-    # Constrained output is not implemented: asking for it is refused, not ignored.
+    # Constrained output (entrypoints.constraints): OpenAI's field, then vLLM's.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(f"response_format {kind!r} is not supported (only 'text')",
-                           param="response_format")
         if self.use_beam_search and self.stream:
             raise APIError("use_beam_search answers once the search ends; it cannot stream",
                            param="stream")
@@ -82,10 +85,11 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request; a bad value raises a 400 APIError naming it."""
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
-        given.update(logprobs=self.top_logprobs_wanted(),
+        given.update(logprobs=self.top_logprobs_wanted(), structured_outputs=constraint,
                      prompt_logprobs=self.prompt_logprobs_wanted(),
                      logit_bias=None if self.logit_bias is None else _token_keys(self.logit_bias))
         kwargs = {k: v for k, v in given.items() if v is not None}
@@ -194,9 +198,17 @@ class ChatCompletionRequest(_GenerationRequest):
         check_template_kwargs(self.chat_template_kwargs)
         if self.tool_choice is not None and not self.tools:
             raise APIError("tool_choice needs tools", param="tool_choice")
-        if self.tools and self.tool_choice not in (None, "auto", "none"):
-            raise APIError("only tool_choice 'auto' and 'none' are supported: 'required' and "
-                           "named functions need constrained decoding", param="tool_choice")
+        if self.tools and self.tool_choice not in (None, "auto", "none", "required"):
+            choice = self.tool_choice
+            function = choice.get("function") if isinstance(choice, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or choice.get("type") != "function":
+                raise APIError("tool_choice must be 'none', 'auto', 'required' or "
+                               '{"type": "function", "function": {"name": ...}}',
+                               param="tool_choice")
+            if name not in {tool.function.name for tool in self.tools}:
+                raise APIError(f"tool_choice names the function {name!r}, which is not among "
+                               "the tools", param="tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -210,6 +222,18 @@ class ChatCompletionRequest(_GenerationRequest):
     def offers_tools(self) -> bool:
         """Whether tools go to the template and answers are parsed for calls (not 'none')."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tool_calls(self) -> ForcedToolCalls | None:
+        """How the answer becomes calls when tool_choice forces them ('required' or named)."""
+        if not self.tools or self.tool_choice in (None, "auto", "none"):
+            return None
+        return ForcedToolCalls(None if self.tool_choice == "required"
+                               else self.tool_choice["function"]["name"])
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced tool_choice holds the answer to (None: not forced)."""
+        forced = self.forced_tool_calls()
+        return None if forced is None else tool_choice_schema(self.tools_offered(), forced.name)
 
     def tools_offered(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (None unless ``offers_tools``)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
@@ -44,11 +45,31 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             return text, []
-        arguments = call.get("arguments", {})
-        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
-            name=call["name"],
-            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))))
+        calls.append(_call(call["name"], call.get("arguments", {})))
     return text[:start].strip() or None, calls
+
+
+def _call(name: str, arguments: object) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
+        name=name, arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+
+
+@dataclass(frozen=True)
+class ForcedToolCalls:
+    """Reads an answer that a grammar held to calls (a forced ``tool_choice``): with ``name``,
+    the answer is that function's arguments; without, a JSON array of ``{"name",
+    "parameters"}`` objects. An answer cut short (max_tokens) parses to no calls."""
+
+    name: str | None
+
+    def parse(self, text: str) -> list[ToolCall]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return []
+        if self.name is not None:
+            return [_call(self.name, value)]
+        return [_call(call["name"], call["parameters"]) for call in value]
 
 
 class ToolCallStream:
