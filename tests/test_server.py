@@ -7,6 +7,7 @@ Llama and talks to it with the official `openai` client and plain httpx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,6 +219,57 @@ def test_app_reports_engine_failure_per_request(fake):
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
     asyncio.run(main())
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a loopback port (a real socket) in a thread; its URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(),
+                                           log_level="critical"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class BuggyTokenizer:
+    """Fails as a bug would, with a message that is not even valid Unicode (a lone surrogate)."""
+
+    def encode(self, *args, **kwargs):
+        raise TypeError("tokenizer bug \ud800")
+
+
+def _local_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_unexpected_error_is_a_500_body_on_a_kept_connection(fake):
+    """uvicorn closes a keep-alive connection on any exception an app lets out, and starlette's
+    handler for Exception re-raises after answering: the app must answer the error itself."""
+    from nanoserve.entrypoints.server import build_app
+
+    engine, async_engine = fake
+    engine.tokenizer = BuggyTokenizer()
+    with serve_in_thread(build_app(async_engine, "fake")) as url, \
+            httpx.Client(base_url=url, timeout=30) as http:
+        failed = http.post("/tokenize", json={"prompt": "x"})
+        port = _local_port(failed)
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "internal_server_error" and "tokenizer bug" in error["message"]
+        ok = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert _local_port(ok) == port, "the 500 dropped the connection"
 
 
 # ---- a real server ---------------------------------------------------------------------------

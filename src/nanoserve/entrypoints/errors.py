@@ -1,7 +1,9 @@
-"""OpenAI's error body, and turning invalid request JSON into a 400 that names the field."""
+"""OpenAI's error body, turning invalid request JSON into a 400 that names the field, and
+the last line of defence that answers any other failure as a 500 in that shape."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -19,6 +21,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def json(self) -> bytes:
+        """The body as JSON, ASCII-escaped: it may quote the request's text, which need not
+        encode as UTF-8 (a lone surrogate), and an error body must always go out."""
+        return json.dumps(self.body()).encode()
 
 
 def parse_json(raw: bytes) -> Any:
@@ -59,3 +66,35 @@ def _field_path(data: Any, loc: tuple[Any, ...], missing: bool) -> str | None:
             path = f"{path}.{part}" if path else str(part)
         # anything else is a union member tag such as "list[str]": not part of the path
     return path or None
+
+
+class CatchAllErrors:
+    """ASGI middleware answering any exception that escapes a handler before its response
+    started as OpenAI's 500 body. Starlette's own handler for Exception answers too, but then
+    re-raises, and uvicorn drops a keep-alive connection on any exception it sees."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:  # mid-response only closing the connection can tell the client
+                raise
+            logging.getLogger(__name__).exception("%s %s failed", scope["method"], scope["path"])
+            body = APIError(str(exc) or type(exc).__name__, 500,
+                            type="internal_server_error").json()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})

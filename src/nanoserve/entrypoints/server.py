@@ -31,12 +31,12 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
     ``Authorization: Bearer KEY``."""
     from fastapi import APIRouter, Depends, FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import Response
     from starlette.exceptions import HTTPException
 
     from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError
     from nanoserve.engine.metrics import ServerMetrics
-    from nanoserve.entrypoints.errors import APIError, parse_json
+    from nanoserve.entrypoints.errors import APIError, CatchAllErrors, parse_json
     from nanoserve.entrypoints.openai_handlers import OpenAIServing
     from nanoserve.entrypoints.responses import ModelCard, ModelList
 
@@ -55,29 +55,29 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
                            type="authentication_error", code="invalid_api_key")
 
     app = FastAPI(title="nanoserve", version=nanoserve_version())
+    app.add_middleware(CatchAllErrors)  # any other exception: a 500 in OpenAI's shape
     api = APIRouter(dependencies=[Depends(require_key)])
 
-    def answer(message: str, status: int, kind: str) -> JSONResponse:
-        return JSONResponse(APIError(message, status, type=kind).body(), status_code=status)
+    def answer(error: APIError) -> Response:
+        return Response(error.json(), status_code=error.status, media_type="application/json")
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return answer(exc)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(_: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return answer(str(exc.detail), exc.status_code, kind)
+        return answer(APIError(str(exc.detail), exc.status_code, type=kind))
 
     @app.exception_handler(EngineDeadError)
-    async def engine_down(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return answer(str(exc), 503, "service_unavailable")
+    async def engine_down(_: Request, exc: EngineDeadError) -> Response:
+        return answer(APIError(str(exc), 503, type="service_unavailable"))
 
-    # The engine thread logged a RequestFailedError's cause; starlette, any other's traceback.
+    # The engine thread logged its cause; CatchAllErrors logs any other error's traceback.
     @app.exception_handler(RequestFailedError)
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return answer(str(exc), 500, "internal_server_error")
+    async def request_failed(_: Request, exc: RequestFailedError) -> Response:
+        return answer(APIError(str(exc), 500, type="internal_server_error"))
 
     @app.get("/health")
     async def health() -> Response:
