@@ -749,6 +749,26 @@ LONG_PROMPT = "word " * 600  # more tokens than max_model_len (512)
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/detokenize", {"tokens": [-5]}, 400, "tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    # A lone surrogate (JSON's "\ud800" escape; json.dumps writes one so) in any text.
+    ("/v1/completions", {"prompt": "a\ud800b"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "a\udfffb"]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop[0]"),
+    ("/v1/completions", {"prompt": "x", "model": "a\ud800b"}, 400, "model"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\ud800": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+     400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+     400, "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+     400, "tools[0].function.description"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": '{"a": "\ud800"}'}}]}]},
+     400, "messages[1].tool_calls[0].function.arguments"),
+    ("/tokenize", {"prompt": "a\ud800b"}, 400, "prompt"),
 ])
 def test_bad_input_is_a_400_naming_the_field(http, path, body, status, param):
     if not isinstance(body, bytes):

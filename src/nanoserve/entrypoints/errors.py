@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -44,6 +45,7 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
     """Validate decoded JSON against ``model``; a failure becomes a 400 naming the field."""
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object")
+    refuse_lone_surrogates(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -52,6 +54,33 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
         param = _field_path(data, err["loc"], missing=err["type"] == "missing")
         where = f"{param}: " if param else ""
         raise APIError(f"{where}{err['msg']}", param=param) from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON decodes a valid pair to one code point
+
+
+def refuse_lone_surrogates(data: dict[str, Any]) -> None:
+    """A 400 naming the first field whose text holds a lone UTF-16 surrogate: legal JSON
+    ("\\ud800"), but no text a tokenizer, template or UTF-8 encoder can take."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # depth-first without recursion: JSON may nest deeper than Python's stack
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise APIError(f"{path} must be valid Unicode text; it holds a lone surrogate",
+                               param=path)
+            continue
+        if isinstance(node, dict):
+            if any(_SURROGATE.search(key) for key in node):
+                raise APIError(f"{path or 'the request body'} has a key that is not valid "
+                               "Unicode text (a lone surrogate)", param=path or None)
+            children = [(f"{path}.{k}" if path else k, v) for k, v in node.items()]
+        elif isinstance(node, list):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(node)
+                        if isinstance(v, (str, list, dict))]
+        else:
+            continue
+        stack.extend(reversed(children))  # the first field comes off the stack first
 
 
 def _field_path(data: Any, loc: tuple[Any, ...], missing: bool) -> str | None:
