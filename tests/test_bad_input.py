@@ -40,11 +40,16 @@ BAD_SAMPLING = [
     ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 200.0}), ("logit_bias", {1: "x"}),
     ("logit_bias", "x"),
     ("include_stop_str_in_output", "yes"), ("ignore_eos", 1), ("skip_special_tokens", None),
+    # Not finite: JSON's 1e309 parses as inf; an int can pass any float.
+    ("temperature", math.inf), ("temperature", 10**400), ("top_p", math.nan),
+    ("min_p", math.nan), ("repetition_penalty", math.inf), ("repetition_penalty", math.nan),
+    ("presence_penalty", math.nan), ("frequency_penalty", -math.inf),
+    ("logit_bias", {1: math.nan}), ("logit_bias", {1: math.inf}),
 ]
 
 
 @pytest.mark.parametrize("field,value", BAD_SAMPLING,
-                         ids=[f"{f}={v!r}" for f, v in BAD_SAMPLING])
+                         ids=[f"{f}={v!r:.30}" for f, v in BAD_SAMPLING])
 def test_bad_sampling_param_names_its_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must"):
         SamplingParams(**{field: value})

@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 # Top logprobs a request may ask for per token (vLLM's default cap).
@@ -142,8 +143,10 @@ def _check_number(name: str, value: object, *, low: float | None, high: float | 
                   rule: str, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number {rule}, got {value!r}")
-    if value != value:  # NaN compares unequal to itself
-        raise ValueError(f"{name} must be a number {rule}, got NaN")
+    # JSON's 1e309 parses as inf, NaN passes every comparison, an int may pass any float.
+    number = float(value) if isinstance(value, float) or value.bit_length() < 1024 else math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number {rule}, got {number}")
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:
