@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-# Top logprobs a request may ask for per token (vLLM's default cap).
+# Top logprobs a request may ask for per token by default (EngineConfig.max_logprobs; vLLM's).
 MAX_LOGPROBS = 20
 
 
@@ -37,7 +37,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = None
-    n: int = 1  # independent samples of the prompt (LLM.generate and the server fan them out)
+    n: int = 1  # independent samples of the prompt, sample k seeded seed + k (for_sample)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -59,9 +59,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the upper limit is the engine's
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+                check_int(name, getattr(self, name), 0)
         check_int("n", self.n, 1)
         if self.logit_bias is not None:
             self.logit_bias = _checked_bias(self.logit_bias)

@@ -6,12 +6,15 @@ the offending field. Unknown fields are ignored, as OpenAI-compatible tools ofte
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.entrypoints.errors import APIError
-from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
 
 
 class _Strict(BaseModel):
@@ -53,7 +56,14 @@ class _GenerationRequest(_Strict):
     # Constrained output is not implemented: asking for it is refused, not ignored.
     response_format: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
+    def check_supported(self, config: EngineConfig) -> None:
+        """Refuse what the server does not do, or more than ``config`` allows a request."""
+        for name, option in self._limited_fields():
+            value, limit = getattr(self, name), getattr(config, option)
+            if value is not None and value > limit:
+                flag = "--" + option.replace("_", "-")
+                raise APIError(f"{name} must be <= {limit} (the server's {flag}), got {value}",
+                               param=name)
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise APIError(f"response_format {kind!r} is not supported (only 'text')",
@@ -66,6 +76,10 @@ class _GenerationRequest(_Strict):
                            param="prompt_logprobs")
         if self.n is not None and self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
+
+    def _limited_fields(self) -> list[tuple[str, str]]:
+        """(field, the EngineConfig option bounding it) pairs."""
+        return [("n", "max_n"), ("prompt_logprobs", "max_logprobs")]
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top logprobs each generated token reports; None: no logprobs at all."""
@@ -130,8 +144,11 @@ class CompletionRequest(_GenerationRequest):
     def samples_per_prompt(self) -> int:
         return self.best_of or super().samples_per_prompt()
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def _limited_fields(self) -> list[tuple[str, str]]:
+        return super()._limited_fields() + [("best_of", "max_n"), ("logprobs", "max_logprobs")]
+
+    def check_supported(self, config: EngineConfig) -> None:
+        super().check_supported(config)
         if self.echo and self.use_beam_search:
             raise APIError("echo is not supported with use_beam_search", param="echo")
         if self.best_of is not None:
@@ -189,8 +206,11 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def _limited_fields(self) -> list[tuple[str, str]]:
+        return super()._limited_fields() + [("top_logprobs", "max_logprobs")]
+
+    def check_supported(self, config: EngineConfig) -> None:
+        super().check_supported(config)
         check_template_kwargs(self.chat_template_kwargs)
         if self.tool_choice is not None and not self.tools:
             raise APIError("tool_choice needs tools", param="tool_choice")
@@ -200,9 +220,9 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                               f"{self.top_logprobs}", param="top_logprobs")
+            if self.top_logprobs < 0:
+                raise APIError(f"top_logprobs must be >= 0, got {self.top_logprobs}",
+                               param="top_logprobs")
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
