@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -286,6 +287,19 @@ class BuggyTokenizer:
 
 def _local_port(response: httpx.Response) -> int:
     return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_health_answers_json_and_503_once_shutting_down(fake):
+    from nanoserve.entrypoints.server import build_app
+
+    _, async_engine = fake
+    with serve_in_thread(build_app(async_engine, "fake")) as url:
+        up = httpx.get(url + "/health")
+        assert (up.status_code, up.headers["content-type"], up.json()) == \
+            (200, "application/json", {"status": "ok"})
+        async_engine.begin_shutdown()
+        down = httpx.get(url + "/health")
+        assert (down.status_code, down.json()) == (503, {"status": "unavailable"})
 
 
 def test_unexpected_error_is_a_500_body_on_a_kept_connection(fake):
@@ -899,6 +913,26 @@ def test_info_endpoints(client, http, tokenizer):
     assert text == "Hello world"
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 5
+
+
+def test_openapi_declares_the_request_bodies(http):
+    spec = http.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == \
+            {"$ref": f"#/components/schemas/{model}"}
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    refs = re.findall(r'"\$ref": "([^"]+)"', json.dumps(spec))
+    assert refs and all(ref.removeprefix("#/components/schemas/") in schemas for ref in refs)
+    docs = http.get("/docs")
+    assert docs.status_code == 200 and "swagger-ui" in docs.text
+    # Bad bodies still get OpenAI's 400 naming the field, not FastAPI's 422.
+    bad = http.post("/v1/completions", json={"prompt": "x", "max_tokens": "3"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
 def test_metrics_move_with_traffic(client, http, tokenizer):

@@ -31,13 +31,16 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
     ``Authorization: Bearer KEY``."""
     from fastapi import APIRouter, Depends, FastAPI, Request
-    from fastapi.responses import Response
+    from fastapi.openapi.utils import get_openapi
+    from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
 
     from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError
     from nanoserve.engine.metrics import ServerMetrics
     from nanoserve.entrypoints.errors import APIError, CatchAllErrors, parse_json
     from nanoserve.entrypoints.openai_handlers import OpenAIServing
+    from nanoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, TokenizeRequest)
     from nanoserve.entrypoints.responses import ModelCard, ModelList
 
     name = served_model_name or engine.model_name
@@ -81,7 +84,9 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        up = engine.is_running
+        return JSONResponse({"status": "ok" if up else "unavailable"},
+                            status_code=200 if up else 503)
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:
@@ -114,7 +119,32 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
         return serving.detokenize(parse_json(await request.body()))
 
     app.include_router(api)
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _declare_request_bodies(schema, bodies)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _declare_request_bodies(schema: dict[str, Any], bodies: dict[str, Any]) -> None:
+    """Declare each POST route's pydantic model as its body in the OpenAPI ``schema`` (for
+    /docs): the handlers parse the raw body themselves, to answer bad input with OpenAI's
+    400 naming the field, so FastAPI cannot see what they take."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in bodies.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": ref}}}
 
 
 def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
