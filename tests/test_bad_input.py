@@ -33,18 +33,23 @@ BAD_SAMPLING = [
     ("stop", {"a": 1}),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", "abc"),
     ("stop_token_ids", 5), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
-    ("logprobs", 21), ("logprobs", -1), ("logprobs", "abc"), ("logprobs", 2.0),
-    ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", 1.0),
+    ("logprobs", -1), ("logprobs", "abc"), ("logprobs", 2.0),  # the engine caps them
+    ("prompt_logprobs", -1), ("prompt_logprobs", 1.0),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
     ("truncate_prompt_tokens", 1.5),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 200.0}), ("logit_bias", {1: "x"}),
     ("logit_bias", "x"),
     ("include_stop_str_in_output", "yes"), ("ignore_eos", 1), ("skip_special_tokens", None),
+    # Not finite: JSON's 1e309 parses as inf; an int can pass any float.
+    ("temperature", math.inf), ("temperature", 10**400), ("top_p", math.nan),
+    ("min_p", math.nan), ("repetition_penalty", math.inf), ("repetition_penalty", math.nan),
+    ("presence_penalty", math.nan), ("frequency_penalty", -math.inf),
+    ("logit_bias", {1: math.nan}), ("logit_bias", {1: math.inf}),
 ]
 
 
 @pytest.mark.parametrize("field,value", BAD_SAMPLING,
-                         ids=[f"{f}={v!r}" for f, v in BAD_SAMPLING])
+                         ids=[f"{f}={v!r:.30}" for f, v in BAD_SAMPLING])
 def test_bad_sampling_param_names_its_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must"):
         SamplingParams(**{field: value})
@@ -90,7 +95,7 @@ BAD_ENGINE = [
     ("device", "tpu"), ("device", "cuda:x"), ("device", ""), ("device", None),
     ("seed", "x"), ("seed", -1), ("seed", 1.5),
     ("enable_prefix_caching", "yes"), ("enforce_eager", 1),
-    ("model", 123),
+    ("model", 123), ("max_n", 0), ("max_n", 2.0), ("max_logprobs", -1), ("max_logprobs", None),
 ]
 
 
@@ -104,7 +109,8 @@ def test_good_engine_configs_are_accepted(tmp_path):
     for kw in ({}, {"device": "cpu"}, {"device": "cuda"}, {"device": "cuda:1"},
                {"block_size": 1}, {"max_model_len": None}, {"gpu_memory_utilization": 1},
                {"seed": 0}, {"model": str(tmp_path)}, {"model": tmp_path},
-               {"enable_prefix_caching": False, "enforce_eager": True}):
+               {"enable_prefix_caching": False, "enforce_eager": True},
+               {"max_n": 1, "max_logprobs": 0}):
         EngineConfig(**kw)
 
 
@@ -235,6 +241,13 @@ BAD_REQUESTS = {
     "logit_bias id past the vocabulary": (
         lambda llm: [GOOD_PROMPT], SamplingParams(logit_bias={10**9: 1.0}),
         r"logit_bias token ids must be in \[0, "),
+    "n past max_n": (lambda llm: [GOOD_PROMPT], SamplingParams(n=129),
+                     r"^n must be <= 128 \(the engine's max_n\), got 129"),
+    "logprobs past max_logprobs": (lambda llm: [GOOD_PROMPT], SamplingParams(logprobs=21),
+                                   r"^logprobs must be <= 20 \(the engine's max_logprobs\)"),
+    "prompt_logprobs past max_logprobs": (
+        lambda llm: [GOOD_PROMPT], SamplingParams(prompt_logprobs=21),
+        r"^prompt_logprobs must be <= 20 \(the engine's max_logprobs\)"),
 }
 
 
@@ -244,6 +257,19 @@ def test_bad_request_is_refused_and_engine_keeps_serving(llm, good_tokens, case)
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts(llm), params, use_tqdm=False)
     _assert_still_serves(llm, good_tokens)
+
+
+def test_limits_on_samples_and_logprobs_are_engine_options(tiny_llama):
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=32, max_n=2,
+              max_logprobs=30)
+    [out] = llm.generate("Hi", SamplingParams(max_tokens=2, logprobs=25, n=2), use_tqdm=False)
+    assert len(out.outputs) == 2
+    # The top 25, and the sampled token when it is not among them.
+    assert {len(lps) for c in out.outputs for lps in c.logprobs} <= {25, 26}
+    with pytest.raises(ValueError, match=r"^n must be <= 2 \(the engine's max_n\), got 3"):
+        llm.generate("Hi", SamplingParams(n=3), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^logprobs must be <= 30"):
+        llm.generate("Hi", SamplingParams(logprobs=31), use_tqdm=False)
 
 
 def test_longest_allowed_request_runs(llm, good_tokens):

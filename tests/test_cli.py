@@ -1,8 +1,12 @@
 """The `nanoserve` command as a user runs it: generate and chat in a subprocess."""
 from __future__ import annotations
 
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64"]
 
@@ -30,6 +34,30 @@ def test_chat_streams_a_reply_per_line_until_eof(smollm2_path):
                 *ENGINE, stdin="What is the capital of France?\n")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_ctrl_c_while_a_reply_streams_exits_cleanly(tiny_llama):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanoserve.entrypoints.cli", "chat", "--model", str(tiny_llama),
+         "--max-tokens", "400", "--ignore-eos", *ENGINE],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"Tell me a long story.\n")
+        proc.stdin.flush()  # left open: after a whole reply, chat would wait for more
+        out, deadline = b"", time.time() + 120
+        while len(out) < len(b"> ") + 20:  # the prompt, then the reply streaming in
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read()
+            if select.select([proc.stdout], [], [], 1)[0]:
+                out += os.read(proc.stdout.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # 130 comes from the reply's interruption; a Ctrl-C at the prompt would end with 0.
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err, err.decode()
+    assert not (out + rest).endswith(b"\n> ")  # cut mid-reply: no prompt after a whole one
 
 
 def test_bad_flag_value_is_a_clear_error(tiny_llama):

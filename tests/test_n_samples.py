@@ -36,9 +36,48 @@ def test_greedy_samples_are_identical_and_n_one_is_unchanged(llm):
     assert len(one.outputs) == 1 and one.outputs[0].token_ids == out.outputs[0].token_ids
 
 
-def test_bad_n_is_refused_and_the_engine_takes_one_sequence(llm):
+def test_bad_n_is_refused(llm):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="n must"):
             SamplingParams(n=bad)
-    with pytest.raises(ValueError, match="one sequence per request"):
-        llm.engine.add_request("x", "Hello", SamplingParams(n=2))
+    with pytest.raises(ValueError, match=r"n must be <= 128 \(the engine's max_n\)"):
+        llm.engine.add_request("x", "Hello", SamplingParams(n=129))
+    assert not llm.engine.requests
+
+
+def test_samples_share_the_prompts_blocks(llm):
+    """The engine takes all n samples in one add; the first computes the prompt, then the
+    others take its full blocks from the prefix cache instead of computing their own."""
+    engine, block = llm.engine, llm.engine.config.block_size
+    prompt = list(range(100, 100 + 5 * block + 3))  # five full blocks and a partial one
+    engine.add_request("s", prompt, SamplingParams(n=64, max_tokens=2, ignore_eos=True))
+    assert sorted(engine.requests) == sorted(f"s-{k}" for k in range(64))
+    hits = engine.stats().prefix_cache_hits
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+        used = engine.stats().num_total_blocks - engine.stats().num_free_blocks
+        # Unshared, the 64 prompts would hold 64 * 6 blocks; shared, 5 + one partial each.
+        assert used <= 5 + 64, used
+    assert len(finals) == 64 and all(len(o.outputs[0].token_ids) == 2 for o in finals)
+    cached = sorted(o.num_cached_tokens for o in finals)
+    assert cached == [0] + [5 * block] * 63
+    assert engine.stats().prefix_cache_hits - hits == 63 * 5 * block
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
+
+
+def test_aborting_samples_frees_every_block(llm):
+    engine = llm.engine
+    engine.add_request("a", list(range(200, 260)), SamplingParams(n=8, max_tokens=100))
+    for _ in range(3):
+        engine.step()
+    assert len(engine.scheduler.running) == 8
+    engine.abort_request([f"a-{k}" for k in range(8)])
+    finals = [o for o in engine.step() if o.finished]
+    assert sorted(o.request_id for o in finals) == [f"a-{k}" for k in range(8)]
+    assert {o.outputs[0].finish_reason for o in finals} == {"abort"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert not engine.requests and stats.num_free_blocks == stats.num_total_blocks

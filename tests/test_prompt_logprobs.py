@@ -78,6 +78,8 @@ def test_n_samples_share_them_and_bad_values_are_refused(tiny_llama):
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(n=2, prompt_logprobs=1, max_tokens=2,
                                                       seed=3), use_tqdm=False)[0]
     assert len(out.outputs) == 2 and len(out.prompt_logprobs) == 4
-    for bad in (-1, 21, 1.5, True):
+    for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+    with pytest.raises(ValueError, match="prompt_logprobs must be <= 20"):  # max_logprobs
+        llm.generate("Hi", SamplingParams(prompt_logprobs=21), use_tqdm=False)

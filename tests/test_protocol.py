@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 
+from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import EngineStats
 from nanoserve.engine.metrics import ServerMetrics
+from nanoserve.entrypoints.constraints import requested_constraint
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.protocol import (
     ChatCompletionRequest, CompletionRequest, value_error_to_api)
@@ -18,8 +20,9 @@ from nanoserve.outputs import CompletionOutput, RequestOutput
 def _error(model, body) -> APIError:
     with pytest.raises(APIError) as info:
         request = parse_request(model, body)
-        request.check_supported()
-        request.sampling_params(getattr(request, "max_tokens", None))
+        request.check_supported(EngineConfig())
+        constraint = requested_constraint(request)
+        request.sampling_params(getattr(request, "max_tokens", None), constraint and constraint[0])
     return info.value
 
 
@@ -29,7 +32,7 @@ def test_valid_completion_request_maps_to_sampling_params():
         "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
         "repetition_penalty": 1.2, "seed": 3, "stop": "x", "stop_token_ids": [2],
         "ignore_eos": True, "min_tokens": 1, "user": "u", "n": 1, "unknown_extra": 1})
-    req.check_supported()
+    req.check_supported(EngineConfig())
     params = req.sampling_params(req.max_tokens)
     assert (params.max_tokens, params.temperature, params.top_k, params.stop_strings) == \
         (7, 0.0, 5, ["x"])
@@ -64,6 +67,8 @@ def test_defaults_are_openai_defaults():
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 1.5}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),  # past the engine's max_n
+    ({"prompt": "x", "best_of": 129}, "best_of"),
     ({"prompt": "x", "echo": True, "use_beam_search": True}, "echo"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
@@ -71,7 +76,10 @@ def test_defaults_are_openai_defaults():
     ({"prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [-2]}, "allowed_token_ids"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
+    ({"prompt": "x", "guided_choice": []}, "guided_choice"),
+    ({"prompt": "x", "guided_json": {}, "response_format": {"type": "json_object"}},
+     "guided_json"),
     ({"prompt": "x", "best_of": 0}, "best_of"),
     ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
@@ -101,11 +109,11 @@ def test_bad_completion_fields_are_named(body, param):
      "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}],
-      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"},
      "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
@@ -121,6 +129,23 @@ def test_bad_completion_fields_are_named(body, param):
 def test_bad_chat_fields_are_named(body, param):
     error = _error(ChatCompletionRequest, body)
     assert error.status == 400 and error.param == param, error.message
+
+
+def test_limits_are_the_engines_options():
+    config = EngineConfig(max_n=4, max_logprobs=30)
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    for model, body, param in ((CompletionRequest, {"prompt": "x", "n": 5}, "n"),
+                               (CompletionRequest, {"prompt": "x", "best_of": 5}, "best_of"),
+                               (CompletionRequest, {"prompt": "x", "logprobs": 31}, "logprobs"),
+                               (ChatCompletionRequest, {**chat, "n": 5}, "n"),
+                               (ChatCompletionRequest, {**chat, "top_logprobs": 31},
+                                "top_logprobs")):
+        with pytest.raises(APIError) as info:
+            parse_request(model, body).check_supported(config)
+        assert info.value.param == param and "(the server's --max-" in info.value.message
+    parse_request(CompletionRequest, {"prompt": "x", "n": 4, "logprobs": 30}
+                  ).check_supported(config)
+    parse_request(ChatCompletionRequest, {**chat, "top_logprobs": 30}).check_supported(config)
 
 
 def test_body_must_be_an_object():
@@ -226,12 +251,12 @@ def test_serve_command_and_async_engine_need_no_web_packages():
 def test_beam_search_does_not_stream(model, body):
     error = _error(model, body)
     assert error.param == "stream" and "use_beam_search" in error.message
-    parse_request(model, {**body, "stream": False}).check_supported()
+    parse_request(model, {**body, "stream": False}).check_supported(EngineConfig())
 
 
 def test_n_samples_reach_sampling_params_and_count_the_prompt_once():
     req = parse_request(CompletionRequest, {"prompt": "hi", "n": 3, "seed": 7})
-    req.check_supported()
+    req.check_supported(EngineConfig())
     params = req.sampling_params(5)
     assert params.n == 3
     assert [params.for_sample(k).seed for k in range(3)] == [7, 8, 9]
@@ -247,7 +272,7 @@ def test_logprobs_reach_sampling_params():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert parse_request(ChatCompletionRequest, chat).sampling_params(4).logprobs is None
     asked = parse_request(ChatCompletionRequest, {**chat, "logprobs": True, "top_logprobs": 3})
-    asked.check_supported()
+    asked.check_supported(EngineConfig())
     assert asked.sampling_params(4).logprobs == 3
     assert parse_request(ChatCompletionRequest, {**chat, "logprobs": True}
                          ).sampling_params(4).logprobs == 0

@@ -7,15 +7,18 @@ Llama and talks to it with the official `openai` client and plain httpx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +26,10 @@ import httpx
 import openai
 import pytest
 
+from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from nanoserve.engine.llm_engine import EngineStats
+from nanoserve.engine.request import sample_request_ids
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
@@ -38,6 +43,7 @@ class FakeEngine:
     model_name = "fake"
     tokenizer = None
     executor_alive = True
+    config = EngineConfig()
 
     def __init__(self) -> None:
         self.live: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
@@ -46,11 +52,14 @@ class FakeEngine:
         self.closed = False
 
     def add_request(self, request_id, prompt, params=None, arrival_time=None) -> None:
-        if request_id in self.live:
+        params = params or SamplingParams()
+        ids = sample_request_ids(request_id, params.n)
+        if any(rid in self.live for rid in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        self.live[request_id] = (list(prompt), params or SamplingParams(), [])
+        for k, rid in enumerate(ids):
+            self.live[rid] = (list(prompt), params.for_sample(k), [])
 
     def abort_request(self, request_ids) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -148,6 +157,36 @@ def test_async_engine_refuses_bad_input_and_aborts(fake):
     asyncio.run(main())
 
 
+def test_samples_and_prompts_are_added_in_one_command_all_or_none(fake):
+    engine, async_engine = fake
+
+    async def main():
+        streams = await async_engine.add_requests(
+            [("a", [1], SamplingParams(n=40, max_tokens=2)), ("b", [2], SamplingParams(n=24))])
+        assert [s.request_id for s in streams] == \
+            [f"a-{k}" for k in range(40)] + [f"b-{k}" for k in range(24)]
+        for stream in streams:
+            async for out in stream:
+                pass
+        assert engine.max_batch == 64  # every sample was in the engine's first step
+        keep = await async_engine.add_request("keep", [1], SamplingParams(max_tokens=10**6))
+        with pytest.raises(ValueError, match="empty"):  # the second refused: neither is taken
+            await async_engine.add_requests([("c", [1], SamplingParams(n=3)),
+                                             ("d", [], SamplingParams())])
+        with pytest.raises(ValueError, match="in use"):  # leaves the other "keep" alone
+            await async_engine.add_requests([("e", [1], SamplingParams(n=2)),
+                                             ("keep", [1], SamplingParams())])
+        await keep.__anext__()
+        for _ in range(200):  # the aborts take effect at the next step
+            if set(engine.live) == {"keep"}:
+                break
+            await asyncio.sleep(0.01)
+        assert set(engine.live) == {"keep"}
+        keep.cancel()
+
+    asyncio.run(main())
+
+
 def test_step_failure_fails_in_flight_requests_only(fake):
     engine, async_engine = fake
 
@@ -217,6 +256,70 @@ def test_app_reports_engine_failure_per_request(fake):
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
     asyncio.run(main())
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a loopback port (a real socket) in a thread; its URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(),
+                                           log_level="critical"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class BuggyTokenizer:
+    """Fails as a bug would, with a message that is not even valid Unicode (a lone surrogate)."""
+
+    def encode(self, *args, **kwargs):
+        raise TypeError("tokenizer bug \ud800")
+
+
+def _local_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_health_answers_json_and_503_once_shutting_down(fake):
+    from nanoserve.entrypoints.server import build_app
+
+    _, async_engine = fake
+    with serve_in_thread(build_app(async_engine, "fake")) as url:
+        up = httpx.get(url + "/health")
+        assert (up.status_code, up.headers["content-type"], up.json()) == \
+            (200, "application/json", {"status": "ok"})
+        async_engine.begin_shutdown()
+        down = httpx.get(url + "/health")
+        assert (down.status_code, down.json()) == (503, {"status": "unavailable"})
+
+
+def test_unexpected_error_is_a_500_body_on_a_kept_connection(fake):
+    """uvicorn closes a keep-alive connection on any exception an app lets out, and starlette's
+    handler for Exception re-raises after answering: the app must answer the error itself."""
+    from nanoserve.entrypoints.server import build_app
+
+    engine, async_engine = fake
+    engine.tokenizer = BuggyTokenizer()
+    with serve_in_thread(build_app(async_engine, "fake")) as url, \
+            httpx.Client(base_url=url, timeout=30) as http:
+        failed = http.post("/tokenize", json={"prompt": "x"})
+        port = _local_port(failed)
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "internal_server_error" and "tokenizer bug" in error["message"]
+        ok = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert _local_port(ok) == port, "the 500 dropped the connection"
 
 
 # ---- a real server ---------------------------------------------------------------------------
@@ -667,6 +770,44 @@ def test_cancel_mid_stream_frees_everything(http):
     assert after[aborted] == before.get(aborted, 0) + 2
 
 
+def test_many_samples_are_one_add_and_abort_together(client, http):
+    """n = 64 goes to the engine at once (not one sample per engine step), its samples sharing
+    the prompt's blocks; a client that leaves takes every sample of its request with it."""
+    prompt = "The samples of this prompt share its first blocks " * 3
+    start = time.perf_counter()
+    many = client.completions.create(model=MODEL, prompt=prompt, n=64, max_tokens=1,
+                                     temperature=1.0, extra_body={"ignore_eos": True})
+    elapsed = time.perf_counter() - start
+    assert [c.index for c in many.choices] == list(range(64))
+    assert many.usage.completion_tokens == 64
+    one = 0.0  # the slower of two requests of one sample, on this machine as loaded now
+    for end in "!?":
+        one_start = time.perf_counter()
+        client.completions.create(model=MODEL, prompt=prompt + end, max_tokens=1)
+        one = max(one, time.perf_counter() - one_start)
+    # Added one per engine step, the 64 took 30-50 times one request's time here.
+    assert elapsed < 10 * one + 2.0, (elapsed, one)
+
+    aborted = 'nanoserve:request_success_total{finished_reason="abort"}'
+    body = {"model": MODEL, "prompt": prompt, "n": 8, "max_tokens": 480, "ignore_eos": True}
+    before = wait_idle(http)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for chunks, line in enumerate(response.iter_lines()):
+            if chunks == 20:
+                busy = metric_values(http)
+                break
+    after = wait_idle(http)
+    assert busy["nanoserve:num_requests_running"] == 8, busy
+    assert after["nanoserve:num_requests_running"] == 0
+    assert after["nanoserve:kv_cache_usage_perc"] == 0
+    assert after[aborted] == before.get(aborted, 0) + 8
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up
+        http.post("/v1/completions", json=body, timeout=0.5)
+    after = wait_idle(http)
+    assert after["nanoserve:kv_cache_usage_perc"] == 0
+    assert after[aborted] == before.get(aborted, 0) + 16
+
+
 LONG_PROMPT = "word " * 600  # more tokens than max_model_len (512)
 
 
@@ -677,11 +818,28 @@ LONG_PROMPT = "word " * 600  # more tokens than max_model_len (512)
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e309}', 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e309}', 400,
+     "repetition_penalty"),
+    ("/v1/completions", b'{"prompt": "x", "frequency_penalty": -1e309}', 400,
+     "frequency_penalty"),
+    ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "length_penalty": 1e309}',
+     400, "length_penalty"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"top_p": -1e309}', 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "n": 11, "use_beam_search": True}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 10**6}, 400, "n"),  # past --max-n
+    ("/v1/completions", {"prompt": "x", "best_of": 129}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),  # --max-logprobs
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129},
+     400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": "", "max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**7]}, 400, "prompt"),
@@ -694,8 +852,32 @@ LONG_PROMPT = "word " * 600  # more tokens than max_model_len (512)
      400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 600}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 500}, 400, "max_tokens"),
     ("/detokenize", {"tokens": [-5]}, 400, "tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    # A lone surrogate (JSON's "\ud800" escape; json.dumps writes one so) in any text.
+    ("/v1/completions", {"prompt": "a\ud800b"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "a\udfffb"]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop[0]"),
+    ("/v1/completions", {"prompt": "x", "model": "a\ud800b"}, 400, "model"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\ud800": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+     400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+     400, "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+     400, "tools[0].function.description"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": '{"a": "\ud800"}'}}]}]},
+     400, "messages[1].tool_calls[0].function.arguments"),
+    ("/tokenize", {"prompt": "a\ud800b"}, 400, "prompt"),
 ])
 def test_bad_input_is_a_400_naming_the_field(http, path, body, status, param):
     if not isinstance(body, bytes):
@@ -731,6 +913,26 @@ def test_info_endpoints(client, http, tokenizer):
     assert text == "Hello world"
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 5
+
+
+def test_openapi_declares_the_request_bodies(http):
+    spec = http.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == \
+            {"$ref": f"#/components/schemas/{model}"}
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    refs = re.findall(r'"\$ref": "([^"]+)"', json.dumps(spec))
+    assert refs and all(ref.removeprefix("#/components/schemas/") in schemas for ref in refs)
+    docs = http.get("/docs")
+    assert docs.status_code == 200 and "swagger-ui" in docs.text
+    # Bad bodies still get OpenAI's 400 naming the field, not FastAPI's 422.
+    bad = http.post("/v1/completions", json={"prompt": "x", "max_tokens": "3"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
 def test_metrics_move_with_traffic(client, http, tokenizer):

@@ -235,9 +235,10 @@ def test_conversation_with_a_tool_result(client):
     assert reply.usage.prompt_tokens > _ask(client, tools=[WEATHER_TOOL]).usage.prompt_tokens
 
 
-def test_unsupported_tool_choice_is_a_400(client):
+def test_tool_choice_naming_no_tool_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as info:
-        _ask(client, tools=[WEATHER_TOOL], tool_choice="required")
+        _ask(client, tools=[WEATHER_TOOL],
+             tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert info.value.body["param"] == "tool_choice"
 
 

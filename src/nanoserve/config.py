@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoserve.sampling_params import MAX_LOGPROBS
+
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -32,9 +34,12 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     load_format: str = "auto"  # "dummy": random weights, for benchmarks of a config's shape
+    max_n: int = 128  # most samples (n, best_of) one request may ask for
+    max_logprobs: int = MAX_LOGPROBS  # most top logprobs per token a request may ask for
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                    "max_n")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -62,8 +67,10 @@ class EngineConfig:
                                                                 self.device):
             raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                              f"got {self.device!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("seed", "max_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

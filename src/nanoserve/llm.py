@@ -12,6 +12,7 @@ from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_searc
 from nanoserve.config import EngineConfig
 from nanoserve.engine.chat import render_chat
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.request import sample_request_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import as_prompt_list
 from nanoserve.sampling_params import SamplingParams
@@ -36,8 +37,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of the prompts. A prompt
-        whose params ask for ``n`` samples runs as ``n`` engine requests
-        (``SamplingParams.for_sample``) and comes back as one output holding ``n``."""
+        whose params ask for ``n`` samples comes back as one output holding ``n``."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -48,15 +48,12 @@ class LLM:
         for p in params:  # grammars compile side by side, before the first add waits
             if isinstance(p, SamplingParams) and p.structured_outputs is not None:
                 self.engine.structured_outputs().compiler.submit(p.structured_outputs)
-        ids: list[list[str]] = []
+        ids: list[list[str]] = []  # each prompt's samples' engine ids
         try:
             for prompt, p in zip(prompts, params):
-                ids.append([])
-                if not isinstance(p, SamplingParams):  # before reading its n
-                    raise ValueError(f"params must be a SamplingParams, got {type(p).__name__}")
-                for k in range(p.n):
-                    ids[-1].append(str(next(self._ids)))
-                    self.engine.add_request(ids[-1][-1], prompt, p.for_sample(k), stream=False)
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p, stream=False)
+                ids.append(sample_request_ids(rid, p.n))
         except Exception:  # leave no part of the batch queued
             self.engine.abort_request([rid for group in ids for rid in group])
             self._drain()

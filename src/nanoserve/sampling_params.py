@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-# Top logprobs a request may ask for per token (vLLM's default cap).
+# Top logprobs a request may ask for per token by default (EngineConfig.max_logprobs; vLLM's).
 MAX_LOGPROBS = 20
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
@@ -84,7 +85,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = None
-    n: int = 1  # independent samples of the prompt (LLM.generate and the server fan them out)
+    n: int = 1  # independent samples of the prompt, sample k seeded seed + k (for_sample)
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -107,9 +108,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the upper limit is the engine's
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+                check_int(name, getattr(self, name), 0)
         check_int("n", self.n, 1)
         if self.logit_bias is not None:
             self.logit_bias = _checked_bias(self.logit_bias)
@@ -195,8 +196,10 @@ def _check_number(name: str, value: object, *, low: float | None, high: float | 
                   rule: str, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number {rule}, got {value!r}")
-    if value != value:  # NaN compares unequal to itself
-        raise ValueError(f"{name} must be a number {rule}, got NaN")
+    # JSON's 1e309 parses as inf, NaN passes every comparison, an int may pass any float.
+    number = float(value) if isinstance(value, float) or value.bit_length() < 1024 else math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number {rule}, got {number}")
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:

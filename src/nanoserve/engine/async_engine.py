@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
+from nanoserve.engine.request import sample_request_ids
 from nanoserve.engine.request_stream import RequestStream, call_in_loop, deliver, resolve_future
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -33,11 +34,13 @@ class RequestFailedError(RuntimeError):
     """A request ended by a failure inside the engine rather than by its own input."""
 
 
+Prompt = str | list[int]
+
+
 @dataclass
 class _Add:
-    stream: RequestStream
-    prompt: str | list[int]
-    params: SamplingParams
+    requests: list[tuple[str, Prompt, SamplingParams]]
+    streams: list[RequestStream]  # one per sample of each request, in order
     arrival_time: float | None
     accepted: asyncio.Future[None]
 
@@ -82,6 +85,10 @@ class AsyncLLMEngine:
             raise self._startup_error
 
     @property
+    def config(self) -> EngineConfig:
+        return self._require_engine().config
+
+    @property
     def tokenizer(self) -> Any:
         return self._require_engine().tokenizer
 
@@ -105,23 +112,33 @@ class AsyncLLMEngine:
         """Call ``listener`` on the engine thread with every output (metrics use this)."""
         self._listeners.append(listener)
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; returns once the engine accepted it. Raises ValueError for input
-        the engine refuses, EngineDeadError when the engine no longer takes requests."""
-        stream = RequestStream(request_id, self.abort)
-        accepted = stream.loop.create_future()
+        """Queue a request of one sample (``params.n`` == 1); see ``add_requests``."""
+        if params.n != 1:
+            raise ValueError(f"n must be 1 here (add_requests takes more), got {params.n}")
+        return (await self.add_requests([(request_id, prompt, params)], arrival_time))[0]
+
+    async def add_requests(self, requests: list[tuple[str, Prompt, SamplingParams]],
+                           arrival_time: float | None = None) -> list[RequestStream]:
+        """Queue (request id, prompt, params) requests in one command, all or none; returns
+        the streams of each one's ``params.n`` samples in order once the engine took them.
+        Raises ValueError for input the engine refuses, EngineDeadError when the engine no
+        longer takes requests."""
+        streams = [RequestStream(sample_id, self.abort) for rid, _, params in requests
+                   for sample_id in sample_request_ids(rid, params.n)]
+        accepted = asyncio.get_running_loop().create_future()
         with self._admission:
             if not self.is_running:
                 raise EngineDeadError("the engine is shutting down")
-            self._commands.put(_Add(stream, prompt, params, arrival_time, accepted))
+            self._commands.put(_Add(requests, streams, arrival_time, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
-            stream.cancel()  # queued after the add, so the engine drops what it just took
+            for stream in streams:  # queued after the add: the engine drops what it took
+                stream.cancel()
             raise
-        return stream
+        return streams
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile (or find cached) the grammar of ``spec`` on the compiler's threads; raises
@@ -207,19 +224,23 @@ class AsyncLLMEngine:
 
     def _add(self, engine: LLMEngine, cmd: _Add) -> None:
         error: BaseException | None = None
+        added: list[str] = []
         if not self._accepting:
             error = EngineDeadError("the engine is shutting down")
         else:
             try:
-                engine.add_request(cmd.stream.request_id, cmd.prompt, cmd.params,
-                                   cmd.arrival_time)
-                self._live[cmd.stream.request_id] = cmd.stream
-            except Exception as exc:  # bad input (ValueError) or a bug: only this request fails
+                for request_id, prompt, params in cmd.requests:
+                    engine.add_request(request_id, prompt, params, cmd.arrival_time)
+                    added += sample_request_ids(request_id, params.n)
+                self._live.update((stream.request_id, stream) for stream in cmd.streams)
+            except Exception as exc:  # bad input (ValueError) or a bug: only these requests fail
                 error = exc
-        answered = call_in_loop(cmd.stream.loop, resolve_future, cmd.accepted, error)
-        if not answered and error is None:  # the caller's loop is gone: nobody wants it
-            self._live.pop(cmd.stream.request_id)
-            engine.abort_request(cmd.stream.request_id)
+                engine.abort_request(added)  # all or none
+        answered = call_in_loop(cmd.accepted.get_loop(), resolve_future, cmd.accepted, error)
+        if not answered and error is None:  # the caller's loop is gone: nobody wants them
+            for rid in added:
+                self._live.pop(rid)
+            engine.abort_request(added)
 
     def _step(self, engine: LLMEngine) -> None:
         try:
@@ -276,5 +297,5 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                call_in_loop(cmd.stream.loop, resolve_future, cmd.accepted,
+                call_in_loop(cmd.accepted.get_loop(), resolve_future, cmd.accepted,
                              EngineDeadError("the engine stopped"))

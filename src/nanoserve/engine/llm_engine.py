@@ -11,7 +11,7 @@ from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.engine.output_processor import OutputProcessor
-from nanoserve.engine.request import FinishReason, Request
+from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import check_context_length, truncate_prompt
@@ -103,15 +103,22 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True) -> None:
-        """Queue a request. ``stream=False``: step() reports it only once, when finished."""
+        """Queue a request as its ``params.n`` samples, all or none: sequences with the ids
+        ``sample_request_ids`` gives, sample k seeded ``seed + k``, the first computing the
+        prompt for the others to share. ``stream=False``: step() reports a sample only once,
+        when finished."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n != 1:
-            raise ValueError("the engine runs one sequence per request; n > 1 is fanned out "
-                             "into requests by LLM.generate and the server")
+        for name, option in (("n", "max_n"), ("logprobs", "max_logprobs"),
+                             ("prompt_logprobs", "max_logprobs")):
+            value, limit = getattr(params, name), getattr(self.config, option)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be <= {limit} (the engine's {option}), got {value}")
+        request_ids = sample_request_ids(request_id, params.n)
+        for rid in request_ids:
+            if rid in self.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
         text, ids = self._tokenize(prompt)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if kept is not ids:  # the text no longer matches the ids: drop it
@@ -130,14 +137,26 @@ class LLMEngine:
                 f"new tokens but the whole cache has {self.block_manager.num_blocks}; "
                 "lower max_tokens or give the cache more memory")
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
-        if params.structured_outputs is not None:
-            self.structured_outputs().add(request_id, params.structured_outputs)
-        req = Request(request_id, text, ids, params, max_tokens, eos,
-                      arrival_time=arrival_time or time.time(), stream=stream)
-        self.requests[request_id] = req
-        self.num_history_requests += params.needs_token_history
-        self.output_processor.add(req)
-        self.scheduler.add(req)
+        # Samples admitted together would each compute the prompt: the others wait for the
+        # first (a step, unless its prefill is chunked) and share its cached full blocks.
+        shares = (self.config.enable_prefix_caching and params.prompt_logprobs is None
+                  and len(ids) > self.config.block_size)
+        spec = params.structured_outputs
+        if spec is not None:
+            self.structured_outputs().compiler.compile(spec)  # raises before anything is added
+        leader = None
+        for k, rid in enumerate(request_ids):
+            if spec is not None:
+                self._structured.add(rid, spec)
+            req = Request(rid, text, ids, params.for_sample(k), max_tokens, eos,
+                          arrival_time=arrival_time or time.time(), stream=stream,
+                          prefix_leader=leader)
+            if shares and leader is None:
+                leader = req
+            self.requests[rid] = req
+            self.num_history_requests += params.needs_token_history
+            self.output_processor.add(req)
+            self.scheduler.add(req)
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler and matchers, made on first use (xgrammar loads then)."""

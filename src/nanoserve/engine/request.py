@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from nanoserve.sampling_params import SamplingParams
 
 
+def sample_request_ids(request_id: str, n: int) -> list[str]:
+    """The engine ids of a request's ``n`` samples: its own id when it has one sample."""
+    return [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -38,6 +43,9 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.time)
     stream: bool = True  # report progress every step; False: only the final output
+    # A sibling sample that computes the shared prompt first: this one waits to be admitted
+    # until it has, then takes the prompt's full blocks from the prefix cache.
+    prefix_leader: Request | None = field(default=None, repr=False, compare=False)
     token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
     status: RequestStatus = RequestStatus.WAITING

@@ -83,6 +83,11 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_tokens:  # preempted while its last token was on the device
                 break
+            leader = req.prefix_leader
+            if leader is not None:  # never admitted yet, so its leader is running or ahead
+                if not leader.finished and leader.num_computed_tokens < leader.num_prompt_tokens:
+                    break
+                req.prefix_leader = None
             # Prompt logprobs need every prompt position's hidden state: no cached prefix.
             hits = [] if req.prompt_logprobs is not None else self.bm.match_prefix(req.token_ids)
             computed = len(hits) * self.bm.block_size

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 
@@ -78,21 +79,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         history.append({"role": "system", "content": args.system})
     print("nanoserve chat: type a message, Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            break
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = ""
-        for delta in llm.stream_chat(history, params):
-            reply += delta
-            print(delta, end="", flush=True)
-        print(flush=True)
-        history.append({"role": "assistant", "content": reply})
-    llm.close()
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                break
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = ""
+            # On Ctrl-C the reply is aborted here, before llm.close(), not when collected.
+            with contextlib.closing(llm.stream_chat(history, params)) as deltas:
+                for delta in deltas:
+                    reply += delta
+                    print(delta, end="", flush=True)
+            print(flush=True)
+            history.append({"role": "assistant", "content": reply})
+    finally:
+        llm.close()
     return 0
 
 
@@ -142,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (in chat: while a reply streams): no traceback
+        print(file=sys.stderr)
+        return 130  # the shell's code for a process ended by SIGINT
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ class OpenAIServing:
         arrival = time.time()
         req: CompletionRequest = parse_request(CompletionRequest, body)
         self.check_model(req.model)
-        req.check_supported()
+        req.check_supported(self.engine.config)
         given = as_prompt_list(req.prompt)
         if not given:
             raise APIError("prompt must not be empty", param="prompt")
@@ -67,7 +67,7 @@ class OpenAIServing:
         arrival = time.time()
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
         self.check_model(req.model)
-        req.check_supported()
+        req.check_supported(self.engine.config)
         prompt = self._render_chat(req.messages, bool(req.add_generation_prompt),
                                    req.tools_offered(), req.chat_template_kwargs)
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
@@ -164,25 +164,18 @@ class OpenAIServing:
         if req.use_beam_search:
             return await self._beam_search(request_id, prompts, params, req, arrival, request,
                                            chat)
-        # One engine request per prompt and sample (choice i * n + k: prompt i's sample k);
-        # with best_of, the n of highest cumulative logprob (the engine then reports it) kept.
+        # One engine request per prompt, in one add: stream i * n + k is prompt i's sample k.
+        # With best_of, the n of highest cumulative logprob (the engine then reports it) kept.
         samples = req.samples_per_prompt()
         engine_params = params if samples == params.n else \
-            dataclasses.replace(params, logprobs=params.logprobs or 0)
-        streams: list[RequestStream] = []
+            dataclasses.replace(params, n=samples, logprobs=params.logprobs or 0)
+        rids = [request_id] if len(prompts) == 1 else \
+            [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            for i, ids in enumerate(prompts):
-                for k in range(samples):
-                    rid = request_id if len(prompts) == samples == 1 else \
-                        f"{request_id}-{i * samples + k}"
-                    streams.append(await self.engine.add_request(
-                        rid, ids, engine_params.for_sample(k), arrival))
+            streams = await self.engine.add_requests(
+                [(rid, ids, engine_params) for rid, ids in zip(rids, prompts)], arrival)
         except ValueError as exc:
-            cancel_all(streams)
             raise value_error_to_api(exc, "messages" if chat else "prompt") from None
-        except BaseException:
-            cancel_all(streams)
-            raise
         if req.stream:
             events = ChunkWriter(request_id, self.served_model_name, chat, req.include_usage(),
                                  params.n, params.logprobs, self._decode, echo,
@@ -228,14 +221,9 @@ class OpenAIServing:
         async def run() -> list[BeamSearchOutput]:
             step = 0
             while not search.done:
-                streams: list[RequestStream] = []
-                try:
-                    for j, ids in enumerate(search.requests()):
-                        streams.append(await self.engine.add_request(
-                            f"{request_id}-step{step}-beam{j}", ids, search.step_params, arrival))
-                except BaseException:
-                    cancel_all(streams)
-                    raise
+                streams = await self.engine.add_requests(
+                    [(f"{request_id}-step{step}-beam{j}", ids, search.step_params)
+                     for j, ids in enumerate(search.requests())], arrival)
                 search.advance([f.outputs[0].logprobs[0] for f in await _collect(streams)])
                 step += 1
             return search.results(lambda ids: decode(ids, skip_special_tokens=True))

@@ -6,14 +6,17 @@ the offending field. Unknown fields are ignored, as OpenAI-compatible tools ofte
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.entrypoints.errors import APIError
 from nanoserve.entrypoints.constraints import tool_choice_schema
 from nanoserve.entrypoints.tool_calls import ForcedToolCalls
-from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
 
 
 class _Strict(BaseModel):
@@ -60,7 +63,14 @@ class _GenerationRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def check_supported(self) -> None:
+    def check_supported(self, config: EngineConfig) -> None:
+        """Refuse what the server does not do, or more than ``config`` allows a request."""
+        for name, option in self._limited_fields():
+            value, limit = getattr(self, name), getattr(config, option)
+            if value is not None and value > limit:
+                flag = "--" + option.replace("_", "-")
+                raise APIError(f"{name} must be <= {limit} (the server's {flag}), got {value}",
+                               param=name)
         if self.use_beam_search and self.stream:
             raise APIError("use_beam_search answers once the search ends; it cannot stream",
                            param="stream")
@@ -69,6 +79,10 @@ class _GenerationRequest(_Strict):
                            param="prompt_logprobs")
         if self.n is not None and self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
+
+    def _limited_fields(self) -> list[tuple[str, str]]:
+        """(field, the EngineConfig option bounding it) pairs."""
+        return [("n", "max_n"), ("prompt_logprobs", "max_logprobs")]
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top logprobs each generated token reports; None: no logprobs at all."""
@@ -134,8 +148,11 @@ class CompletionRequest(_GenerationRequest):
     def samples_per_prompt(self) -> int:
         return self.best_of or super().samples_per_prompt()
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def _limited_fields(self) -> list[tuple[str, str]]:
+        return super()._limited_fields() + [("best_of", "max_n"), ("logprobs", "max_logprobs")]
+
+    def check_supported(self, config: EngineConfig) -> None:
+        super().check_supported(config)
         if self.echo and self.use_beam_search:
             raise APIError("echo is not supported with use_beam_search", param="echo")
         if self.best_of is not None:
@@ -193,8 +210,11 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def _limited_fields(self) -> list[tuple[str, str]]:
+        return super()._limited_fields() + [("top_logprobs", "max_logprobs")]
+
+    def check_supported(self, config: EngineConfig) -> None:
+        super().check_supported(config)
         check_template_kwargs(self.chat_template_kwargs)
         if self.tool_choice is not None and not self.tools:
             raise APIError("tool_choice needs tools", param="tool_choice")
@@ -212,9 +232,9 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                               f"{self.top_logprobs}", param="top_logprobs")
+            if self.top_logprobs < 0:
+                raise APIError(f"top_logprobs must be >= 0, got {self.top_logprobs}",
+                               param="top_logprobs")
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

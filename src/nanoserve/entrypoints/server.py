@@ -31,13 +31,16 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
     ``Authorization: Bearer KEY``."""
     from fastapi import APIRouter, Depends, FastAPI, Request
+    from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
 
     from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError
     from nanoserve.engine.metrics import ServerMetrics
-    from nanoserve.entrypoints.errors import APIError, parse_json
+    from nanoserve.entrypoints.errors import APIError, CatchAllErrors, parse_json
     from nanoserve.entrypoints.openai_handlers import OpenAIServing
+    from nanoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, TokenizeRequest)
     from nanoserve.entrypoints.responses import ModelCard, ModelList
 
     name = served_model_name or engine.model_name
@@ -55,33 +58,35 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
                            type="authentication_error", code="invalid_api_key")
 
     app = FastAPI(title="nanoserve", version=nanoserve_version())
+    app.add_middleware(CatchAllErrors)  # any other exception: a 500 in OpenAI's shape
     api = APIRouter(dependencies=[Depends(require_key)])
 
-    def answer(message: str, status: int, kind: str) -> JSONResponse:
-        return JSONResponse(APIError(message, status, type=kind).body(), status_code=status)
+    def answer(error: APIError) -> Response:
+        return Response(error.json(), status_code=error.status, media_type="application/json")
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return answer(exc)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(_: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return answer(str(exc.detail), exc.status_code, kind)
+        return answer(APIError(str(exc.detail), exc.status_code, type=kind))
 
     @app.exception_handler(EngineDeadError)
-    async def engine_down(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return answer(str(exc), 503, "service_unavailable")
+    async def engine_down(_: Request, exc: EngineDeadError) -> Response:
+        return answer(APIError(str(exc), 503, type="service_unavailable"))
 
-    # The engine thread logged a RequestFailedError's cause; starlette, any other's traceback.
+    # The engine thread logged its cause; CatchAllErrors logs any other error's traceback.
     @app.exception_handler(RequestFailedError)
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return answer(str(exc), 500, "internal_server_error")
+    async def request_failed(_: Request, exc: RequestFailedError) -> Response:
+        return answer(APIError(str(exc), 500, type="internal_server_error"))
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        up = engine.is_running
+        return JSONResponse({"status": "ok" if up else "unavailable"},
+                            status_code=200 if up else 503)
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:
@@ -114,7 +119,32 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
         return serving.detokenize(parse_json(await request.body()))
 
     app.include_router(api)
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _declare_request_bodies(schema, bodies)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _declare_request_bodies(schema: dict[str, Any], bodies: dict[str, Any]) -> None:
+    """Declare each POST route's pydantic model as its body in the OpenAPI ``schema`` (for
+    /docs): the handlers parse the raw body themselves, to answer bad input with OpenAI's
+    400 naming the field, so FastAPI cannot see what they take."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in bodies.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": ref}}}
 
 
 def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
