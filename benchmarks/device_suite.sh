@@ -5,13 +5,15 @@
 #   bash benchmarks/device_suite.sh                       # from the repository root, on the device
 #   STEPS="latency throughput" TP_SHAPES="qwen3-8b" bash benchmarks/device_suite.sh
 #
-# Carry .cache/qwen3-tokenizer for Qwen3's real tokenizer (else shapes.py writes a word-level one).
+# Carry .cache/qwen3-tokenizer for Qwen3's real tokenizer (else shapes.py writes a word-level one)
+# and .whl (wheels of xgrammar and jsonschema with their dependencies, for Python 3.12).
 #
 # Environment (defaults in brackets):
 #   STEPS           the steps, in this order ["tests tune latency throughput"]
 #   LAT_SHAPES      latency.py's shapes [every dense shape: shapes.py list --dense]
 #   LAT_CONTEXTS    prompt lengths ["128 2048 8192"];  LAT_NEW_TOKENS  timed tokens [128]
 #   TP_SHAPES       throughput.py's shapes ["qwen3-0.6b llama-3.2-3b qwen3-8b"]
+#   SO_SHAPES       structured.py's shapes ["qwen3-0.6b qwen3-8b"] (step "structured")
 #   TUNE_SHAPES     shapes to tune [$LAT_SHAPES];  TUNE_ARGS  extra arguments of `tune` []
 #   LAT_ARGS, TP_ARGS, TEST_ARGS   extra arguments of latency.py, throughput.py, pytest []
 #   SUITE_DEVICE    auto or cpu (a dry run of the scripts without a GPU) [auto]
@@ -48,6 +50,7 @@ LAT_CONTEXTS=${LAT_CONTEXTS:-128 2048 8192}
 LAT_NEW_TOKENS=${LAT_NEW_TOKENS:-128}
 TP_SHAPES=${TP_SHAPES:-qwen3-0.6b llama-3.2-3b qwen3-8b}
 TUNE_SHAPES=${TUNE_SHAPES:-$LAT_SHAPES}
+SO_SHAPES=${SO_SHAPES:-qwen3-0.6b qwen3-8b}
 SUITE_DEVICE=${SUITE_DEVICE:-auto}
 BUDGET=${SUITE_BUDGET_S:-540}
 START=$SECONDS
@@ -67,6 +70,9 @@ step_timeout() {
 'devices', torch.cuda.device_count())" 2>&1
   git log -1 --format='tree at %h %s' 2>/dev/null || true
 } >> "$OUT/suite.log"
+# Packages the image lacks (xgrammar, jsonschema), as wheels carried in .whl/.
+[ -d .whl ] && $PY -m pip install -q --no-index --find-links .whl xgrammar jsonschema \
+  >> "$OUT/suite.log" 2>&1
 log "steps: $STEPS; budget ${BUDGET}s"
 log "latency shapes: $LAT_SHAPES (contexts $LAT_CONTEXTS); throughput shapes: $TP_SHAPES"
 
@@ -127,7 +133,8 @@ bench() {
 
 # A table of the results so far, into suite.log (and the call's output tail).
 summary() {
-  $PY - "$OUT/latency.jsonl" "$OUT/throughput.jsonl" <<'PYEOF' 2>&1 | tee -a "$OUT/suite.log"
+  $PY - "$OUT/latency.jsonl" "$OUT/throughput.jsonl" "$OUT/structured.jsonl" <<'PYEOF' \
+    2>&1 | tee -a "$OUT/suite.log"
 import json, os, sys
 for path in sys.argv[1:]:
     if not os.path.exists(path):
@@ -136,6 +143,11 @@ for path in sys.argv[1:]:
         r = json.loads(line)
         if "error" in r or "skipped" in r:
             print(f"{r['bench']:10} {r['shape']:14} {r.get('error') or 'skipped: ' + r['skipped']}")
+        elif r["bench"] == "structured":
+            print(f"structured {r['shape']:14} json {r['json_tok_s']:.0f} / free {r['free_tok_s']:.0f}"
+                  f" tok/s ({r['throughput_ratio']:.2f}); batch 1 {r['json_batch1_ms']:.3f} /"
+                  f" {r['free_batch1_ms']:.3f} ms ({r['batch1_ratio']:.2f}); compile p50"
+                  f" {r['compile_ms_p50']} p99 {r['compile_ms_p99']} ms")
         elif r["bench"] == "latency":
             print(f"latency    {r['shape']:14} ctx {r['context']:>5}: {r['ms_per_token']:8.3f} ms/token,"
                   f" floor {r['floor_ms']:.3f} ({r['fraction_of_floor'] or 0:.2f} of it)")
@@ -155,7 +167,9 @@ for step in $STEPS; do
                --contexts $LAT_CONTEXTS --new-tokens "$LAT_NEW_TOKENS" ${LAT_ARGS:-} ;;
     throughput) bench throughput throughput.py "${TP_TIMEOUT:-240}" --shapes $TP_SHAPES \
                   ${TP_ARGS:-} ;;
-    *) log "unknown step '$step' (tests, tune, latency, throughput)" ;;
+    structured) bench structured structured.py "${SO_TIMEOUT:-240}" --shapes $SO_SHAPES \
+                  ${SO_ARGS:-} ;;
+    *) log "unknown step '$step' (tests, tune, latency, throughput, structured)" ;;
   esac
 done
 summary
