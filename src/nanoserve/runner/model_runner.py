@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, its KV cache and the sampler; turns a StepInput into tokens."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from nanoserve.runner.inputs import (CompletedStep, InFlightStep, SequenceChunk,
                                      StepOutput)
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
-from nanoserve.runner.sampler import Sampler, with_fused_logprobs
+from nanoserve.runner.sampler import Sampler, mark_failed_rows, with_fused_logprobs
 from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed, max_logprobs,
                                                temperatures_only)
 from nanoserve.runner.step_inputs import prepare_inputs
@@ -227,8 +228,9 @@ class ModelRunner:
             out = with_fused_logprobs(logits, token_ids, max_logprobs(params))
         else:
             out = self.sampler(logits, tensors)
-        self.last_samples = out.token_ids
+        self.last_samples = out.token_ids  # the next step may feed them, even a failed row's
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
+        out = dataclasses.replace(out, token_ids=mark_failed_rows(logits, out.token_ids))
         return SampledStep(out, [p.logprobs for p in params], prompt)
 
     def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors:
