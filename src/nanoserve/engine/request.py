@@ -18,6 +18,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # a failure in the request's own work; stop_reason holds the message
 
 
 @dataclass
