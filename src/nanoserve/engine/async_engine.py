@@ -246,9 +246,12 @@ class AsyncLLMEngine:
             stream = self._live.get(out.request_id)
             if stream is None:
                 continue  # aborted by its consumer, which no longer listens
+            item: RequestOutput | BaseException = out
             if out.finished:
                 del self._live[out.request_id]
-            batches.setdefault(stream.loop, []).append((stream, out))
+                if out.outputs[0].finish_reason == "error":  # its own failure, logged already
+                    item = RequestFailedError(f"the request failed: {out.outputs[0].stop_reason}")
+            batches.setdefault(stream.loop, []).append((stream, item))
         # One wake-up per event loop per step, not one per request.
         for loop, items in batches.items():
             if not call_in_loop(loop, deliver, items):  # its requests have no consumer
