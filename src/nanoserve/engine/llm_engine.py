@@ -22,6 +22,10 @@ from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``max_waiting_requests``): try again later."""
+
+
 class Executor(Protocol):
     """Runs model steps on some device(s); the engine only sees this."""
 
@@ -109,6 +113,12 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; n > 1 is fanned out "
                              "into requests by LLM.generate and the server")
+        bound, sched = self.config.max_waiting_requests, self.scheduler
+        # Those that the next step can seat do not wait: a burst into an idle engine fills it.
+        seats = max(0, sched.max_num_seqs - len(sched.running))
+        if bound is not None and len(sched.waiting) - seats >= bound:
+            raise EngineOverloadedError(f"{bound} requests are already waiting "
+                                        "(max_waiting_requests); try again later")
         text, ids = self._tokenize(prompt)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if kept is not ids:  # the text no longer matches the ids: drop it
