@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class _Abort:
 
 
 _STOP = object()
+IDLE_CHECK_S = 0.5  # how often an idle engine checks that its executor still runs
 
 
 class AsyncLLMEngine:
@@ -67,6 +69,7 @@ class AsyncLLMEngine:
         self._listeners: list[Callable[[RequestOutput], None]] = []
         self._engine: LLMEngine | None = None  # stepped by its own thread only
         self.stats: EngineStats | None = None  # snapshot after the latest step
+        self.crashed = False  # the loop died of an error (a broken executor), not a shutdown
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -106,11 +109,13 @@ class AsyncLLMEngine:
         self._listeners.append(listener)
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          params: SamplingParams, arrival_time: float | None = None,
+                          timeout: float | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises ValueError for input
-        the engine refuses, EngineDeadError when the engine no longer takes requests."""
-        stream = RequestStream(request_id, self.abort)
+        the engine refuses, EngineOverloadedError when too many wait, EngineDeadError when the
+        engine no longer takes requests. ``timeout``: seconds from now to abort it in (the
+        stream then raises RequestTimeoutError)."""
+        stream = RequestStream(request_id, self.abort, timeout)
         accepted = stream.loop.create_future()
         with self._admission:
             if not self.is_running:
@@ -121,11 +126,32 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             stream.cancel()  # queued after the add, so the engine drops what it just took
             raise
+        except BaseException:
+            stream.close()  # refused: nothing to abort (its id may be another request's)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort one request; thread-safe and a no-op for unknown or finished requests."""
         self._commands.put(_Abort([request_id]))
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests (EngineDeadError) and let those in flight finish: a drain."""
+        self._accepting = False
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every request in flight to end; True if they
+        did. Polls: it is for a drain, once per process."""
+        deadline = time.monotonic() + timeout
+        while (self._live or not self._commands.empty()) and self._thread.is_alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def wait_stopped(self) -> None:
+        """Block until the engine thread has ended (shut down, or crashed)."""
+        self._thread.join()
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and abort those in flight so their streams end now; safe in a
@@ -157,6 +183,7 @@ class AsyncLLMEngine:
         try:
             self._serve(self._engine)
         except BaseException:
+            self.crashed = True
             logger.exception("the engine loop crashed")
         finally:
             with self._admission:
@@ -170,8 +197,16 @@ class AsyncLLMEngine:
 
     def _serve(self, engine: LLMEngine) -> None:
         while True:
-            # Block while idle; between steps, take whatever has arrived without waiting.
-            commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+            # Block while idle (waking to check the executor: a worker may die meanwhile);
+            # between steps, take whatever has arrived without waiting.
+            commands = []
+            if not engine.has_unfinished_requests():
+                try:
+                    commands.append(self._commands.get(timeout=IDLE_CHECK_S))
+                except queue.Empty:
+                    if not engine.executor_alive:
+                        raise EngineDeadError("the executor stopped") from None
+                    continue
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
