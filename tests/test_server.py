@@ -40,7 +40,8 @@ class FakeEngine:
     tokenizer = None
     executor_alive = True
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.002) -> None:
+        self.step_s = step_s
         self.live: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
         self.max_batch = 0
@@ -67,7 +68,7 @@ class FakeEngine:
         if any(BOOM in prompt for prompt, _, _ in self.live.values()):
             raise RuntimeError("boom")
         self.max_batch = max(self.max_batch, len(self.live))
-        time.sleep(0.002)
+        time.sleep(self.step_s)
         for rid, (prompt, params, tokens) in list(self.live.items()):
             tokens.append(len(tokens) + 1)
             if FAULT in prompt and len(tokens) == 2:
@@ -802,7 +803,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 def test_sigterm_ends_in_flight_requests_and_exits(tiny_llama, tmp_path):
-    srv = start_server(tiny_llama, tmp_path / "log")
+    srv = start_server(tiny_llama, tmp_path / "log", "--shutdown-timeout", "0")  # no drain
     children = _descendants(srv.proc.pid)
     events: list[str] = []
     started = threading.Event()
