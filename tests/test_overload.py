@@ -87,7 +87,7 @@ def test_a_burst_past_the_queue_bound_gets_503s(server):
         alone = httpx.post(server.url + "/v1/completions", json=_completion(prompt), timeout=60)
         assert response.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
         assert response.json()["usage"]["completion_tokens"] == 16
-    assert probe.worst < 0.5, sorted(probe.latencies)[-5:]
+    assert probe.worst < 0.25, sorted(probe.latencies)[-5:]
 
 
 def test_an_oversized_body_gets_413_before_it_is_read(server):
@@ -113,7 +113,7 @@ def test_an_oversized_body_gets_413_before_it_is_read(server):
     response = httpx.post(server.url + "/v1/completions", content=chunks, timeout=30,
                           headers={"Content-Type": "application/json"})
     assert response.status_code == 413, response.text
-    assert probe.worst < 0.5 and set(probe.statuses) == {200}
+    assert probe.worst < 0.25 and set(probe.statuses) == {200}
 
 
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
@@ -125,7 +125,7 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
         elapsed = time.perf_counter() - start
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert len(probe.latencies) > elapsed / 0.2  # it answered all along, not at the end
-    assert probe.worst < 0.5, sorted(probe.latencies)[-5:]
+    assert probe.worst < 0.25, sorted(probe.latencies)[-5:]
 
 
 @pytest.fixture
