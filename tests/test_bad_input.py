@@ -88,6 +88,7 @@ BAD_ENGINE = [
     ("block_size", 0), ("block_size", 12), ("block_size", 16.0),
     ("tensor_parallel_size", 0), ("max_model_len", 0), ("max_model_len", "x"),
     ("num_kv_blocks", 0), ("num_kv_blocks", -3), ("kv_cache_memory", -1),
+    ("max_waiting_requests", 0), ("max_waiting_requests", "5"),
     ("dtype", "float8"), ("dtype", "fp16"), ("dtype", None), ("load_format", "pt"),
     ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
     ("gpu_memory_utilization", "abc"), ("gpu_memory_utilization", math.nan),

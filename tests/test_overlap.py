@@ -124,12 +124,10 @@ def test_a_failed_step_loses_no_token(llm, failing_call, monkeypatch):
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"f{i}", prompt, params)
     got = {}
-    with pytest.raises(RuntimeError, match="injected"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    while engine.has_unfinished_requests():  # the same engine carries on after the failure
+    # No request is at fault (each runs fine apart): the engine isolates them, then carries on.
+    while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
-    assert [got[f"f{i}"] for i in range(len(PROMPTS))] == want
+    assert len(calls) > failing_call and [got[f"f{i}"] for i in range(len(PROMPTS))] == want
     assert engine.block_manager.num_free_blocks == free

@@ -34,6 +34,7 @@ from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 BOOM = 666  # a prompt holding this token makes the fake engine's step() raise
+FAULT = 667  # a request whose prompt holds this token ends with "error" at its second token
 
 
 class FakeEngine:
@@ -45,7 +46,8 @@ class FakeEngine:
     executor_alive = True
     config = EngineConfig()
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.002) -> None:
+        self.step_s = step_s
         self.live: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
         self.max_batch = 0
@@ -75,26 +77,28 @@ class FakeEngine:
         if any(BOOM in prompt for prompt, _, _ in self.live.values()):
             raise RuntimeError("boom")
         self.max_batch = max(self.max_batch, len(self.live))
-        time.sleep(0.002)
-        for rid, (_, params, tokens) in list(self.live.items()):
+        time.sleep(self.step_s)
+        for rid, (prompt, params, tokens) in list(self.live.items()):
             tokens.append(len(tokens) + 1)
-            if len(tokens) >= params.max_tokens:
+            if FAULT in prompt and len(tokens) == 2:
+                outputs.append(self._finish(rid, "error", "ValueError: injected fault"))
+            elif len(tokens) >= params.max_tokens:
                 outputs.append(self._finish(rid, "length"))
             else:
                 outputs.append(self._output(rid, None))
         return outputs
 
-    def _output(self, rid: str, finish: str | None) -> RequestOutput:
+    def _output(self, rid: str, finish: str | None, why: str | None = None) -> RequestOutput:
         prompt, _, tokens = self.live[rid]
         now = time.time()
+        text = "".join(f" t{t}" for t in tokens)
         return RequestOutput(
-            rid, None, prompt,
-            [CompletionOutput(0, "".join(f" t{t}" for t in tokens), list(tokens), finish)],
+            rid, None, prompt, [CompletionOutput(0, text, list(tokens), finish, why)],
             finish is not None,
             metrics={"arrival_time": now, "first_token_time": now, "last_token_time": now})
 
-    def _finish(self, rid: str, reason: str) -> RequestOutput:
-        out = self._output(rid, reason)
+    def _finish(self, rid: str, reason: str, why: str | None = None) -> RequestOutput:
+        out = self._output(rid, reason, why)
         del self.live[rid]
         return out
 
@@ -320,6 +324,34 @@ def test_unexpected_error_is_a_500_body_on_a_kept_connection(fake):
         ok = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         assert _local_port(ok) == port, "the 500 dropped the connection"
+
+
+def test_app_fails_only_the_request_at_fault(fake):
+    from nanoserve.entrypoints.server import build_app
+
+    engine, async_engine = fake
+    app = build_app(async_engine, "fake")
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            url = "/v1/completions"
+            body = {"prompt": [1, 2], "max_tokens": 30}
+            failed, streamed, *ok = await asyncio.gather(
+                client.post(url, json={**body, "prompt": [FAULT]}),
+                client.post(url, json={**body, "prompt": [FAULT], "stream": True}),
+                *(client.post(url, json=body) for _ in range(4)))
+            assert failed.status_code == 500
+            assert "injected fault" in failed.json()["error"]["message"]
+            events = [line for line in streamed.text.splitlines() if line]
+            assert "injected fault" in json.loads(events[-2][len("data: "):])["error"]["message"]
+            assert events[-1] == "data: [DONE]" and "t1" in events[0]  # a token, then the error
+            for response in ok:
+                assert response.status_code == 200
+                assert response.json()["usage"]["completion_tokens"] == 30
+            assert engine.max_batch == 6  # all ran side by side
+
+    asyncio.run(main())
 
 
 # ---- a real server ---------------------------------------------------------------------------
@@ -973,7 +1005,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 def test_sigterm_ends_in_flight_requests_and_exits(tiny_llama, tmp_path):
-    srv = start_server(tiny_llama, tmp_path / "log")
+    srv = start_server(tiny_llama, tmp_path / "log", "--shutdown-timeout", "0")  # no drain
     children = _descendants(srv.proc.pid)
     events: list[str] = []
     started = threading.Event()

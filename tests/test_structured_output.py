@@ -21,8 +21,8 @@ from nanoserve.engine.structured_output import check_enforceable
 SEEDS = (0, 1)
 ARITHMETIC = r'''
 root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= factor (("*" | "/") factor)*
+expr ::= term (("+" | "-") term){0,3}
+term ::= factor (("*" | "/") factor){0,2}
 factor ::= [0-9] | [1-9] [0-9] | "(" expr ")"
 '''
 ARITHMETIC_RE = re.compile(r"[0-9()+\-*/]+")
@@ -53,9 +53,13 @@ def test_sampled_json_always_validates(smollm2):
 
 def test_regex_choice_and_grammar_hold(smollm2):
     constraints = [dict(regex=r"[0-9]{3}-[a-z]{2,4}"), dict(choice=["yes", "no", 'it "depends"']),
-                   dict(grammar=ARITHMETIC), dict(json_object=True)]
+                   dict(grammar=ARITHMETIC)]
     params = [_params(seed, **c) for c in constraints for seed in (0, 1, 2)]
-    prompts = ["Code:", "Is water wet?", "Write an arithmetic expression:", "A JSON object:"]
+    # An unbounded object is sampled greedily: at temperature 1 it may outlast any budget.
+    params += [SamplingParams(temperature=0, max_tokens=64, structured_outputs=(
+        StructuredOutputsParams(json_object=True)))] * 3
+    prompts = ["Code:", "Is water wet?", "Write an arithmetic expression:",
+               'Reply with a JSON object whose key "ok" is true:']
     outs = smollm2.generate([p for p in prompts for _ in range(3)], params, use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     assert all(o.outputs[0].finish_reason == "stop" for o in outs), texts
@@ -173,3 +177,23 @@ def test_bad_constraints_raise_and_the_engine_goes_on(tiny_engine, constraint, m
             use_tqdm=False)
     assert len(tiny_engine.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True),
                                     use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("engine_args", [dict(num_kv_blocks=10, block_size=8),
+                                         dict(tensor_parallel_size=2)],
+                         ids=["preempting", "tp2"])
+def test_constrained_tokens_survive_preemption_and_tensor_parallelism(tiny_engine, tiny_llama,
+                                                                      engine_args):
+    prompts = [[5, 17, 300, 41], [1000, 2, 77], [8, 9], [60, 61, 62]]
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=c)
+              for c in CONSTRAINTS * 2]
+    expected = [o.outputs[0].token_ids for o in tiny_engine.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", **engine_args)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if "num_kv_blocks" in engine_args:
+            assert llm.engine.stats().num_preemptions > 0
+    finally:
+        llm.close()
+    assert got == expected

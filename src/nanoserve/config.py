@@ -36,6 +36,9 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights, for benchmarks of a config's shape
     max_n: int = 128  # most samples (n, best_of) one request may ask for
     max_logprobs: int = MAX_LOGPROBS  # most top logprobs per token a request may ask for
+    # Admission control: add_request refuses a request (EngineOverloadedError; the server's
+    # 503) while this many wait beyond the batch's free seats. None: no bound.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
@@ -44,7 +47,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):

@@ -11,8 +11,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
+    # The stop string or stop token id that ended it; for "error", the error's message.
+    stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
@@ -51,6 +52,7 @@ class _Abort:
 
 
 _STOP = object()
+IDLE_CHECK_S = 0.5  # how often an idle engine checks that its executor still runs
 
 
 class AsyncLLMEngine:
@@ -70,6 +72,7 @@ class AsyncLLMEngine:
         self._listeners: list[Callable[[RequestOutput], None]] = []
         self._engine: LLMEngine | None = None  # stepped by its own thread only
         self.stats: EngineStats | None = None  # snapshot after the latest step
+        self.crashed = False  # the loop died of an error (a broken executor), not a shutdown
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -113,19 +116,23 @@ class AsyncLLMEngine:
         self._listeners.append(listener)
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          timeout: float | None = None) -> RequestStream:
         """Queue a request of one sample (``params.n`` == 1); see ``add_requests``."""
         if params.n != 1:
             raise ValueError(f"n must be 1 here (add_requests takes more), got {params.n}")
-        return (await self.add_requests([(request_id, prompt, params)], arrival_time))[0]
+        return (await self.add_requests([(request_id, prompt, params)], arrival_time,
+                                        timeout))[0]
 
     async def add_requests(self, requests: list[tuple[str, Prompt, SamplingParams]],
-                           arrival_time: float | None = None) -> list[RequestStream]:
+                           arrival_time: float | None = None,
+                           timeout: float | None = None) -> list[RequestStream]:
         """Queue (request id, prompt, params) requests in one command, all or none; returns
         the streams of each one's ``params.n`` samples in order once the engine took them.
-        Raises ValueError for input the engine refuses, EngineDeadError when the engine no
-        longer takes requests."""
-        streams = [RequestStream(sample_id, self.abort) for rid, _, params in requests
+        Raises ValueError for input the engine refuses, EngineOverloadedError when too many
+        wait, EngineDeadError when the engine no longer takes requests. ``timeout``: seconds
+        from now to abort them in (their streams then raise RequestTimeoutError)."""
+        streams = [RequestStream(sample_id, self.abort, timeout) for rid, _, params in requests
                    for sample_id in sample_request_ids(rid, params.n)]
         accepted = asyncio.get_running_loop().create_future()
         with self._admission:
@@ -138,6 +145,10 @@ class AsyncLLMEngine:
             for stream in streams:  # queued after the add: the engine drops what it took
                 stream.cancel()
             raise
+        except BaseException:
+            for stream in streams:  # refused: nothing to abort (an id may be another's)
+                stream.close()
+            raise
         return streams
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
@@ -149,6 +160,24 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort one request; thread-safe and a no-op for unknown or finished requests."""
         self._commands.put(_Abort([request_id]))
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests (EngineDeadError) and let those in flight finish: a drain."""
+        self._accepting = False
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every request in flight to end; True if they
+        did. Polls: it is for a drain, once per process."""
+        deadline = time.monotonic() + timeout
+        while (self._live or not self._commands.empty()) and self._thread.is_alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def wait_stopped(self) -> None:
+        """Block until the engine thread has ended (shut down, or crashed)."""
+        self._thread.join()
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and abort those in flight so their streams end now; safe in a
@@ -180,6 +209,7 @@ class AsyncLLMEngine:
         try:
             self._serve(self._engine)
         except BaseException:
+            self.crashed = True
             logger.exception("the engine loop crashed")
         finally:
             with self._admission:
@@ -193,8 +223,16 @@ class AsyncLLMEngine:
 
     def _serve(self, engine: LLMEngine) -> None:
         while True:
-            # Block while idle; between steps, take whatever has arrived without waiting.
-            commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+            # Block while idle (waking to check the executor: a worker may die meanwhile);
+            # between steps, take whatever has arrived without waiting.
+            commands = []
+            if not engine.has_unfinished_requests():
+                try:
+                    commands.append(self._commands.get(timeout=IDLE_CHECK_S))
+                except queue.Empty:
+                    if not engine.executor_alive:
+                        raise EngineDeadError("the executor stopped") from None
+                    continue
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -273,9 +311,12 @@ class AsyncLLMEngine:
             stream = self._live.get(out.request_id)
             if stream is None:
                 continue  # aborted by its consumer, which no longer listens
+            item: RequestOutput | BaseException = out
             if out.finished:
                 del self._live[out.request_id]
-            batches.setdefault(stream.loop, []).append((stream, out))
+                if out.outputs[0].finish_reason == "error":  # its own failure, logged already
+                    item = RequestFailedError(f"the request failed: {out.outputs[0].stop_reason}")
+            batches.setdefault(stream.loop, []).append((stream, item))
         # One wake-up per event loop per step, not one per request.
         for loop, items in batches.items():
             if not call_in_loop(loop, deliver, items):  # its requests have no consumer

@@ -1,6 +1,7 @@
 """LLMEngine: validates and tokenizes requests, runs scheduler steps, turns tokens into outputs."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -9,19 +10,27 @@ from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.fault_hunt import FaultHunt
 from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import check_context_length, truncate_prompt
-from nanoserve.runner.inputs import PENDING_TOKEN, InFlightStep, SequenceChunk, StepInput
+from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, InFlightStep, SequenceChunk,
+                                     StepInput)
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
 
     from nanoserve.engine.structured_output import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``max_waiting_requests``): try again later."""
 
 
 class Executor(Protocol):
@@ -79,6 +88,7 @@ class LLMEngine:
         self.aborted: list[Request] = []
         self.finished_ids: list[str] = []
         self.in_flight: tuple[list[ScheduledChunk], InFlightStep] | None = None
+        self.fault_hunt = FaultHunt()
         self.num_history_requests = 0  # unfinished requests whose sampling reads past tokens
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
@@ -119,6 +129,12 @@ class LLMEngine:
         for rid in request_ids:
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
+        bound, sched = self.config.max_waiting_requests, self.scheduler
+        # Those that the next step can seat do not wait: a burst into an idle engine fills it.
+        seats = max(0, sched.max_num_seqs - len(sched.running))
+        if bound is not None and len(sched.waiting) - seats >= bound:
+            raise EngineOverloadedError(f"{bound} requests are already waiting "
+                                        "(max_waiting_requests); try again later")
         text, ids = self._tokenize(prompt)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if kept is not ids:  # the text no longer matches the ids: drop it
@@ -205,20 +221,31 @@ class LLMEngine:
                 or self.in_flight is not None)
 
     def step(self) -> list[RequestOutput]:
+        """One step: launch the next batch, collect the last. An exception in a batch's work
+        fails only the requests at fault (FaultHunt), each with finish reason "error"; it
+        propagates when the executor stopped for good or the engine's own bookkeeping broke."""
         outputs = [self._finalize(req) for req in self.aborted]
         self.aborted = []
-        overlap = self.executor.feeds_pending_tokens and not self.num_history_requests
+        overlap = (self.executor.feeds_pending_tokens and not self.num_history_requests
+                   and not self.fault_hunt.groups)
         previous, self.in_flight = self.in_flight, None
         try:
             if not overlap:
                 outputs += self._collect(previous)
                 previous = None
-            sched = self.scheduler.schedule()
+            suspects = self.fault_hunt.suspects()
+            sched = self.scheduler.schedule(suspects)
+            if not sched.chunks and suspects is not None:  # no suspect can run now: the rest
+                sched = self.scheduler.schedule()
             step = None
             if sched.chunks:
                 # Overlapped, a grammar's bitmask waits for the previous step's tokens.
                 step = self._step_input(sched.chunks, with_bitmask=not overlap)
-                self.in_flight = (sched.chunks, self.executor.launch(step))
+                try:
+                    launched = self.executor.launch(step)
+                except Exception as exc:  # the previous step is intact: it is still collected
+                    return outputs + self._collect(previous) + self._blame(sched.chunks, exc)
+                self.in_flight = (sched.chunks, launched)
                 for chunk in sched.chunks:
                     self.scheduler.advance(chunk)
             outputs += self._collect(previous)
@@ -232,6 +259,23 @@ class LLMEngine:
             raise
         return outputs
 
+    def _blame(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
+        """A launch of ``chunks`` raised: hunt for the request at fault, fail it if found."""
+        if self.executor.stopped:
+            raise exc
+        ids = list(dict.fromkeys(c.request.request_id for c in chunks if not c.request.finished))
+        culprit = self.fault_hunt.failed(ids) if ids else None
+        if culprit is None:
+            logger.warning("a step of %d requests failed (%r); running them apart", len(ids), exc)
+            return []
+        logger.error("request %s failed", culprit, exc_info=exc)
+        return [self._fail(self.requests[culprit], exc)]
+
+    def _fail(self, req: Request, exc: Exception) -> RequestOutput:
+        self.scheduler.finish(req)
+        req.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        return self._finalize(req)
+
     def _forget_pending(self) -> None:
         """After a failed step: drop every token still on the device (the runner no longer
         holds them); their requests recompute their last known token to sample again."""
@@ -243,7 +287,8 @@ class LLMEngine:
 
     def _collect(self, batch: tuple[list[ScheduledChunk], InFlightStep] | None
                  ) -> list[RequestOutput]:
-        """Wait for a launched batch's tokens and turn them into outputs."""
+        """Wait for a launched batch's tokens and turn them into outputs. A request whose
+        token cannot be taken (its logits were not finite, its detokenization raised) fails."""
         if batch is None:
             return []
         chunks, pending = batch
@@ -260,27 +305,39 @@ class LLMEngine:
             req = chunk.request
             if req.finished:  # ended (a stop, an abort) while this step ran: drop its token
                 continue
-            req.num_pending_tokens -= 1
-            if req.first_token_time is None:
-                self.prompt_tokens += req.num_prompt_tokens
-            if token_logprobs is not None:
-                req.logprobs = req.logprobs if req.logprobs is not None else []
-                req.logprobs.append(token_logprobs)
-            self.generation_tokens += 1
-            matcher = self._structured and self._structured.matchers.get(req.request_id)
-            if matcher is not None and not matcher.accept_token(token):
-                req.finish(FinishReason.ERROR, f"the grammar does not allow token {token}")
-            else:
-                self.output_processor.append_token(req, token, now)
-                if matcher is not None and matcher.is_terminated() and not req.finished:
-                    req.finish(FinishReason.STOP)  # the grammar ended on a stop it ignores
-            self.scheduler.register_known_blocks(req)
+            try:
+                self._take_token(req, token, token_logprobs, now)
+            except Exception as exc:
+                logger.error("request %s failed", req.request_id, exc_info=exc)
+                outputs.append(self._fail(req, exc))
+                continue
             if req.finished:
                 self.scheduler.finish(req)
                 outputs.append(self._finalize(req))
             elif req.stream:
                 outputs.append(self.output_processor.output(req))
+        if self.fault_hunt.groups:  # these ran without failing: no longer suspects
+            self.fault_hunt.discard([c.request.request_id for c in chunks])
         return outputs
+
+    def _take_token(self, req: Request, token: int, token_logprobs: dict[int, float] | None,
+                    now: float) -> None:
+        if token == FAILED_ROW:
+            raise FloatingPointError("the model's logits for this request are not finite")
+        matcher = self._structured and self._structured.matchers.get(req.request_id)
+        if matcher is not None and not matcher.accept_token(token):
+            raise ValueError(f"the grammar does not allow token {token}")
+        req.num_pending_tokens -= 1
+        if req.first_token_time is None:
+            self.prompt_tokens += req.num_prompt_tokens
+        if token_logprobs is not None:
+            req.logprobs = req.logprobs if req.logprobs is not None else []
+            req.logprobs.append(token_logprobs)
+        self.generation_tokens += 1
+        self.output_processor.append_token(req, token, now)
+        if matcher is not None and matcher.is_terminated() and not req.finished:
+            req.finish(FinishReason.STOP)  # the grammar ended on a stop token it ignores
+        self.scheduler.register_known_blocks(req)
 
     def _bitmask(self, chunks: list[ScheduledChunk], rows: list[int]) -> np.ndarray:
         """The next-token bitmasks of a step's sampling ``rows`` under a grammar."""
@@ -316,6 +373,8 @@ class LLMEngine:
 
     def _finalize(self, req: Request) -> RequestOutput:
         del self.requests[req.request_id]
+        if self.fault_hunt.groups:
+            self.fault_hunt.discard([req.request_id])
         self.num_history_requests -= req.params.needs_token_history
         self.output_processor.remove(req)
         if self._structured is not None:

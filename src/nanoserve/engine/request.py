@@ -23,7 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-    ERROR = "error"  # the request failed alone; the rest of the batch goes on
+    ERROR = "error"  # a failure in the request's own work; stop_reason holds the message
 
 
 @dataclass

@@ -9,16 +9,31 @@ from collections.abc import Callable
 from nanoserve.outputs import RequestOutput
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran past its deadline and was aborted."""
+
+
 class RequestStream:
     """The outputs of one request; they are cumulative, so a consumer that falls behind gets
-    only the newest one (slow clients do not make the server serialise every step)."""
+    only the newest one (slow clients do not make the server serialise every step). With
+    ``timeout`` (seconds), the request is aborted then and the stream raises
+    RequestTimeoutError."""
 
-    def __init__(self, request_id: str, abort: Callable[[str], None]):
+    def __init__(self, request_id: str, abort: Callable[[str], None],
+                 timeout: float | None = None):
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()  # the loop of the task that will consume it
         self.finished = False
         self._abort = abort
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._timer = None if timeout is None else self.loop.call_later(
+            max(timeout, 0.0), self._expire, timeout)
+
+    def _expire(self, timeout: float) -> None:
+        if not self.finished:  # the error goes behind what is queued; the consumer skips there
+            self.put(RequestTimeoutError(
+                f"the request ran past its deadline, {timeout:.2f} s after it was queued"))
+            self._abort(self.request_id)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -30,16 +45,23 @@ class RequestStream:
         while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
             item = self._queue.get_nowait()
         if isinstance(item, BaseException):
-            self.finished = True
+            self.close()
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self.close()
         return item
 
     def cancel(self) -> None:
         """Abort the request unless it already ended (the client left, or gave up)."""
         if not self.finished:
-            self.finished = True
+            self.close()
             self._abort(self.request_id)
+
+    def close(self) -> None:
+        """End the stream without aborting (the request ended, or was never taken)."""
+        self.finished = True
+        if self._timer is not None:
+            self._timer.cancel()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Queue an output or an error; call on the stream's event loop thread only."""

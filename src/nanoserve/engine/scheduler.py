@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from nanoserve.engine.block_manager import BlockManager
@@ -56,7 +57,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: Container[str] | None = None) -> SchedulerOutput:
+        """This step's chunks; with ``only``, of those request ids alone (a fault hunt)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
@@ -64,6 +66,9 @@ class Scheduler:
             req = self.running[i]
             if req.num_sampled_tokens >= req.max_tokens:
                 i += 1  # its last token is still on the device; it finishes when that lands
+                continue
+            if only is not None and req.request_id not in only:
+                i += 1  # not a suspect of the fault hunt: it sits this step out
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
@@ -80,8 +85,10 @@ class Scheduler:
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.num_pending_tokens:  # preempted while its last token was on the device
+            req = self.waiting[0] if only is None else next(
+                (r for r in self.waiting if r.request_id in only), None)
+            # None: no suspect waits; pending: preempted while its last token was on the device
+            if req is None or req.num_pending_tokens:
                 break
             leader = req.prefix_leader
             if leader is not None:  # never admitted yet, so its leader is running or ahead
@@ -95,7 +102,7 @@ class Scheduler:
             need = self.bm.blocks_needed(computed + n) - len(hits)
             if not self.bm.can_allocate(need + self.bm.num_idle(hits)):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)  # the first, unless a fault hunt skipped some
             if req.prompt_logprobs is None:
                 self.bm.count_prefix_lookup(req.num_tokens, computed)
             self.bm.take_cached(hits)

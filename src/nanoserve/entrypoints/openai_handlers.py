@@ -6,8 +6,9 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from typing import Any
-from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,16 +31,31 @@ from nanoserve.prompts import (ContextLengthError, as_prompt_list, check_context
                                truncate_prompt)
 from nanoserve.sampling_params import SamplingParams
 
+T = TypeVar("T")
+
 
 class OpenAIServing:
     """Serves completions, chat completions, tokenize and detokenize for one model;
-    ``reasoning_parser``: split chat answers' thinking into ``reasoning_content``."""
+    ``reasoning_parser``: split chat answers' thinking into ``reasoning_content``;
+    ``request_timeout``: seconds from arrival after which a request is aborted."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, request_timeout: float | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.reasoning_parser = reasoning_parser
+        self.request_timeout = request_timeout
+        # Prompts are tokenized (and chats rendered) off the event loop, so a huge one leaves
+        # health checks and streams answering; one thread, so a burst queues there.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenize")
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn,
+                                                                *args)
+
+    def _time_left(self, arrival: float) -> float | None:
+        return None if self.request_timeout is None else \
+            self.request_timeout - (time.time() - arrival)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -55,7 +71,9 @@ class OpenAIServing:
         if not given:
             raise APIError("prompt must not be empty", param="prompt")
         # Tokenized here rather than in the engine so length errors can name the field.
-        whole = [self.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in given]
+        whole = given if not any(isinstance(p, str) for p in given) else await self._off_loop(
+            lambda: [self.engine.tokenizer.encode(p) if isinstance(p, str) else p
+                     for p in given])
         prompts, params = self._params(req, req.max_tokens, whole, "prompt", "max_tokens")
         # As vLLM's, an echo repeats a text prompt as given, a token or truncated one decoded.
         echo = [text if isinstance(text, str) and kept is ids else self._decode(kept)
@@ -68,8 +86,9 @@ class OpenAIServing:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
         self.check_model(req.model)
         req.check_supported(self.engine.config)
-        prompt = self._render_chat(req.messages, bool(req.add_generation_prompt),
-                                   req.tools_offered(), req.chat_template_kwargs)
+        prompt = await self._off_loop(self._render_chat, req.messages,
+                                      bool(req.add_generation_prompt), req.tools_offered(),
+                                      req.chat_template_kwargs)
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         prompts, params = self._params(req, req.max_new_tokens(), [prompt], "messages",
@@ -77,18 +96,19 @@ class OpenAIServing:
         return await self._generate(f"chatcmpl-{uuid.uuid4().hex}", prompts, params, req,
                                     arrival, request, chat=True)
 
-    def tokenize(self, body: Any) -> dict[str, Any]:
+    async def tokenize(self, body: Any) -> dict[str, Any]:
         req: TokenizeRequest = parse_request(TokenizeRequest, body)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             check_template_kwargs(req.chat_template_kwargs)
-            tokens = self._render_chat(req.messages, bool(req.add_generation_prompt),
-                                       template_kwargs=req.chat_template_kwargs)
+            tokens = await self._off_loop(lambda: self._render_chat(
+                req.messages, bool(req.add_generation_prompt),
+                template_kwargs=req.chat_template_kwargs))
         else:
-            tokens = self.engine.tokenizer.encode(
-                req.prompt, add_special_tokens=bool(req.add_special_tokens))
+            tokens = await self._off_loop(lambda: self.engine.tokenizer.encode(
+                req.prompt, add_special_tokens=bool(req.add_special_tokens)))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
 
     def detokenize(self, body: Any) -> dict[str, Any]:
@@ -173,7 +193,8 @@ class OpenAIServing:
             [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
             streams = await self.engine.add_requests(
-                [(rid, ids, engine_params) for rid, ids in zip(rids, prompts)], arrival)
+                [(rid, ids, engine_params) for rid, ids in zip(rids, prompts)], arrival,
+                self._time_left(arrival))
         except ValueError as exc:
             raise value_error_to_api(exc, "messages" if chat else "prompt") from None
         if req.stream:
@@ -223,7 +244,8 @@ class OpenAIServing:
             while not search.done:
                 streams = await self.engine.add_requests(
                     [(f"{request_id}-step{step}-beam{j}", ids, search.step_params)
-                     for j, ids in enumerate(search.requests())], arrival)
+                     for j, ids in enumerate(search.requests())], arrival,
+                    self._time_left(arrival))
                 search.advance([f.outputs[0].logprobs[0] for f in await _collect(streams)])
                 step += 1
             return search.results(lambda ids: decode(ids, skip_special_tokens=True))

@@ -25,18 +25,29 @@ def nanoserve_version() -> str:
         return "unknown"
 
 
+# Seconds a client refused for load (or a drain) is told to wait before it tries again.
+RETRY_AFTER_S = 1
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
 def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
-              api_key: str | None = None, reasoning_parser: str | None = None) -> "FastAPI":
+              api_key: str | None = None, reasoning_parser: str | None = None,
+              request_timeout: float | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> "FastAPI":
     """The FastAPI app serving ``engine`` (already started) under ``served_model_name``. With
     ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
-    ``Authorization: Bearer KEY``."""
+    ``Authorization: Bearer KEY``. ``request_timeout``: seconds after which a request is
+    aborted (504); ``max_body_bytes``: larger request bodies get a 413 (default 16 MiB)."""
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
 
     from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError
+    from nanoserve.engine.llm_engine import EngineOverloadedError
     from nanoserve.engine.metrics import ServerMetrics
+    from nanoserve.engine.request_stream import RequestTimeoutError
+    from nanoserve.entrypoints.body_limit import BodyLimit
     from nanoserve.entrypoints.errors import APIError, CatchAllErrors, parse_json
     from nanoserve.entrypoints.openai_handlers import OpenAIServing
     from nanoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -44,7 +55,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     from nanoserve.entrypoints.responses import ModelCard, ModelList
 
     name = served_model_name or engine.model_name
-    serving = OpenAIServing(engine, name, reasoning_parser)
+    serving = OpenAIServing(engine, name, reasoning_parser, request_timeout)
     metrics = ServerMetrics(name, lambda: engine.stats)
     engine.add_output_listener(metrics.observe)
 
@@ -59,10 +70,12 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
 
     app = FastAPI(title="nanoserve", version=nanoserve_version())
     app.add_middleware(CatchAllErrors)  # any other exception: a 500 in OpenAI's shape
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     api = APIRouter(dependencies=[Depends(require_key)])
 
-    def answer(error: APIError) -> Response:
-        return Response(error.json(), status_code=error.status, media_type="application/json")
+    def answer(error: APIError, headers: dict[str, str] | None = None) -> Response:
+        return Response(error.json(), status_code=error.status, media_type="application/json",
+                        headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
@@ -73,9 +86,15 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return answer(APIError(str(exc.detail), exc.status_code, type=kind))
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_down(_: Request, exc: EngineDeadError) -> Response:
-        return answer(APIError(str(exc), 503, type="service_unavailable"))
+    @app.exception_handler(EngineDeadError)  # stopped or draining
+    @app.exception_handler(EngineOverloadedError)  # the waiting queue is full
+    async def engine_unavailable(_: Request, exc: Exception) -> Response:
+        return answer(APIError(str(exc), 503, type="service_unavailable"),
+                      {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(RequestTimeoutError)
+    async def timed_out(_: Request, exc: RequestTimeoutError) -> Response:
+        return answer(APIError(str(exc), 504, type="timeout_error"))
 
     # The engine thread logged its cause; CatchAllErrors logs any other error's traceback.
     @app.exception_handler(RequestFailedError)
@@ -112,7 +131,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        return serving.tokenize(parse_json(await request.body()))
+        return await serving.tokenize(parse_json(await request.body()))
 
     @api.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -166,16 +185,26 @@ def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                        help="split chat answers' <think> blocks into reasoning_content")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                       help="abort a request S seconds after it arrived (504 / an error event)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="answer larger request bodies with 413 (default: 16 MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                       help="on SIGTERM/SIGINT stop admitting (503) and give the requests in "
+                            "flight S seconds to finish before aborting them (default: 10); "
+                            "a second signal aborts them at once")
     add_engine_args(serve)
     serve.set_defaults(func=run_server)
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, then end in-flight requests and exit 0."""
+    """Load the engine and serve until a signal (then drain, exit 0) or the engine's death
+    (exit 1, so that a supervisor restarts the server)."""
     import uvicorn
 
     from nanoserve.engine.async_engine import AsyncLLMEngine
     from nanoserve.entrypoints.cli import engine_config_from_args
+    from nanoserve.entrypoints.shutdown import DrainingServer
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -186,27 +215,12 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_config(engine_config_from_args(args))
     engine.start()
     try:
-        app = build_app(engine, args.served_model_name, args.api_key, args.reasoning_parser)
+        app = build_app(engine, args.served_model_name, args.api_key, args.reasoning_parser,
+                        args.request_timeout, args.max_request_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
-        _graceful_server(config, engine).run()
+        server = DrainingServer(config, engine, args.shutdown_timeout)
+        server.run()
     finally:
         engine.shutdown()
-    return 0
-
-
-def _graceful_server(config: Any, engine: "AsyncLLMEngine") -> Any:
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """A uvicorn server whose first SIGINT/SIGTERM aborts in-flight requests and exits 0:
-        uvicorn would wait for every open stream, then re-raise the signal, killing the
-        process before the engine is closed."""
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            engine.begin_shutdown()  # signal-safe: a flag and a SimpleQueue.put
-            if self.should_exit:
-                self.force_exit = True  # a second signal: stop waiting for connections
-            self.should_exit = True
-
-    return GracefulServer(config)
+    return 1 if server.engine_died else 0

@@ -17,14 +17,16 @@ dies, so that a collective rank 0 waits in fails instead of hanging (NCCL's are 
 """
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.spawn as mp_spawn
 import os
 import threading
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TypeVar
-from collections.abc import Callable
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,26 @@ def check_shardable(model_config: ModelConfig, size: int) -> None:
         build_model(model_config, select_backend(torch.device("cpu")))
 
 
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Workers spawned inside run nanoserve's code alone. multiprocessing would first re-run
+    the parent's ``__main__`` in each: a script without an ``if __name__ == "__main__":``
+    guard would start an engine of its own there, one read from stdin cannot be re-run."""
+    prepare = mp_spawn.get_preparation_data
+
+    def without_main(name: str) -> dict[str, Any]:
+        data = prepare(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+
+    mp_spawn.get_preparation_data = without_main  # looked up there at each Process.start
+    try:
+        yield
+    finally:
+        mp_spawn.get_preparation_data = prepare
+
+
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers' shards.
     Offers the engine what a ModelRunner does (``num_kv_blocks``, ``launch``, ``close``); owns
@@ -74,7 +96,7 @@ class TensorParallelExecutor:
         self.errors: list[str] = []
         self.dead: list[tuple[int, int]] = []  # (rank, exit code) first seen by the watchdog
         self.failed = threading.Event()
-        self.stopped = False
+        self._stopped = False  # closed, or stopped after a failure: workers may exit now
         self._parent_alive: Connection | None = None
         self._store: dist.TCPStore | None = None
         self._group_lock = threading.Lock()
@@ -124,15 +146,16 @@ class TensorParallelExecutor:
                                                   config.max_num_batched_tokens, blocks_per_seq),
             abandoned=self.failed)
         alive_r, self._parent_alive = ctx.Pipe(duplex=False)
-        for rank in range(1, self.size):
-            report_r, report_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, name=f"nanoserve-tp{rank}", daemon=True,
-                               args=(rank, self.size, config, model_config, path,
-                                     self._store.port, self.channel, report_w, alive_r))
-            proc.start()
-            report_w.close()
-            self.workers.append(proc)
-            self.reports.append(report_r)
+        with _main_not_rerun():
+            for rank in range(1, self.size):
+                report_r, report_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=worker_main, name=f"nanoserve-tp{rank}", daemon=True,
+                                   args=(rank, self.size, config, model_config, path,
+                                         self._store.port, self.channel, report_w, alive_r))
+                proc.start()
+                report_w.close()
+                self.workers.append(proc)
+                self.reports.append(report_r)
         alive_r.close()
         self._guarded(self._await_workers)
         self._guarded(lambda: dist.init_process_group(
@@ -166,7 +189,7 @@ class TensorParallelExecutor:
     def _watch(self) -> None:
         """Daemon thread: a worker that exits while the group runs must not hang rank 0."""
         wait([p.sentinel for p in self.workers])
-        if self.stopped:
+        if self._stopped:
             return
         self.dead = self._dead_workers()
         self.failed.set()
@@ -177,7 +200,7 @@ class TensorParallelExecutor:
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         """fn() on rank 0; a failure anywhere stops the group and raises, naming its cause."""
-        if self.stopped:
+        if self._stopped:
             raise RuntimeError("the tensor-parallel group is no longer running (closed, or "
                                "stopped by an earlier failure)")
         try:
@@ -208,6 +231,12 @@ class TensorParallelExecutor:
 
     # ---- the executor interface -------------------------------------------------------------
 
+    @property
+    def stopped(self) -> bool:
+        """True once no step can run: closed, or a worker died (seen by the watchdog even
+        while no step runs, so an idle engine learns of it too)."""
+        return self._stopped or self.failed.is_set()
+
     def launch(self, step: StepInput) -> InFlightStep:
         return self._guarded(lambda: self._step(step))
 
@@ -222,9 +251,9 @@ class TensorParallelExecutor:
 
     def _stop(self, graceful: bool) -> None:
         """Stop the workers (asking them first when graceful) and leave the process group."""
-        if self.stopped:
+        if self._stopped:
             return
-        self.stopped = True  # from here on, workers exiting is expected: the watchdog stands down
+        self._stopped = True  # from here on, workers exiting is expected: the watchdog stands down
         timeout = 0.0
         if graceful and not self.failed.is_set():
             try:

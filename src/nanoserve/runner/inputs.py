@@ -12,6 +12,9 @@ from nanoserve.sampling_params import SamplingParams
 # Stands for a token that the previous step sampled and the host has not seen yet: the runner
 # feeds that step's sample for the same request straight from device memory.
 PENDING_TOKEN = -1
+# Reported instead of a sampled token for a row whose logits are not finite (NaN, infinity):
+# the engine fails that request alone.
+FAILED_ROW = -2
 
 
 @dataclass

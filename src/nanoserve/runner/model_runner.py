@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, its KV cache and the sampler; turns a StepInput into tokens."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from nanoserve.runner.inputs import (CompletedStep, DeferredSample, InFlightStep
 from nanoserve.runner.packed_copy import packed_to_device
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
-from nanoserve.runner.sampler import Sampler, SamplerOutput, with_fused_logprobs
+from nanoserve.runner.sampler import Sampler, SamplerOutput, mark_failed_rows, with_fused_logprobs
 from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed, max_logprobs,
                                                temperatures_only)
 from nanoserve.runner.step_inputs import prepare_inputs
@@ -227,7 +228,7 @@ class ModelRunner:
             return CompletedStep(StepOutput([]))
         if token_ids is not None:
             out = with_fused_logprobs(logits, token_ids, max_logprobs(params))
-            return self._sampled(out, sampling, prompt)
+            return self._sampled(out, sampling, prompt, logits)
 
         @torch.inference_mode()
         def sample(bitmask: np.ndarray | None) -> SampledStep:
@@ -235,16 +236,18 @@ class ModelRunner:
                 rows, bits = packed_to_device([(step.grammar_rows, np.int64),
                                                (bitmask.ravel(), np.int32)], self.device)
                 tensors.token_bitmask = (rows, bits.view(len(step.grammar_rows), -1))
-            return self._sampled(self.sampler(logits, tensors), sampling, prompt)
+            return self._sampled(self.sampler(logits, tensors), sampling, prompt, logits)
 
         if step.grammar_rows and step.token_bitmask is None:
             return DeferredSample(sample)
         return sample(step.token_bitmask)
 
     def _sampled(self, out: SamplerOutput, sampling: list[SequenceChunk],
-                 prompt: dict[str, list[dict[int, float]]]) -> SampledStep:
-        self.last_samples = out.token_ids
+                 prompt: dict[str, list[dict[int, float]]], logits: torch.Tensor
+                 ) -> SampledStep:
+        self.last_samples = out.token_ids  # the next step may feed them, even a failed row's
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
+        out = dataclasses.replace(out, token_ids=mark_failed_rows(logits, out.token_ids))
         return SampledStep(out, [c.params.logprobs for c in sampling], prompt)
 
     def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.runner.inputs import FAILED_ROW
 from nanoserve.runner.sampling_tensors import SamplingTensors
 
 _NEG_INF = float("-inf")
@@ -71,6 +72,13 @@ def with_fused_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     if max_logprobs < 0:
         return SamplerOutput(token_ids, None, None)
     return _with_logprobs(logits.float(), token_ids, max_logprobs)
+
+
+def mark_failed_rows(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``token_ids`` with FAILED_ROW where the row's logits hold a NaN or +inf, or are all
+    -inf: its "sample" means nothing, and the engine fails that request alone. One reduction
+    over the logits, on the device, so it costs no extra sync."""
+    return token_ids.masked_fill(~logits.amax(dim=-1).isfinite(), FAILED_ROW)
 
 
 def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
