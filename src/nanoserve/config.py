@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoserve.sampling_params import check_int
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -34,16 +35,13 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights, for benchmarks of a config's shape
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):
+            check_int(name, getattr(self, name), 1)
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed, 0)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -62,8 +60,6 @@ class EngineConfig:
                                                                 self.device):
             raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                              f"got {self.device!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
