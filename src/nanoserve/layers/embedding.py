@@ -52,9 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             assert self.tp.size == 1, "logits are written in place only without tensor parallelism"
             return torch.mm(hidden, self.weight.t(), out=out)
         logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
-        if logits is None or logits.shape[-1] == self.vocab_size:
-            return logits
-        return logits[..., :self.vocab_size]  # drop the padding rows' scores
+        return None if logits is None else logits[..., :self.vocab_size]  # drop the padding's
 
     @torch.inference_mode()
     def warm_row_counts(self, max_rows: int) -> None:

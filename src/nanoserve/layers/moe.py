@@ -87,11 +87,9 @@ class Experts(nn.Module):
         expert, part = shard_id
         if expert >= param.shape[0]:
             raise ValueError(f"checkpoint has expert {expert}; the config has {param.shape[0]}")
-        if part == "down":
-            param.data[expert].copy_(loaded)
-        else:
-            rows = slice(0, self.per_rank) if part == "gate" else slice(self.per_rank, None)
-            param.data[expert, rows].copy_(loaded)
+        rows = {"gate": slice(0, self.per_rank), "up": slice(self.per_rank, None)}.get(
+            part, slice(None))  # down: the expert's whole matrix
+        param.data[expert, rows].copy_(loaded)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ) -> torch.Tensor:
@@ -115,5 +113,4 @@ class SparseMoeBlock(nn.Module):
     def forward(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """``residual`` plus the experts' mix of ``norm(residual)``."""
         normed = norm(residual)
-        weights, experts = self.gate(normed)
-        return residual + self.tp.all_reduce(self.experts(normed, weights, experts))
+        return residual + self.tp.all_reduce(self.experts(normed, *self.gate(normed)))
