@@ -44,14 +44,12 @@ class EngineConfig:
         check_int("seed", self.seed, 0)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError("dtype must be one of auto, float32, float16, bfloat16, "
-                             f"got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("load_format", ("auto", "dummy"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
         gpu_util = self.gpu_memory_utilization
         if isinstance(gpu_util, bool) or not isinstance(gpu_util, (int, float)) or not (
                 0.0 < gpu_util <= 1.0):
@@ -72,9 +70,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass
 class ModelConfig:
-    """What the runtime needs to know about a model, read from a Hugging Face config whatever
-    its layout (``rope_parameters`` or ``rope_theta`` + ``rope_scaling``, a missing
-    ``head_dim``, EOS ids in config.json and generation_config.json)."""
+    """What the runtime needs to know about a model, from a Hugging Face config of any layout
+    (``rope_parameters`` or ``rope_theta`` + ``rope_scaling``, no ``head_dim``, ...)."""
 
     architecture: str
     hidden_size: int
@@ -204,13 +201,9 @@ def arch_from_model_type(hf_config: Any) -> str:
 
 
 def _rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-    else:
-        theta = float(getattr(hf_config, "rope_theta", 10000.0))
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or getattr(hf_config, "rope_scaling", None) or {})
+    theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; "
