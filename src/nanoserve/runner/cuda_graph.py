@@ -1,5 +1,4 @@
-"""CUDA graphs for decode steps: captured once per batch size (and, for small batches, per
-context cap), replayed with padded inputs."""
+"""CUDA graphs for decode steps, replayed with padded inputs."""
 from __future__ import annotations
 
 import bisect
@@ -15,8 +14,7 @@ from nanoserve.runner.inputs import SequenceChunk
 
 
 # A graph's attention launch (splits, tiling) is fixed by the max_seq_len it is captured with:
-# small batches get a graph per context cap (x4 steps up to the model's length), so a step's
-# splits are sized for a context within 4x of its own.
+# small batches get a graph per context cap (x4 steps), so splits suit a context within 4x.
 SHORTEST_CONTEXT_CAP = 512
 SHORT_CONTEXT_MAX_BATCH = 8
 
@@ -57,13 +55,10 @@ class DecodeOutput(NamedTuple):
 
 
 class DecodeGraphs:
-    """Decode forwards (one token per sequence) captured as CUDA graphs, one per batch size,
-    and for batches up to ``SHORT_CONTEXT_MAX_BATCH`` one per context cap too. A step stages
-    its inputs in the arena (``graph_inputs.GraphArena``), replays the smallest graph that fits
-    its batch and longest context, and returns the first rows of its output. With ``sample``
-    the graphs also run the LM head and the fused sampler, writing the samples into the arena's
-    first part; a batch that needs more than temperatures stages seed -1, and the graph's
-    sampling pass exits at once."""
+    """Decode forwards captured as CUDA graphs, one per batch size (and context cap, for small
+    batches). A step stages its inputs in the arena (``graph_inputs.GraphArena``) and replays
+    the smallest graph that fits it. With ``sample`` the graphs also run the LM head and the
+    fused sampler into the arena's first part; a batch needing more stages seed -1: no draw."""
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
                  device: torch.device, sample: bool = False, max_samples: int = 0):
@@ -106,8 +101,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        # Largest first (batch, then cap: more splits need more scratch), so that each later
-        # graph reuses the memory of those before it.
+        # Largest first (more splits need more scratch): later graphs reuse the earlier memory.
         keys = [(bs, cap) for bs in self.sizes for cap in context_caps(bs, self.max_seq_len)]
         for key in sorted(keys, reverse=True):
             self._forward(*key)  # compiles kernels and settles allocations outside the capture
@@ -126,10 +120,8 @@ class DecodeGraphs:
 
     def run(self, rows: DecodeRows, temperature: np.ndarray | None = None,
             noise_seed: int = -1) -> DecodeOutput:
-        """Replay the step. ``temperature`` (float32 per row, 0: greedy) and ``noise_seed``
-        (see ``SamplingTensors.noise_seed``) sample every row in the graph (sampling graphs
-        only); without them no row is sampled there. Rows fed the previous step's samples
-        (``rows.sample_rows``) read them from ``samples``, which must hold them."""
+        """Replay the step; with ``temperature`` (float32 per row, 0: greedy) and ``noise_seed``
+        a sampling graph samples every row. ``samples`` must hold ``rows.sample_rows``."""
         n = len(rows.positions)
         sampled = self.sample and temperature is not None
         key = graph_key(self.sizes, self.max_seq_len, n, int(rows.seq_lens.max()))

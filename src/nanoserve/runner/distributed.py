@@ -1,19 +1,11 @@
 """Tensor parallelism across processes: rank 0 is the engine's executor, ranks 1..N-1 follow it
-(their side is in tp_worker.py).
+(tp_worker.py). Each rank holds its shard of the model and KV cache; rank 0 hands each step to
+the workers over a step channel (step_channel.py), all run the forward, rank 0 alone samples.
 
-Every rank builds its shard of the model and a KV cache for its own heads. For each step rank 0
-hands the step's inputs to the workers over a step channel (step_channel.py); all ranks then run
-the same forward, and only rank 0 receives logits and samples.
-
-Starting the group:
-- spawn (default): rank 0 spawns ranks 1..N-1; they meet at a TCPStore on a free port and read
-  their steps from shared memory.
-- env:// (torchrun): every process runs the same program; on ranks other than 0 the executor's
-  constructor serves as a worker until rank 0 closes, then exits. Steps go as gloo broadcasts.
-
-Lifecycle (spawn): workers are daemons that exit with rank 0's process. A worker's exception
-comes back over its report pipe as a WorkerError. A watchdog kills the other workers when one
-dies, so that a collective rank 0 waits in fails instead of hanging (NCCL's are aborted).
+By default rank 0 spawns the workers, which meet it at a TCPStore, read steps from shared memory
+and report errors over a pipe; a watchdog kills the rest when one dies, so that no collective
+hangs. Under torchrun every process runs the program, ranks but 0 serving from the executor's
+constructor; steps go as gloo broadcasts.
 """
 from __future__ import annotations
 
@@ -58,10 +50,9 @@ def check_shardable(model_config: ModelConfig, size: int) -> None:
 
 
 class TensorParallelExecutor:
-    """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers' shards.
-    Offers the engine what a ModelRunner does (``num_kv_blocks``, ``launch``, ``close``); owns
-    the workers, their pipes and this process's torch.distributed group (one per process). No
-    step may feed workers a token still on the device: the engine collects each before the next.
+    """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers', offering
+    the engine a ModelRunner's interface; owns the workers, their pipes and this process's
+    torch.distributed group. Steps never feed tokens still on the device (the engine waits).
     """
 
     feeds_pending_tokens = False
@@ -92,8 +83,6 @@ class TensorParallelExecutor:
             lambda: build_runner(config, model_config, path, 0, self.size, self.device))
         self.num_kv_blocks = self.runner.num_kv_blocks
 
-    # ---- starting ---------------------------------------------------------------------------
-
     def _join_torchrun(self, config: EngineConfig, model_config: ModelConfig, path: Path) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != self.size:
@@ -113,8 +102,7 @@ class TensorParallelExecutor:
         if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
             raise ValueError(f"tensor_parallel_size {self.size} needs {self.size} GPUs, "
                              f"{torch.cuda.device_count()} are visible")
-        # Port 0: the OS picks a free port, so concurrent engines on one host never collide.
-        # Held until the group is left: the rendezvous and the group run through it.
+        # Port 0: the OS picks a free one. Held until the group is left: the group runs through it.
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
                                     wait_for_workers=False)
         ctx = mp.get_context("spawn")
@@ -161,8 +149,6 @@ class TensorParallelExecutor:
                 else:
                     self.errors.append(text)
 
-    # ---- failures ---------------------------------------------------------------------------
-
     def _watch(self) -> None:
         """Daemon thread: a worker that exits while the group runs must not hang rank 0."""
         wait([p.sentinel for p in self.workers])
@@ -206,15 +192,12 @@ class TensorParallelExecutor:
                                          f"{code}" for rank, code in dead) + " (see its stderr)")
         return None
 
-    # ---- the executor interface -------------------------------------------------------------
-
     def launch(self, step: StepInput) -> InFlightStep:
         return self._guarded(lambda: self._step(step))
 
     def _step(self, step: StepInput) -> InFlightStep:
         self.channel.send(step)
-        # Waited for here, inside the guard: a collective that a dying worker aborted may
-        # return garbage rather than raise, and only the guard knows to discard it.
+        # Waited for inside the guard, which discards what a collective aborted may return.
         return CompletedStep(self.runner.launch(step).result())
 
     def close(self) -> None:
