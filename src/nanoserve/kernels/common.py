@@ -1,5 +1,4 @@
-"""Helpers shared by the Triton kernels: host-side checks and launch rules, and device code
-that several kernels call."""
+"""Helpers shared by the Triton kernels: host-side checks, launch rules, common device code."""
 from __future__ import annotations
 
 import functools
@@ -64,9 +63,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Fold a tile of base-2 scores ``s`` (-inf where masked) and its values ``v`` into the online
-    softmax's running max, sum and accumulator. A row with no valid key yet comes out NaN:
-    callers give every row one in its first tile, or never store such rows."""
+    """Fold base-2 scores ``s`` (-inf where masked) and values ``v`` into the online softmax's
+    running max, sum and accumulator. A row with no valid key yet comes out NaN."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -32,8 +32,7 @@ class ExpertBlocks(NamedTuple):
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Blocks enough for any routing: each of the at most ``min(num_experts, num_pairs)`` used
-    experts may leave one block partly empty."""
+    """Blocks enough for any routing: each used expert may leave one block partly empty."""
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
@@ -71,9 +70,8 @@ def _route_kernel(
 
 def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's choice from its ``[T, E]`` logits in one launch: ``[T, top_k]`` weights
-    in the logits' dtype (softmax in float32, optionally renormalised) and int32 experts,
-    largest weight first, as ``softmax`` + ``topk`` (+ division) give them."""
+    """The router's choice from its ``[T, E]`` logits in one launch, as ``softmax`` + ``topk``
+    (+ renormalising) give it: ``[T, top_k]`` weights in the logits' dtype and int32 experts."""
     num_tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts or logits.stride(-1) != 1:
         raise ValueError(f"route_top_k needs 0 < top_k <= {num_experts} experts and logits with "
@@ -102,8 +100,7 @@ def _group_by_expert_kernel(
     PDL: tl.constexpr,
 ):
     """One program: count each expert's pairs, lay out the padded blocks, then give each pair
-    the next free row of its expert's group (``next_row``, int32 ``[BLOCK_E]``, by atomics,
-    whose order changes no result: each row's products are its own)."""
+    the next free row of its expert's group by atomics (whose order changes no result)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -245,12 +242,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   route_weights: torch.Tensor, experts: torch.Tensor,
                   tiles: MoeTiles | None = None) -> torch.Tensor:
-    """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a SiLU-gated MLP.
-
-    ``x`` is ``[T, H]``; ``gate_up`` ``[E, 2I, H]`` ([gate | up] rows), ``down`` ``[E, H, I]``,
-    both with contiguous rows; ``route_weights`` (x's dtype) and ``experts`` (integer) are
-    ``[T, top_k]``. Rounds where the per-expert loop does (each product, the activation, the
-    weighted output) but sums a token's ``top_k`` outputs in float32, once.
+    """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a SiLU-gated MLP:
+    ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, routing ``[T, top_k]``. Rounds as
+    ``experts_loop`` does but sums a token's ``top_k`` outputs in float32, once.
     """
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape

@@ -1,9 +1,6 @@
-"""One Triton launch for everything between the qkv projection and attention.
-
-Per token: Qwen3's optional per-head q/k RMSNorm, RoPE on q and k, q written back in place, the
-rotated k and the v heads stored into the paged KV cache: ops of negligible arithmetic, in one
-launch instead of four or five. Rounding follows the PyTorch reference (``rms_norm_torch`` per
-head, ``rotary_embedding_torch``, ``TorchAttentionBackend.store_kv``) to about one ulp.
+"""One Triton launch for everything between the qkv projection and attention, instead of four
+or five: Qwen3's optional per-head q/k RMSNorm, RoPE on q (in place) and k, and the KV-cache
+store, rounded as the PyTorch reference (``rms_norm_torch``, ``rotary_embedding_torch``).
 """
 from __future__ import annotations
 

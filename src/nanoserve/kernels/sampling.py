@@ -15,8 +15,7 @@ import triton.language as tl
 
 from nanoserve.kernels.common import LOG2E, interpreted
 
-# Small batches take TILES_PER_CHUNK tiles per program, so batch 1 spreads over the SMs; larger
-# ones up to MAX_TILES_PER_CHUNK, so each program has more tiles to stream (tiles_per_chunk).
+# Tiles per program: few at small batches, spread over the SMs, more at large (tiles_per_chunk).
 TILE = 2048
 TILES_PER_CHUNK = 2
 MAX_TILES_PER_CHUNK = 16

@@ -59,9 +59,8 @@ def heuristic_config(rows: int, n: int, k: int) -> SkinnyConfig:
 
 
 def select(rows: int, n: int, k: int, device: torch.device) -> SkinnyConfig | None:
-    """The tiles for a ``rows x k`` by ``k x n`` product on ``device``, or None where cuBLAS
-    should run it: the device's tuning file where it has the shape and row bucket, else the
-    heuristic tiles for one row and cuBLAS for more."""
+    """The tiles for a ``rows x k`` by ``k x n`` product, or None for cuBLAS: the device's tuning
+    file's where it has the shape and row bucket, else the heuristic's for one row."""
     if not 0 < rows <= MAX_ROWS:
         return None
     if interpreted(device):

@@ -79,8 +79,7 @@ def _graph_us(call: Callable[[int], Any], copies: int, replays: int = 10) -> flo
 
 def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.device
                     ) -> tuple[SkinnyConfig | str, dict[SkinnyConfig | str, float]]:
-    """The fastest launch (tiles, or ``CUBLAS``) of one projection at ``rows`` rows, and each
-    candidate's microseconds."""
+    """The fastest launch (tiles, or ``CUBLAS``) of one projection, and each one's microseconds."""
     from nanoserve.layers.linear import unfused_linear
 
     gen = torch.Generator(device=device).manual_seed(n + k + rows)
@@ -115,8 +114,7 @@ def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.devi
 
 def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
                log: Callable[[str], None] = print) -> Path:
-    """Tune every decode projection of the model at ``model`` on the current GPU; returns the
-    tuning file written."""
+    """Tune every decode projection of ``model`` on the current GPU; returns the file written."""
     from nanoserve.config import resolve_model_path
     from nanoserve.models.loader import load_hf_config
 
