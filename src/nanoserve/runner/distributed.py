@@ -2,10 +2,9 @@
 (tp_worker.py). Each rank holds its shard of the model and KV cache; rank 0 hands each step to
 the workers over a step channel (step_channel.py), all run the forward, rank 0 alone samples.
 
-By default rank 0 spawns the workers, which meet it at a TCPStore, read steps from shared memory
-and report errors over a pipe; a watchdog kills the rest when one dies, so that no collective
-hangs. Under torchrun every process runs the program, ranks but 0 serving from the executor's
-constructor; steps go as gloo broadcasts.
+By default rank 0 spawns the workers, which read steps from shared memory and report errors
+over a pipe; a watchdog kills the rest when one dies, so no collective hangs. Under torchrun,
+ranks but 0 serve from the executor's constructor; steps go as gloo broadcasts.
 """
 from __future__ import annotations
 
@@ -50,10 +49,8 @@ def check_shardable(model_config: ModelConfig, size: int) -> None:
 
 
 class TensorParallelExecutor:
-    """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers', offering
-    the engine a ModelRunner's interface; owns the workers, their pipes and this process's
-    torch.distributed group. Steps never feed tokens still on the device (the engine waits).
-    """
+    """Rank 0 of a tensor-parallel group, with a ModelRunner's interface: runs its shard, drives
+    the workers' and owns them and this process's group. Steps never feed back device tokens."""
 
     feeds_pending_tokens = False
 
@@ -122,19 +119,18 @@ class TensorParallelExecutor:
             self.workers.append(proc)
             self.reports.append(report_r)
         alive_r.close()
-        self._guarded(self._await_workers)
-        self._guarded(lambda: dist.init_process_group(
-            self.backend, store=self._store, rank=0, world_size=self.size))
+        self._guarded(self._join_workers)
         threading.Thread(target=self._watch, name="nanoserve-tp-watchdog", daemon=True).start()
 
-    def _await_workers(self) -> None:
-        """Wait until every worker is about to join the group, so that one failing to start
-        (import, device, store) raises here instead of leaving rank 0 in the rendezvous."""
+    def _join_workers(self) -> None:
+        """Join the group once every worker is about to, so that one failing to start (import,
+        device, store) raises here instead of leaving rank 0 in the rendezvous."""
         while len(self.up) < len(self.workers):
             if self.errors or any(not p.is_alive() for p in self.workers):
                 raise WorkerError("a tensor-parallel worker failed to start")
             wait([c for c in self.reports if not c.closed] + [p.sentinel for p in self.workers])
             self._read_reports()
+        dist.init_process_group(self.backend, store=self._store, rank=0, world_size=self.size)
 
     def _read_reports(self) -> None:
         for rank, conn in enumerate(self.reports, start=1):
