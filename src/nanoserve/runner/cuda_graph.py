@@ -17,6 +17,7 @@ from nanoserve.runner.inputs import SequenceChunk
 # small batches get a graph per context cap (x4 steps), so splits suit a context within 4x.
 SHORTEST_CONTEXT_CAP = 512
 SHORT_CONTEXT_MAX_BATCH = 8
+GraphKey = tuple[int, int]  # batch size, context cap
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -34,16 +35,12 @@ def context_caps(bs: int, max_seq_len: int) -> list[int]:
     return caps + [max_seq_len]
 
 
-def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context: int
-              ) -> tuple[int, int]:
+def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context: int) -> GraphKey:
     """(batch size, context cap) of the graph that runs a batch of ``num_seqs`` whose longest
     context, new token included, is ``longest_context``: the smallest that fit it."""
     bs = sizes[bisect.bisect_left(sizes, num_seqs)]
     caps = context_caps(bs, max_seq_len)
     return bs, caps[min(bisect.bisect_left(caps, longest_context), len(caps) - 1)]
-
-
-GraphKey = tuple[int, int]  # batch size, context cap
 
 
 class DecodeOutput(NamedTuple):
@@ -55,10 +52,9 @@ class DecodeOutput(NamedTuple):
 
 
 class DecodeGraphs:
-    """Decode forwards captured as CUDA graphs, one per batch size (and context cap, for small
-    batches). A step stages its inputs in the arena (``graph_inputs.GraphArena``) and replays
-    the smallest graph that fits it. With ``sample`` the graphs also run the LM head and the
-    fused sampler into the arena's first part; a batch needing more stages seed -1: no draw."""
+    """Decode forwards as CUDA graphs per batch size (and context cap, for small batches); a step
+    stages its inputs in the arena and replays the smallest that fits. With ``sample`` they also
+    run the LM head and fused sampler; a batch needing more stages seed -1: no draw."""
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
                  device: torch.device, sample: bool = False, max_samples: int = 0):
@@ -113,8 +109,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def accepts(self, chunks: list[SequenceChunk]) -> bool:
-        """Whether a step's chunks are a batch the graphs run: one token per sequence, each
-        sampled (a one-token chunk from a prompt's middle goes the eager way)."""
+        """Whether the graphs run this step: one sampled token per sequence (not a prompt's)."""
         return 0 < len(chunks) <= self.max_batch and all(
             len(c.token_ids) == 1 and c.sample for c in chunks)
 

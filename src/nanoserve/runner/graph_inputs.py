@@ -1,10 +1,9 @@
 """The decode graphs' inputs: one static device arena that a step fills with one copy.
 
-A CUDA graph reads its inputs where it was captured, so each graph size has a region of the
-arena in which a step's inputs are one contiguous span, packed in pinned memory and copied in
-one go (the block table column-major, ``[max_blocks, batch]``, so a step's columns come first).
-Each row's token id is an index into the arena: the previous step's sample (its first part,
-where the graphs' sampler writes) or the id the host uploaded, so no sampled token is copied.
+A CUDA graph reads its inputs where it was captured: each graph size has a region of the arena
+where a step's inputs are one span, packed in pinned memory (block table column-major, so a
+step's columns come first). A row's token is an index into the arena, at the previous step's
+sample (the first part, where the graphs' sampler writes) or an uploaded id: samples stay put.
 """
 from __future__ import annotations
 
@@ -30,10 +29,6 @@ class DecodeRows(NamedTuple):
     seq_lens: np.ndarray  # int32 [n]
     order: np.ndarray  # int32 [n]: the rows, longest context first
     tables: np.ndarray  # int32 [n, width], padded with block 0
-
-    @property
-    def feeds_samples(self) -> bool:
-        return bool((self.sample_rows >= 0).any())
 
     @classmethod
     def empty(cls) -> DecodeRows:

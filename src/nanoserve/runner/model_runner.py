@@ -217,7 +217,8 @@ class ModelRunner:
         """A decode step through the CUDA graphs: the hidden states, the graph's logits and
         samples where it ran them, and the sampling tensors where it needs the general sampler."""
         rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
-        if rows.feeds_samples and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
+        fed = (rows.sample_rows >= 0).any()
+        if fed and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
             # The previous step sampled outside the graphs: its tokens join the arena.
             self.graphs.samples[:len(self.last_samples)].copy_(self.last_samples)
         temperature = tensors = None
