@@ -99,8 +99,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
-        names = getattr(hf_config, "architectures", None) or [arch_from_model_type(hf_config)]
-        arch = names[0]
+        arch = (getattr(hf_config, "architectures", None) or [arch_from_model_type(hf_config)])[0]
         refuse_unhonoured_fields(hf_config, arch)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

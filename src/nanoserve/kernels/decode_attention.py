@@ -1,11 +1,9 @@
 """Paged decode attention (one query token per sequence), split along the context.
 
-Flash-decoding (docs/kernels.md): each program attends one KV head's whole query group (each
-K/V tile read once per group) to one slice of a sequence's context; ``merge_splits`` merges the
-slices' normalised outputs by their log2 softmax denominators. Given ``NewTokens``, the split
-kernel also does ``qk_norm_rope_store``'s work (one launch per layer fewer): it normalises and
-rotates q, and the program whose slice holds the new token finishes k, stores k and v into the
-cache and attends to them from registers.
+Flash-decoding (docs/kernels.md): each program attends one KV head's query group to one slice of
+a sequence's context; ``merge_splits`` merges the slices by their softmax denominators. Given
+``NewTokens`` the split kernel also does ``qk_norm_rope_store``'s work (one launch per layer
+fewer), attending to the new k/v from registers.
 """
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ class DecodeTuning(NamedTuple):
     heads_first: bool = True  # grid (KV head, sequence, split), not (sequence, KV head, split)
     # One set of int32 offsets for K and V (equal strides, cache < 2^31 elements): fewer registers.
     narrow_offsets: bool = True
-    # With new tokens: load the first K/V tile before waiting for the qkv projection (the only
-    # key this forward writes is the one the kernel stores).
+    # With new tokens: load the first K/V tile before waiting for qkv (it writes no cached key).
     prefetch_kv: bool = False
 
 
@@ -61,8 +58,7 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
         wanted = math.ceil(BALANCE_TARGET * num_sms / programs)
     else:
         wanted = 1
-    by_length = max(max_seq_len // MIN_TOKENS_PER_SPLIT, 1)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    return max(1, min(wanted, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,8 +75,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     only sizes the split count (``num_splits`` overrides it). ``seq_order`` (``[B]`` int32,
     longest context first) is the order programs take sequences in (default: batch order).
     With ``new_tokens``, ``q`` is the projection's raw q (left unmodified) and the kernel
-    finishes and stores each new k/v itself, at ``seq_lens[i] - 1``. Launch shapes depend on
-    Python ints alone: CUDA-graph capturable.
+    finishes and stores each new k/v itself, at ``seq_lens[i] - 1``. CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
