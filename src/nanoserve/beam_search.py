@@ -1,11 +1,10 @@
-"""Beam search (``LLM.beam_search``, the server's ``use_beam_search``) as a loop around the
-engine, as in vLLM: each step asks for one token of every live beam with the top
-``2 * beam_width`` logprobs. The rules are transformers' with ``early_stopping=True``: of the
-``2 * beam_width`` best continuations by cumulative logprob, best first, an EOS ranked within
-the first ``beam_width`` ends a hypothesis and the first ``beam_width`` others become the next
-beams; a prompt is done at ``beam_width`` hypotheses or after ``max_tokens`` steps (its live
-beams then count too); a hypothesis scores ``cumulative logprob / generated_length **
-length_penalty`` (an ending EOS counted, as transformers 5 does).
+"""Beam search (``LLM.beam_search``, the server's ``use_beam_search``) around the engine, as in
+vLLM: each step asks for one token of every live beam with the top ``2 * beam_width`` logprobs.
+The rules are transformers' with ``early_stopping=True``: of the ``2 * beam_width`` best
+continuations, an EOS ranked within the first ``beam_width`` ends a hypothesis and the first
+``beam_width`` others are the next beams; a prompt is done at ``beam_width`` hypotheses or after
+``max_tokens`` steps; a hypothesis scores ``cumulative logprob / length ** length_penalty``
+(an ending EOS counted, as transformers 5 does).
 """
 from __future__ import annotations
 

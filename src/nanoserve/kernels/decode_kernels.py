@@ -161,8 +161,7 @@ def _decode_split_kernel(
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, kv_head, d, d_mask,
                   stride_btc, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NARROW_OFFSETS: tl.constexpr):
-    """The keys and values at positions ``[tile_start, tile_start + BLOCK_N)`` below ``end``,
-    read through the sequence's block-table row; returns them with the valid-position mask."""
+    """K and V at positions ``[tile_start, tile_start + BLOCK_N)`` below ``end``, and the mask."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     valid = pos < end
     block = tl.load(block_row + (pos // BLOCK_SIZE) * stride_btc, mask=valid, other=0)

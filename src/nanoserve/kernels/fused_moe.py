@@ -1,11 +1,10 @@
 """The experts of a mixture-of-experts MLP on the GPU: two grouped GEMMs, no host sync.
 
-The routing stays on the device (vLLM's design): ``group_by_expert`` groups the (token, slot)
-pairs by expert in blocks of ``block_m`` rows, in one launch of fixed shape (unused blocks carry
-expert -1), so the chain is CUDA-graph capturable; ``_moe_gemm_kernel`` multiplies each block
-by its expert's weights (gate/up gathers rows from the tokens, down scales by routing weight);
-each token's ``top_k`` results are then summed. Every kernel of the chain launches under PDL
-and waits first thing: all its inputs come from the kernels before it.
+The routing stays on the device (vLLM's design), so the chain is CUDA-graph capturable:
+``group_by_expert`` groups the (token, slot) pairs by expert in blocks of ``block_m`` rows, in one
+launch of fixed shape; ``_moe_gemm_kernel`` multiplies each block by its expert's weights; each
+token's ``top_k`` results are summed. Every kernel waits (PDL) first thing: all its inputs come
+from the kernels before it.
 """
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ from nanoserve.kernels.fused_ops import silu_and_mul
 
 
 class ExpertBlocks(NamedTuple):
-    """The routing's pairs grouped by expert: ``pair_ids`` (int32 ``[num_blocks * block_m]``)
-    holds each row's ``token * top_k + slot``, or ``num_pairs`` for padding; ``block_expert``
-    (int32 ``[num_blocks]``) each block's expert, -1 for the unused blocks at the end."""
+    """The routing's pairs grouped by expert: ``pair_ids`` holds each row's ``token * top_k + slot``
+    (``num_pairs``: padding), ``block_expert`` each block's expert (-1: unused, at the end)."""
 
     pair_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -42,8 +40,7 @@ def _route_kernel(
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     RENORMALISE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One token: softmax over its experts' logits in float32, the TOP_K largest (largest
-    first), optionally renormalised to sum to one."""
+    """One token: float32 softmax over its experts, the TOP_K largest first, maybe renormalised."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -165,8 +162,7 @@ class MoeTiles(NamedTuple):
 
 
 def moe_tiles(num_pairs: int, num_experts: int, device: torch.device) -> MoeTiles:
-    """Taller blocks as experts get more pairs each: 16 rows (the smallest ``tl.dot`` tile)
-    while they get a few, as in decode, up to 128 in long prefills."""
+    """Taller blocks as experts get more pairs: 16 rows (``tl.dot``'s least) to 128."""
     if interpreted(device):
         return MoeTiles(16, 16, 32, 1, 1)
     per_expert = num_pairs / num_experts
@@ -244,8 +240,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   tiles: MoeTiles | None = None) -> torch.Tensor:
     """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a SiLU-gated MLP:
     ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, routing ``[T, top_k]``. Rounds as
-    ``experts_loop`` does but sums a token's ``top_k`` outputs in float32, once.
-    """
+    ``experts_loop`` does but sums a token's ``top_k`` outputs in float32, once."""
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape
     if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):

@@ -1,8 +1,6 @@
 """Fused elementwise kernels for the decode hot path: RMSNorm and SiLU*mul, one launch each
-instead of a chain (launches bound batch-1 decode). They compute in fp32 and round where the
-PyTorch reference does (``layers/norm.py``, ``activation.py``), agreeing to about one ulp;
-launch shapes depend on tensor shapes alone (CUDA-graph capturable).
-"""
+instead of a chain (launches bound batch-1 decode), in fp32 rounded where the PyTorch reference
+(``layers/norm.py``, ``activation.py``) rounds. CUDA-graph capturable."""
 from __future__ import annotations
 
 import torch
@@ -61,11 +59,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x [..., D]`` over its last dimension, rounded as ``rms_norm_torch``, into a
-    new contiguous tensor in ``promote_types(x.dtype, weight.dtype)``. ``x`` may be any 2-D or
-    3-D view with a contiguous last dimension (heads sliced out of qkv). ``weight`` is read
-    before waiting for the kernel before (PDL): it must not be that kernel's output.
-    """
+    """RMSNorm of ``x [..., D]`` (any 2-D or 3-D view with a contiguous last dimension), rounded
+    as ``rms_norm_torch``, into a new tensor in ``promote_types(x.dtype, weight.dtype)``.
+    ``weight`` is read before waiting for the kernel before (PDL): it must not be its output."""
     dim = x.shape[-1]
     assert weight is None or (weight.shape == (dim,) and weight.is_contiguous()), \
         "weight must be a contiguous [D]"

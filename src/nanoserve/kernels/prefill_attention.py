@@ -1,9 +1,8 @@
 """Variable-length causal attention over a paged cache: prefill, chunked prefill, mixed batches.
 
-A program takes ``BLOCK_Q`` new tokens of one sequence times one KV head's query group, so each
-K/V tile serves the whole group, with an fp32 online softmax over the cached prefix and the new
-tokens. Programs follow a host-built list of the (sequence, tile) pairs with work, most keys
-first (``prefill_work``): none idles, no long tile runs alone at the end (docs/kernels.md).
+A program runs an fp32 online softmax for ``BLOCK_Q`` new tokens of one sequence times one KV
+head's query group (each K/V tile serves the group), taking its (sequence, tile) from a host-built
+list, most keys first (``prefill_work``): none idles, no long tile runs last (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -141,11 +140,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       work: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged keys; ``[T, H, D]``.
 
-    Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q``, its keys
-    the first ``seq_lens[i]`` cache entries (the new tokens already stored); rows past
-    ``query_start_loc[-1]`` are left unwritten. ``work``: :func:`prefill_work` for
-    :func:`query_tile`'s tile, on the device (default: built from lengths read back).
-    """
+    Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` (later rows
+    stay unwritten), its keys the first ``seq_lens[i]`` cache entries, new tokens stored. ``work``:
+    :func:`prefill_work` for :func:`query_tile`'s tile (default: from lengths read back)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_attention_inputs(q, k_cache, v_cache)

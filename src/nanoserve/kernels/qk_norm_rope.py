@@ -64,8 +64,7 @@ def _norm_rope_heads(
     first, mask, cos, sin, weight_ptr, eps,
     HAS_QK_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # One token's heads, addressed by `first` (pointers to each head's first half), normalised
-    # and rotated in fp32; returns both rotated halves rounded to the heads' dtype.
+    # One token's heads at `first` (each head's first half) normalised and rotated in fp32.
     dtype = first.dtype.element_ty
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -161,11 +160,9 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                        eps: float = 0.0) -> torch.Tensor:
     """Optional per-head q/k RMSNorm, RoPE, then the KV-cache store, in one launch; returns q.
 
-    ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated k and v (untouched) are
-    written to the caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (see
-    :class:`NewTokens`). Positions are not bounds-checked; launch shapes come from tensor
-    shapes only: CUDA-graph capturable.
-    """
+    ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated k and v (untouched) go to
+    the caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (see :class:`NewTokens`).
+    Positions are not bounds-checked. CUDA-graph capturable."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     NewTokens(k, v, positions, slot_mapping, cos_sin, q_weight, k_weight).check(

@@ -1,11 +1,9 @@
 """Fused greedy / temperature sampling: inverse-transform sampling over per-tile softmax sums.
 
-Two launches read the logits once, in their own dtype (docs/kernels.md): (row, chunk) programs
-store per tile of a sampled row the largest score ``s = x log2(e) / T`` and the sum of
-``2^(s - max)`` (per chunk of a greedy row, the largest logit and its lowest index); then one
-program per row finds the tile where the running weight (float64) passes ``u`` times the total
-and rereads it for the token. ``u`` is Philox keyed by a seed read from device memory, so a CUDA
-graph draws anew whenever its seed tensor changes; a negative seed draws nothing.
+Two launches read the logits once (docs/kernels.md): (row, chunk) programs store per tile the
+largest score ``s = x log2(e) / T`` and the sum of ``2^(s - max)`` (greedy rows: the argmax);
+then per row, the tile where the running weight passes ``u`` times the total is reread for the
+token. ``u`` is Philox keyed by a seed in device memory: a CUDA graph draws anew as it changes.
 """
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ def _tile_stats_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     stats = row.to(tl.int64) * num_tiles
     offsets = tl.arange(0, TILE)
-    # The last chunk skips the tiles that lie wholly past the vocabulary. Each loop loads the
-    # next tile before it reduces the one in hand, so a program keeps two loads in flight.
+    # The last chunk stops at the vocabulary; each loop loads the next tile before reducing one.
     end = tl.minimum(first + TILES_PER_CHUNK, num_tiles)
     x = _logits_tile(row_ptr, first * TILE + offsets, vocab_size)
     if temperature > 0.0:
@@ -173,8 +170,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     A row with ``temperature`` 0 (``[B]`` float32) takes the argmax (lowest index on ties);
     others draw ``softmax(logits / T)``, from ``seed``: an int in ``[0, 2**62)`` or a one-element
     int64 device tensor read when the kernel runs (negative: nothing drawn, ``out`` untouched).
-    A -inf logit is drawn only if the whole row is -inf (token 0); NaN is never picked.
-    """
+    A -inf logit is drawn only if the whole row is -inf (token 0); NaN is never picked."""
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
     assert temperature.shape == (batch,) and temperature.dtype == torch.float32 \

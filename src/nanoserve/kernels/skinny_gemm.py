@@ -1,12 +1,10 @@
 """y = x W^T (+ b) for the few rows of a decode step (1 to ``MAX_ROWS``), with its fusions.
 
 At small batches a projection is a weight stream, where cuBLAS's tiles reach a fraction of the
-bandwidth: each program owns ``BLOCK_N`` output features and streams their rows of W along K in
-``BLOCK_K`` chunks on the CUDA cores. Fusions (launch flags, docs/kernels.md): ``norm_eps``
-(x un-normalised, the norm's weight folded into W: outputs scaled by ``rsqrt(mean(x^2) + eps)``),
-``activate`` (W = [gate; up], rows interleaved in a tile: writes ``silu(gate) * up``) and
-``residual`` (added into in place: each program owns its output features). Which shapes take
-the kernel, with which tiles, is data (:func:`select`).
+bandwidth: each program streams ``BLOCK_N`` output features' rows of W along K on the CUDA cores.
+Fusions (docs/kernels.md): ``norm_eps`` (x un-normalised, the norm's weight folded into W),
+``activate`` (W = [gate; up]: writes ``silu(gate) * up``) and ``residual`` (added into in place).
+Which shapes take the kernel, with which tiles, is data (:func:`select`).
 """
 from __future__ import annotations
 
@@ -161,11 +159,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   activate: bool = False, residual: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """``F.linear(x [M, K], weight [N, K], bias)`` for at most ``MAX_ROWS`` rows, with the
-    module docstring's fusions; accumulates in float32, CUDA-graph capturable. ``norm_eps``
-    scales the float32 product (the reference rounds the normalised row first); ``activate``
+    module docstring's fusions, in float32. ``norm_eps`` scales the float32 product; ``activate``
     returns ``[M, N / 2]``; ``residual`` (``[M, N]`` in x's dtype) is added to IN PLACE and
-    returned. ``config``: the tiles (default: :func:`select`'s, else the heuristic's).
-    """
+    returned. ``config``: the tiles (default: :func:`select`'s, else the heuristic's)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:

@@ -1,9 +1,8 @@
 """``nanoserve tune MODEL``: the skinny GEMV's tiles for a model's decode projections, as data.
 
-For each projection (at its tensor-parallel width) and decode row bucket, it times cuBLAS and
-every candidate tiling whose output matches, with the projection's fusions, and writes the
-fastest into ``configs/skinny_gemm/<device>.json``. A timing replays a CUDA graph through enough
-copies of W that none is read from L2, as in a decode step.
+For each projection and decode row bucket it times cuBLAS and every tiling whose output matches,
+fusions included, as CUDA graphs through enough copies of W that none is read from L2, and
+writes the fastest into ``configs/skinny_gemm/<device>.json``.
 """
 from __future__ import annotations
 

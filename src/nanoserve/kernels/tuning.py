@@ -1,7 +1,6 @@
 """Kernel launch configurations as data: ``configs/<op>/<device>.json`` beside this file holds
-``{shape key: {row bucket: entry}}``, written by ``nanoserve tune MODEL`` on that device. An op's
-``select`` reads it (:func:`load_table`), with its own heuristic for shapes it lacks.
-"""
+``{shape key: {row bucket: entry}}``, written by ``nanoserve tune MODEL``, read by an op's
+``select`` (:func:`load_table`), which has its own heuristic for shapes it lacks."""
 from __future__ import annotations
 
 import functools

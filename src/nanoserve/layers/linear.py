@@ -20,9 +20,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` with fusions. ``norm_eps``: the product of ``x / rms(x)``,
     the norm's weight folded into ``weight`` (``ColumnParallelLinear.fold_norm``); ``activate``:
     ``weight`` is ``[gate; up]``, the result ``silu(gate) * up``; ``residual``: the result is
-    ``residual + product`` (on CUDA written into ``residual``: do not reuse it). On CUDA in 16
-    bits, a decode-sized batch goes to the skinny GEMV where its ``select`` says so.
-    """
+    ``residual + product`` (on CUDA written into ``residual``). On CUDA in 16 bits, decode-sized
+    batches go to the skinny GEMV where its ``select`` says so."""
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
         from nanoserve.kernels import skinny_gemm
         config = skinny_gemm.select(x.shape[0], *weight.shape, x.device)
@@ -77,8 +76,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, activate: bool = False
                 ) -> torch.Tensor:
-        """``linear(norm(x))`` (a folded norm is applied by the op); with ``activate``,
-        ``silu_and_mul`` of it."""
+        """``linear(norm(x))``, a folded norm applied by the op (``activate``: ``silu_and_mul``)."""
         if norm is not None and norm.folded:
             return linear(x, self.weight, self.bias, norm_eps=norm.eps, activate=activate)
         if norm is not None:

@@ -1,6 +1,5 @@
 """Mixture-of-experts MLP (Qwen3-MoE): a replicated router weights each token's top-k SiLU-gated
-experts, whose intermediate features tensor parallelism splits as the dense MLP's. On CUDA,
-grouped GEMMs keep the routing on the device, so decode steps can be CUDA graphs."""
+experts, split across ranks as the dense MLP is; on CUDA the routing stays on the device."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,5 @@
-"""One decoder-only transformer for Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms)
-and Qwen3-MoE (experts in place of some MLPs); device and parallelism come in through the layer
-classes and the attention metadata. Between layers flows the residual stream: each pre-norm is
+"""One decoder-only transformer for Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and
+Qwen3-MoE (experts for some MLPs). Between layers flows the residual stream: each pre-norm is
 applied by the next projection (``norm=``), each output projection adds into it (``residual=``)."""
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None) -> torch.Tensor:
-        """The final hidden states of the tokens ``ids``, or ``token_table[ids]`` (the decode
-        graphs' arena of the tokens last sampled)."""
+        """Final hidden states of ``ids``, or of ``token_table[ids]`` (the decode graphs' arena)."""
         if token_table is not None:
             ids = token_table[ids]
         residual = self.embed_tokens(ids)
@@ -113,7 +111,6 @@ EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.wei
 # Checkpoint names of the tensors that live packed in one parameter here: (part, our name, slot).
 PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
           ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
-
 
 # Which part of a parameter one checkpoint tensor fills (None: all of it).
 Part = ShardId | ExpertShard

@@ -1,8 +1,6 @@
-"""Carries each step from rank 0 to the tensor-parallel workers: shared memory to workers rank 0
-spawned on its host (the default), gloo broadcasts to ranks torchrun started. A worker only needs
-what shapes the forward (rank 0 alone samples), packed in one flat int64 array, no pickling:
-``[num_chunks, (num_tokens, start, sample, num_blocks, prompt_logprob_rows) per chunk, all
-token ids, all blocks]``.
+"""Carries each step from rank 0 to the tensor-parallel workers (shared memory to spawned ones,
+gloo broadcasts under torchrun): what shapes the forward, as one flat int64 array, ``[num_chunks,
+(num_tokens, start, sample, num_blocks, prompt_logprob_rows) per chunk, token ids, blocks]``.
 """
 from __future__ import annotations
 
@@ -58,11 +56,9 @@ def unpack_step(values: list[int]) -> StepInput:
 
 
 class SharedMemoryStepChannel:
-    """One shared-memory slot that rank 0 writes each step into and its same-host workers read: a
-    copy and a semaphore post per worker, no TCP round trip. Rank 0 waits for every worker's
-    ``done`` with the previous step, writes, then posts each ``ready``; it raises once
-    ``abandoned`` (its watchdog's event) is set. Workers get it as a process argument and set
-    ``rank`` on their copy."""
+    """One shared-memory slot that rank 0 writes each step into and its same-host workers read,
+    with a semaphore post per worker. Rank 0 waits for each ``done``, writes, posts each ``ready``,
+    and raises once ``abandoned`` (its watchdog's event) is set. Workers set ``rank``."""
 
     def __init__(self, ctx: SpawnContext, num_workers: int, capacity: int,
                  abandoned: threading.Event):

@@ -16,11 +16,10 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
                    last_samples: torch.Tensor | None, last_sample_rows: dict[str, int],
                    dummy: bool = False, prefill_tile: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
-    """Token ids, positions, attention metadata and the rows to sample (None: every row, which
-    spares a gather before the LM head), on ``device``. A PENDING_TOKEN gets the previous step's
-    sample (row ``last_sample_rows[request_id]`` of ``last_samples``), on the device. ``dummy``
-    (memory profiling) stores nothing and reads through block 0. With ``prefill_tile`` (0: none)
-    steps that are not decode-only carry the prefill kernel's work list."""
+    """Token ids, positions, attention metadata and the rows to sample (None: every row), on
+    ``device``. A PENDING_TOKEN gets row ``last_sample_rows[request_id]`` of ``last_samples``.
+    ``dummy`` (memory profiling) stores nothing and reads through block 0. With ``prefill_tile``
+    (0: none) steps that are not decode-only carry the prefill kernel's work list."""
     ids: list[int] = []
     positions: list[int] | np.ndarray = []
     q_lens, seq_lens, last = [], [], []
