@@ -50,7 +50,7 @@ def check_shardable(model_config: ModelConfig, size: int) -> None:
 
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group, with a ModelRunner's interface: runs its shard, drives
-    the workers' and owns them and this process's group. Steps never feed back device tokens."""
+    and owns the workers and this process's group. Steps never feed back device tokens."""
 
     feeds_pending_tokens = False
 
