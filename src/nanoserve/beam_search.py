@@ -1,15 +1,10 @@
-"""Beam search (``LLM.beam_search``, the server's ``use_beam_search``) as a loop around the
-engine, as in vLLM: each step asks for one token of every live beam with the top
-``2 * beam_width`` logprobs. The rules are transformers' with ``early_stopping=True``:
-
-- the candidates are the ``2 * beam_width`` best (beam, token) continuations by cumulative
-  logprob; walking them best first, an EOS ranked within the first ``beam_width`` ends a
-  hypothesis, and the first ``beam_width`` others become the next beams;
-- a prompt is done once it has ``beam_width`` hypotheses, or after ``max_tokens`` steps, when
-  its live beams become hypotheses too;
-- a hypothesis scores ``cumulative logprob / generated_length ** length_penalty`` (an ending
-  EOS counted in the length, as transformers 5 counts it), and the best ``beam_width`` come
-  back, best first.
+"""Beam search (``LLM.beam_search``, the server's ``use_beam_search``) around the engine, as in
+vLLM: each step asks for one token of every live beam with the top ``2 * beam_width`` logprobs.
+The rules are transformers' with ``early_stopping=True``: of the ``2 * beam_width`` best
+continuations, an EOS ranked within the first ``beam_width`` ends a hypothesis and the first
+``beam_width`` others are the next beams; a prompt is done at ``beam_width`` hypotheses or after
+``max_tokens`` steps; a hypothesis scores ``cumulative logprob / length ** length_penalty``
+(an ending EOS counted, as transformers 5 does).
 """
 from __future__ import annotations
 
@@ -65,8 +60,7 @@ class BeamSearchOutput:
 
 class BeamSearch:
     """One beam search's state over a batch of prompts, whoever drives the engine: until
-    ``done``, extend each of ``requests()`` by one token with ``step_params`` and pass their
-    top logprobs to ``advance()``; then ``results()``."""
+    ``done``, run ``requests()`` with ``step_params`` and pass ``advance()`` their logprobs."""
 
     def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams,
                  eos_token_ids: Sequence[int]):

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanoserve.sampling_params import MAX_LOGPROBS
-
+from nanoserve.sampling_params import MAX_LOGPROBS, check_int
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -41,27 +40,22 @@ class EngineConfig:
     max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                    "max_n")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size", "max_n"):
+            check_int(name, getattr(self, name), 1)
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting_requests"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed, 0)
+        check_int("max_logprobs", self.max_logprobs, 0)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError("dtype must be one of auto, float32, float16, bfloat16, "
-                             f"got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("load_format", ("auto", "dummy"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
         gpu_util = self.gpu_memory_utilization
         if isinstance(gpu_util, bool) or not isinstance(gpu_util, (int, float)) or not (
                 0.0 < gpu_util <= 1.0):
@@ -70,10 +64,6 @@ class EngineConfig:
                                                                 self.device):
             raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                              f"got {self.device!r}")
-        for name in ("seed", "max_logprobs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -86,9 +76,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass
 class ModelConfig:
-    """What the runtime needs to know about a model, read from a Hugging Face config whatever
-    its layout (``rope_parameters`` or ``rope_theta`` + ``rope_scaling``, a missing
-    ``head_dim``, EOS ids in config.json and generation_config.json)."""
+    """What the runtime needs to know about a model, from a Hugging Face config of any layout
+    (``rope_parameters`` or ``rope_theta`` + ``rope_scaling``, no ``head_dim``, ...)."""
 
     architecture: str
     hidden_size: int
@@ -116,8 +105,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
-        names = getattr(hf_config, "architectures", None) or [arch_from_model_type(hf_config)]
-        arch = names[0]
+        arch = (getattr(hf_config, "architectures", None) or [arch_from_model_type(hf_config)])[0]
         refuse_unhonoured_fields(hf_config, arch)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -218,13 +206,9 @@ def arch_from_model_type(hf_config: Any) -> str:
 
 
 def _rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-    else:
-        theta = float(getattr(hf_config, "rope_theta", 10000.0))
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or getattr(hf_config, "rope_scaling", None) or {})
+    theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; "

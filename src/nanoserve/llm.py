@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -19,8 +19,8 @@ from nanoserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
 
-# Offline batches want throughput: twice the server's per-step token budget halves the prefill
-# steps. The server keeps EngineConfig's, which bounds how long a prefill holds up streams.
+# Offline batches want throughput: twice the server's per-step token budget (EngineConfig's,
+# which bounds how long a prefill holds up streams) halves the prefill steps.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
 
 
@@ -36,8 +36,8 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of the prompts. A prompt
-        whose params ask for ``n`` samples comes back as one output holding ``n``."""
+        """Complete every prompt, in order; a prompt whose params ask for ``n`` samples comes
+        back as one output holding ``n``."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -59,7 +59,7 @@ class LLM:
             self._drain()
             raise
         done = self._run([rid for group in ids for rid in group], use_tqdm)
-        return [_samples_as_one(done[rid] for rid in group) for group in ids]
+        return [_samples_as_one([done[rid] for rid in group]) for group in ids]
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -126,9 +126,7 @@ class LLM:
         self.engine.close()
 
 
-def _samples_as_one(samples: Iterable[RequestOutput]) -> RequestOutput:
+def _samples_as_one(samples: list[RequestOutput]) -> RequestOutput:
     """The ``n`` finished samples of one prompt as the first's output holding every completion."""
-    samples = list(samples)
-    first = samples[0]
     completions = [dataclasses.replace(s.outputs[0], index=k) for k, s in enumerate(samples)]
-    return dataclasses.replace(first, outputs=completions)
+    return dataclasses.replace(samples[0], outputs=completions)

@@ -10,11 +10,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """A forward pass's batch: every sequence's new tokens back to back (``T`` in all).
-
-    Sequence ``i`` adds ``query_start_loc[i+1] - query_start_loc[i]`` tokens after the
-    ``seq_lens[i] - q_len_i`` already cached, its keys read through ``block_tables[i]``.
-    """
+    """A forward pass's batch: every sequence's new tokens back to back (``T`` in all), sequence
+    ``i``'s after its cached ones, its keys read through ``block_tables[i]``."""
 
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative new-token counts
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)

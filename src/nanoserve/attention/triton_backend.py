@@ -27,9 +27,8 @@ FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
 
 
 class TritonAttentionBackend:
-    """GPU path: flash-decoding for decode-only batches, paged varlen prefill for the rest.
-    Nothing reads device values on the host, so decode can be a CUDA graph; its split count,
-    from ``meta.max_seq_len`` at capture, under-splits longer contexts (correctly)."""
+    """GPU path: flash-decoding for decode-only batches (no host reads: CUDA-graph capturable),
+    paged varlen prefill for the rest."""
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         return query_tile(num_heads, num_kv_heads, device)
@@ -52,8 +51,7 @@ class TritonAttentionBackend:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                        num_sms)
-            # A small batch is bound by its chain of launches: the split kernel finishes the
-            # new tokens itself. Larger ones run better without that work's registers.
+            # Small batches are launch-bound: the split kernel finishes the new tokens itself.
             if splits > 1 and meta.num_seqs <= LATENCY_MAX_SEQS:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
@@ -81,8 +79,7 @@ class TritonAttentionBackend:
 
 def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int
                         ) -> DecodeTuning:
-    """The split kernel's tuning for ``programs`` programs splitting ``max_seq_len`` keys
-    ``splits`` ways: the prefetch only while the launch fits ``PREFETCH_PROGRAMS_PER_SM``, and
+    """The split kernel's tuning: the prefetch only within ``PREFETCH_PROGRAMS_PER_SM``, and
     then one stage where a split is at most one tile."""
     if programs > PREFETCH_PROGRAMS_PER_SM * num_sms:
         return SPLIT_DECODE_TUNING._replace(prefetch_kv=False)

@@ -1,5 +1,4 @@
-"""Helpers shared by the Triton kernels: host-side checks and launch rules, and device code
-that several kernels call."""
+"""Helpers shared by the Triton kernels: host-side checks, launch rules, common device code."""
 from __future__ import annotations
 
 import functools
@@ -29,9 +28,8 @@ def device_sm_count(device: torch.device) -> int:
 
 @functools.cache
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` use programmatic dependent launch (Hopper and later): each
-    starts while the kernel before still runs, reads what depends on nothing (weights, step
-    inputs), then waits for that kernel's output. ``NANOSERVE_DISABLE_PDL=1`` turns it off."""
+    """Whether kernels use programmatic dependent launch (Hopper and later, unless
+    ``NANOSERVE_DISABLE_PDL=1``): each starts early, reads its weights, then waits."""
     if interpreted(device) or os.environ.get("NANOSERVE_DISABLE_PDL") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
@@ -65,10 +63,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Fold a tile of scores ``s`` (base-2 logits, -inf where masked) and its values ``v`` into
-    an online softmax's running max, sum of exponentials and accumulator; returns them. A row
-    with no valid key yet comes out NaN: callers give every row one in its first tile, or never
-    store such rows."""
+    """Fold base-2 scores ``s`` (-inf where masked) and values ``v`` into the online softmax's
+    running max, sum and accumulator. A row with no valid key yet comes out NaN."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -1,12 +1,9 @@
 """Paged decode attention (one query token per sequence), split along the context.
 
-Flash-decoding (docs/kernels.md): each program attends one KV head's whole query group (each
-K/V tile is read once per group) to one slice of a sequence's context and writes the slice's
-normalised output and the log2 of its softmax denominator; ``merge_splits`` merges the splits.
-
-Given the step's new tokens (``NewTokens``), the split kernel also does ``qk_norm_rope_store``'s
-work: it normalises and rotates q, and the program whose slice holds the new token finishes its
-k, stores k and v into the cache and attends to them from registers (one launch per layer fewer).
+Flash-decoding (docs/kernels.md): each program attends one KV head's query group to one slice of
+a sequence's context; ``merge_splits`` merges the slices by their softmax denominators. Given
+``NewTokens`` the split kernel also does ``qk_norm_rope_store``'s work (one launch per layer
+fewer), attending to the new k/v from registers.
 """
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ from nanoserve.kernels.common import (LOG2E, check_attention_inputs, device_sm_c
                                       dot_precision, fp16_products, interpreted,
                                       programmatic_launch)
 from nanoserve.kernels.decode_kernels import _decode_reduce_kernel, _decode_split_kernel
+from nanoserve.kernels.qk_norm_rope import NewTokens
 
 
 class DecodeTuning(NamedTuple):
@@ -32,44 +30,8 @@ class DecodeTuning(NamedTuple):
     heads_first: bool = True  # grid (KV head, sequence, split), not (sequence, KV head, split)
     # One set of int32 offsets for K and V (equal strides, cache < 2^31 elements): fewer registers.
     narrow_offsets: bool = True
-    # With new tokens (only then): load the slice's first K/V tile before waiting for the qkv
-    # projection. Safe because the only key written this forward is the one the kernel stores.
+    # With new tokens: load the first K/V tile before waiting for qkv (it writes no cached key).
     prefetch_kv: bool = False
-
-
-class NewTokens(NamedTuple):
-    """Each sequence's new token as the qkv projection left it, for the kernel to finish.
-
-    ``k``/``v`` are ``[T, Hkv, D]`` (strided views are fine), ``positions``/``slot_mapping``
-    ``[T]`` (slot -1: not stored), ``cos_sin`` RoPE's ``[max_pos, D]`` table of ``[cos | sin]``
-    rows; with ``q_weight``/``k_weight`` (``[D]``) each q and k head is first RMS-normalised.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    cos_sin: torch.Tensor
-    q_weight: torch.Tensor | None = None
-    k_weight: torch.Tensor | None = None
-    eps: float = 0.0
-
-    def check(self, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
-        assert self.k.shape == self.v.shape == (num_tokens, num_kv_heads, head_dim)
-        assert self.positions.shape == self.slot_mapping.shape == (num_tokens,)
-        assert head_dim % 2 == 0 and self.cos_sin.shape[-1] == head_dim
-        assert (self.q_weight is None) == (self.k_weight is None), \
-            "q and k are normalised together or not at all"
-        for t in (self.k, self.v, self.cos_sin):
-            assert t.stride(-1) == 1, "the head dimension must be contiguous"
-
-    def kernel_args(self) -> tuple:
-        """The split kernel's new-token pointers, then its new-token strides."""
-        weights = (self.cos_sin, self.cos_sin) if self.q_weight is None else (self.q_weight,
-                                                                               self.k_weight)
-        return ((self.k, self.v, self.positions, self.slot_mapping, self.cos_sin, *weights),
-                (self.k.stride(0), self.k.stride(1), self.v.stride(0), self.v.stride(1),
-                 self.cos_sin.stride(0)))
 
 
 MIN_TOKENS_PER_SPLIT = 64
@@ -85,12 +47,10 @@ INTERPRETER_BLOCK_N = 16
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many context splits a decode launch uses, from host-side ints only (no device sync).
-
-    Up to ``LATENCY_MAX_SEQS`` sequences, enough to reach ``PROGRAMS_PER_SM`` programs per SM;
-    larger batches below ``BALANCE_BELOW`` programs per SM split to ``BALANCE_TARGET`` per SM
-    (ragged contexts even out over more waves). No slice is under ``MIN_TOKENS_PER_SPLIT`` keys.
-    """
+    """How many context splits a decode launch uses, from host-side ints only: up to
+    ``LATENCY_MAX_SEQS`` sequences, ``PROGRAMS_PER_SM`` programs per SM; larger batches below
+    ``BALANCE_BELOW`` per SM split to ``BALANCE_TARGET`` (ragged contexts even out over more
+    waves). No slice is under ``MIN_TOKENS_PER_SPLIT`` keys."""
     programs = max(num_seqs * num_kv_heads, 1)
     if num_seqs <= LATENCY_MAX_SEQS:
         wanted = PROGRAMS_PER_SM * num_sms // programs
@@ -98,8 +58,7 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
         wanted = math.ceil(BALANCE_TARGET * num_sms / programs)
     else:
         wanted = 1
-    by_length = max(max_seq_len // MIN_TOKENS_PER_SPLIT, 1)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    return max(1, min(wanted, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,15 +70,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      new_tokens: NewTokens | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
-    ``q`` is ``[T, H, D]`` with sequence ``i``'s token at row ``query_start_loc[i]``; the keys
-    are the first ``seq_lens[i]`` cache entries read through ``block_tables[i]`` (any strides).
-    ``max_seq_len`` (a Python int) only sizes the split count; ``num_splits`` overrides it.
-    ``seq_order`` (``[B]`` int32, a permutation of the sequences, longest context first) is the
-    order in which programs take sequences; without it they go in batch order.
+    Sequence ``i``'s token is row ``query_start_loc[i]`` of ``q [T, H, D]``, its keys the first
+    ``seq_lens[i]`` cache entries through ``block_tables[i]``. ``max_seq_len`` (a Python int)
+    only sizes the split count (``num_splits`` overrides it). ``seq_order`` (``[B]`` int32,
+    longest context first) is the order programs take sequences in (default: batch order).
     With ``new_tokens``, ``q`` is the projection's raw q (left unmodified) and the kernel
-    finishes and stores each sequence's new k/v itself, at position ``seq_lens[i] - 1``; the
-    cache holds only the earlier keys. Launch shapes depend on Python ints alone, so the call is
-    CUDA-graph capturable.
+    finishes and stores each new k/v itself, at ``seq_lens[i] - 1``. CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

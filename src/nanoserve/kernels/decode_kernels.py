@@ -1,5 +1,4 @@
-"""Device code of paged decode attention (launched by ``decode_attention.py``): the split
-kernel and the kernel that merges splits."""
+"""Device code of paged decode attention (``decode_attention.py``): split and merge kernels."""
 from __future__ import annotations
 
 import triton
@@ -78,10 +77,7 @@ def _decode_split_kernel(
             k_w = tl.load(k_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
             k_wp = tl.load(k_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
         else:  # unread
-            q_w = cos
-            q_wp = cos
-            k_w = cos
-            k_wp = cos
+            q_w, q_wp, k_w, k_wp = cos, cos, cos, cos
         # The new key (the last position) is taken from registers after the loop: stop before it.
         last = seq_len - 1
         owns_new = (start <= last) & (last < end)
@@ -165,8 +161,7 @@ def _decode_split_kernel(
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, kv_head, d, d_mask,
                   stride_btc, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NARROW_OFFSETS: tl.constexpr):
-    """The keys and values at positions ``[tile_start, tile_start + BLOCK_N)`` below ``end``,
-    read through the sequence's block-table row; returns them with the valid-position mask."""
+    """K and V at positions ``[tile_start, tile_start + BLOCK_N)`` below ``end``, and the mask."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     valid = pos < end
     block = tl.load(block_row + (pos // BLOCK_SIZE) * stride_btc, mask=valid, other=0)
@@ -200,9 +195,8 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.co
 @triton.jit
 def merge_splits(part_lse_ptr, part_o_ptr, rows, d, d_mask,
                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The attention output of each (sequence, head) row in ``rows`` (``seq * num_heads +
-    head``), fp32 ``[len(rows), BLOCK_D]``, from its splits' partial results: their outputs
-    weighted by their share of the softmax denominator, ``exp2(lse_s) / sum exp2(lse)``."""
+    """The fp32 attention output of each ``seq * num_heads + head`` in ``rows``: its splits'
+    outputs weighted by their share of the softmax denominator, ``exp2(lse_s) / sum exp2(lse)``."""
     # Split by split, every load's address known up front: all the loads are in flight at once.
     lse_rows = part_lse_ptr + rows * NUM_SPLITS
     out_rows = part_o_ptr + (rows * NUM_SPLITS)[:, None] * HEAD_DIM + d[None, :]

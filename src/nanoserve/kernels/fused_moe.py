@@ -1,15 +1,10 @@
 """The experts of a mixture-of-experts MLP on the GPU: two grouped GEMMs, no host sync.
 
-Unlike the CPU path (``layers/moe.py``), the routing stays on the device (vLLM's design, small):
-1. ``group_by_expert`` groups the routing's (token, slot) pairs by expert, each group padded to
-   a multiple of ``block_m`` rows, in one launch of fixed shape (CUDA-graph capturable): the
-   block count is bounded by the batch, and unused blocks carry expert -1 and exit at once.
-2. ``_moe_gemm_kernel`` multiplies each block of rows by its expert's weights: the gate/up GEMM
-   gathers its rows from the tokens, the down GEMM scales each row by its routing weight.
-3. Each token's ``top_k`` results are summed.
-
-``route_top_k`` makes the routing from the router's logits in one launch. Every kernel of the
-chain is launched under PDL and waits first thing: all its inputs come from kernels before it.
+The routing stays on the device (vLLM's design), so the chain is CUDA-graph capturable:
+``group_by_expert`` groups the (token, slot) pairs by expert in blocks of ``block_m`` rows, in one
+launch of fixed shape; ``_moe_gemm_kernel`` multiplies each block by its expert's weights; each
+token's ``top_k`` results are summed. Every kernel waits (PDL) first thing: all its inputs come
+from the kernels before it.
 """
 from __future__ import annotations
 
@@ -25,10 +20,8 @@ from nanoserve.kernels.fused_ops import silu_and_mul
 
 
 class ExpertBlocks(NamedTuple):
-    """The routing's (token, slot) pairs grouped by expert in blocks of ``block_m`` rows:
-    ``pair_ids`` (int32 ``[num_blocks * block_m]``) holds, for each row, the index
-    ``token * top_k + slot`` of a pair, or ``num_pairs`` for a padding row; ``block_expert``
-    (int32 ``[num_blocks]``) the expert of each block, -1 for the unused blocks at the end."""
+    """The routing's pairs grouped by expert: ``pair_ids`` holds each row's ``token * top_k + slot``
+    (``num_pairs``: padding), ``block_expert`` each block's expert (-1: unused, at the end)."""
 
     pair_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -37,8 +30,7 @@ class ExpertBlocks(NamedTuple):
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Blocks enough for any routing of ``num_pairs`` pairs: every used expert may leave one
-    block partly empty, and at most ``min(num_experts, num_pairs)`` experts are used."""
+    """Blocks enough for any routing: each used expert may leave one block partly empty."""
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
@@ -48,8 +40,7 @@ def _route_kernel(
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     RENORMALISE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One token: softmax over its experts' logits in float32, the TOP_K largest (largest
-    first), optionally renormalised to sum to one."""
+    """One token: float32 softmax over its experts, the TOP_K largest first, maybe renormalised."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -76,23 +67,21 @@ def _route_kernel(
 
 def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's choice from its ``[T, E]`` logits in one launch: ``[T, top_k]`` weights
-    in the logits' dtype (softmax in float32, optionally renormalised) and int32 experts,
-    largest weight first, as ``softmax`` + ``topk`` (+ division) give them."""
+    """The router's choice from its ``[T, E]`` logits in one launch, as ``softmax`` + ``topk``
+    (+ renormalising) give it: ``[T, top_k]`` weights in the logits' dtype and int32 experts."""
     num_tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts or logits.stride(-1) != 1:
         raise ValueError(f"route_top_k needs 0 < top_k <= {num_experts} experts and logits with "
                          f"contiguous rows; got top_k {top_k}")
     weights = torch.empty((num_tokens, top_k), dtype=logits.dtype, device=logits.device)
     experts = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
+    pdl = programmatic_launch(logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
             logits, weights, experts, num_experts, logits.stride(0),
             TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(top_k), RENORMALISE=renormalise,
-            PDL=programmatic_launch(logits.device),
-            num_warps=1 if interpreted(logits.device) else 4,
-            launch_pdl=programmatic_launch(logits.device),
+            BLOCK_K=triton.next_power_of_2(top_k), RENORMALISE=renormalise, PDL=pdl,
+            num_warps=1 if interpreted(logits.device) else 4, launch_pdl=pdl,
         )
     return weights, experts
 
@@ -108,8 +97,7 @@ def _group_by_expert_kernel(
     PDL: tl.constexpr,
 ):
     """One program: count each expert's pairs, lay out the padded blocks, then give each pair
-    the next free row of its expert's group (``next_row``, int32 ``[BLOCK_E]``, by atomics,
-    whose order changes no result: each row's products are its own)."""
+    the next free row of its expert's group by atomics (whose order changes no result)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -154,11 +142,11 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
     block_e = triton.next_power_of_2(num_experts)
     next_row = torch.empty(block_e, dtype=torch.int32, device=device)
     small = interpreted(device)  # small chunks: the tests' routings cross chunk edges
+    pdl = programmatic_launch(device)
     _group_by_expert_kernel[(1,)](
         flat, pair_ids, block_expert, next_row, num_pairs, num_blocks,
         BLOCK_M=block_m, BLOCK_P=8 if small else GROUP_CHUNK, BLOCK_E=block_e,
-        BLOCK_B=16 if small else 64, PDL=programmatic_launch(device), num_warps=4,
-        launch_pdl=programmatic_launch(device),
+        BLOCK_B=16 if small else 64, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return ExpertBlocks(pair_ids, block_expert, block_m, num_pairs)
 
@@ -174,8 +162,7 @@ class MoeTiles(NamedTuple):
 
 
 def moe_tiles(num_pairs: int, num_experts: int, device: torch.device) -> MoeTiles:
-    """Taller blocks as experts get more pairs each: 16 rows (the smallest ``tl.dot`` tile)
-    while they get a few, as in decode, up to 128 in long prefills."""
+    """Taller blocks as experts get more pairs: 16 rows (``tl.dot``'s least) to 128."""
     if interpreted(device):
         return MoeTiles(16, 16, 32, 1, 1)
     per_expert = num_pairs / num_experts
@@ -234,6 +221,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
     n, k = w.shape[1:]
     out = torch.empty((blocks.num_pairs, n), dtype=a.dtype, device=a.device)
     grid = (blocks.block_expert.shape[0], triton.cdiv(n, tiles.block_n))
+    pdl = programmatic_launch(a.device)
     _moe_gemm_kernel[grid](
         a, w, out, blocks.pair_ids, blocks.block_expert,
         route_weights if route_weights is not None else a,
@@ -241,10 +229,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTE_WEIGHT=route_weights is not None,
         DOT_PRECISION=dot_precision(a.dtype),
-        BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        PDL=programmatic_launch(a.device),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        launch_pdl=programmatic_launch(a.device),
+        BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
     )
     return out
 
@@ -252,32 +238,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   route_weights: torch.Tensor, experts: torch.Tensor,
                   tiles: MoeTiles | None = None) -> torch.Tensor:
-    """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a SiLU-gated MLP.
-
-    ``x`` is ``[T, H]``; ``gate_up`` ``[E, 2I, H]`` ([gate | up] rows), ``down`` ``[E, H, I]``,
-    both with contiguous rows; ``route_weights`` (x's dtype) and ``experts`` (integer) are
-    ``[T, top_k]``. Rounds where the per-expert loop does (each product, the activation, the
-    weighted output) but sums a token's ``top_k`` outputs in float32, once.
-    """
-    _check_experts_call(x, gate_up, down, route_weights, experts)
-    num_tokens, hidden = x.shape
-    num_experts = gate_up.shape[0]
-    top_k = experts.shape[1]
-    if num_tokens == 0:
-        return torch.zeros_like(x)
-    tiles = tiles or moe_tiles(num_tokens * top_k, num_experts, x.device)
-    blocks = group_by_expert(experts, num_experts, tiles.block_m)
-    h = _grouped_gemm(x, gate_up, blocks, tiles, a_row_div=top_k)
-    h = silu_and_mul(h)
-    out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1,
-                        route_weights=route_weights.reshape(-1).contiguous())
-    # Accumulated in float32 and rounded once, in one launch, for 16-bit outputs too.
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
-
-
-def _check_experts_call(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                        route_weights: torch.Tensor, experts: torch.Tensor) -> None:
-    """:func:`fused_experts`' shape and layout contract, as ValueErrors that say what is wrong."""
+    """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a SiLU-gated MLP:
+    ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, routing ``[T, top_k]``. Rounds as
+    ``experts_loop`` does but sums a token's ``top_k`` outputs in float32, once."""
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape
     if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):
@@ -286,6 +249,16 @@ def _check_experts_call(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     if experts.shape != route_weights.shape or experts.shape[0] != num_tokens:
         raise ValueError(f"routing must be [{num_tokens}, top_k] weights and experts; got "
                          f"{tuple(route_weights.shape)} and {tuple(experts.shape)}")
-    for t in (x, gate_up, down):
-        if t.stride(-1) != 1:
-            raise ValueError("x and the experts' weights need contiguous rows")
+    if any(t.stride(-1) != 1 for t in (x, gate_up, down)):
+        raise ValueError("x and the experts' weights need contiguous rows")
+    top_k = experts.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    tiles = tiles or moe_tiles(num_tokens * top_k, num_experts, x.device)
+    blocks = group_by_expert(experts, num_experts, tiles.block_m)
+    h = silu_and_mul(_grouped_gemm(x, gate_up, blocks, tiles, a_row_div=top_k))
+    out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1,
+                        route_weights=route_weights.reshape(-1).contiguous())
+    # Accumulated in float32 and rounded once, in one launch, for 16-bit outputs too.
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+

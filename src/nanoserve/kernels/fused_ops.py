@@ -1,10 +1,6 @@
-"""Fused elementwise kernels for the decode hot path: RMSNorm and SiLU*mul.
-
-Each op replaces a chain of small PyTorch kernels with one launch (launches bound batch-1
-decode). Every kernel computes in fp32 and rounds where the PyTorch reference does
-(`nanoserve.layers.norm`, `.activation`), so results agree to about one ulp of the output
-dtype. Launch shapes depend on tensor shapes alone, so every op is CUDA-graph capturable.
-"""
+"""Fused elementwise kernels for the decode hot path: RMSNorm and SiLU*mul, one launch each
+instead of a chain (launches bound batch-1 decode), in fp32 rounded where the PyTorch reference
+(``layers/norm.py``, ``activation.py``) rounds. CUDA-graph capturable."""
 from __future__ import annotations
 
 import torch
@@ -63,14 +59,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x [..., D]`` over its last dimension; returns a new contiguous tensor.
-
-    ``(x / sqrt(mean(x^2) + eps)).to(x.dtype) * weight`` in fp32, rounded as ``rms_norm_torch``
-    (no weight: ones), in ``promote_types(x.dtype, weight.dtype)``. ``x`` may be a strided view
-    (e.g. heads sliced out of a fused qkv output) with a contiguous last dimension whose leading
-    dimensions collapse to two without a copy (any 2-D or 3-D view does).
-    ``weight`` is read before waiting for the kernel before (PDL): it must not be its output.
-    """
+    """RMSNorm of ``x [..., D]`` (any 2-D or 3-D view with a contiguous last dimension), rounded
+    as ``rms_norm_torch``, into a new tensor in ``promote_types(x.dtype, weight.dtype)``.
+    ``weight`` is read before waiting for the kernel before (PDL): it must not be its output."""
     dim = x.shape[-1]
     assert weight is None or (weight.shape == (dim,) and weight.is_contiguous()), \
         "weight must be a contiguous [D]"
@@ -118,9 +109,8 @@ def silu_times(gate, up):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[..., 2N]``; returns a new
-    contiguous ``[..., N]``, rounded as :func:`silu_times` (16-bit outputs match PyTorch's but
-    for rare one-ulp ties: Triton's ``exp``). Rows may be strided, the last dimension not."""
+    """``silu(gate) * up`` for ``x = [gate | up]`` ``[..., 2N]`` (rows may be strided) into a new
+    ``[..., N]``, rounded as :func:`silu_times` (rare one-ulp ties apart: Triton's ``exp``)."""
     width = x.shape[-1]
     assert width % 2 == 0 and x.stride(-1) == 1, "x is [..., 2N] with a contiguous last dimension"
     n = width // 2

@@ -1,10 +1,8 @@
 """Variable-length causal attention over a paged cache: prefill, chunked prefill, mixed batches.
 
-A program takes ``BLOCK_Q`` consecutive new tokens of one sequence times every query head of one
-KV head's group (``BLOCK_Q * GROUP`` rows), so each K/V tile serves the whole group, and runs an
-fp32 online softmax over the cached prefix plus the new tokens. Programs come from a host-built
-list of the (sequence, tile) pairs with work, most keys first (``prefill_work``), so none idles
-and no long tile runs alone at the end; a pair's KV heads are neighbours (docs/kernels.md).
+A program runs an fp32 online softmax for ``BLOCK_Q`` new tokens of one sequence times one KV
+head's query group (each K/V tile serves the group), taking its (sequence, tile) from a host-built
+list, most keys first (``prefill_work``): none idles, no long tile runs last (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -123,17 +121,15 @@ def _prefill_kernel(
 
 
 def query_tile(num_heads: int, num_kv_heads: int, device: torch.device) -> int:
-    """New tokens of one sequence per program: a tile of ``BLOCK_M`` rows holds every query head
-    of one KV head's group for each token. ``tl.dot`` needs at least 16 rows, so large groups
-    shrink the token count instead."""
+    """New tokens of one sequence per program: its ``BLOCK_M`` rows hold a KV head's query group
+    per token, so large groups take fewer tokens (``tl.dot`` needs 16 rows or more)."""
     block_m = INTERPRETER_BLOCK_M if interpreted(device) else BLOCK_M
     return max(block_m // triton.next_power_of_2(num_heads // num_kv_heads), 1)
 
 
 def work_on_device(query_lens: list[int], seq_lens: list[int], num_heads: int,
                    num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """:func:`prefill_work` for this kernel's query tile, as a tensor on ``device`` (the
-    runner packs it with the step's inputs instead; tests and benchmarks use this)."""
+    """:func:`prefill_work` for this kernel's query tile on ``device`` (tests, benchmarks)."""
     tile = query_tile(num_heads, num_kv_heads, device)
     return torch.from_numpy(prefill_work(query_lens, seq_lens, tile)).to(device)
 
@@ -144,12 +140,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       work: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged keys; ``[T, H, D]``.
 
-    Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` and its keys
-    are the first ``seq_lens[i]`` cache entries (cached prefix, then the new tokens, already
-    stored); any query length works, 1 included. Rows past ``query_start_loc[-1]`` are left
-    unwritten. ``work`` is :func:`prefill_work` for :func:`query_tile`'s tile, on the device;
-    without it, it is built from lengths read back from the device (tests, benchmarks).
-    """
+    Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` (later rows
+    stay unwritten), its keys the first ``seq_lens[i]`` cache entries, new tokens stored. ``work``:
+    :func:`prefill_work` for :func:`query_tile`'s tile (default: from lengths read back)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_attention_inputs(q, k_cache, v_cache)

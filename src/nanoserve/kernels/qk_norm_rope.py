@@ -1,11 +1,10 @@
-"""One Triton launch for everything between the qkv projection and attention.
-
-Per token: Qwen3's optional per-head q/k RMSNorm, RoPE on q and k, q written back in place, the
-rotated k and the v heads stored into the paged KV cache: ops of negligible arithmetic, in one
-launch instead of four or five. Rounding follows the PyTorch reference (``rms_norm_torch`` per
-head, ``rotary_embedding_torch``, ``TorchAttentionBackend.store_kv``) to about one ulp.
+"""One Triton launch for everything between the qkv projection and attention, instead of four
+or five: Qwen3's optional per-head q/k RMSNorm, RoPE on q (in place) and k, and the KV-cache
+store, rounded as the PyTorch reference (``rms_norm_torch``, ``rotary_embedding_torch``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -14,6 +13,38 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
 from nanoserve.kernels.fused_ops import num_warps_for
+
+
+class NewTokens(NamedTuple):
+    """The step's new ``k``/``v`` (``[T, Hkv, D]``, maybe strided) as the qkv projection left
+    them, for a kernel to finish: ``slot_mapping`` -1 is not stored, ``cos_sin`` is RoPE's
+    ``[max_pos, D]`` table of ``[cos | sin]`` rows, ``q_weight``/``k_weight`` the head norms'."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def check(self, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
+        assert self.k.shape == self.v.shape == (num_tokens, num_kv_heads, head_dim)
+        assert self.positions.shape == self.slot_mapping.shape == (num_tokens,)
+        assert head_dim % 2 == 0 and self.cos_sin.shape[-1] == head_dim
+        assert (self.q_weight is None) == (self.k_weight is None), \
+            "q and k are normalised together or not at all"
+        for t in (self.k, self.v, self.cos_sin):
+            assert t.stride(-1) == 1, "the head dimension must be contiguous"
+
+    def kernel_args(self) -> tuple:
+        """The split kernel's new-token pointers, then its new-token strides."""
+        weights = (self.cos_sin, self.cos_sin) if self.q_weight is None else (self.q_weight,
+                                                                               self.k_weight)
+        return ((self.k, self.v, self.positions, self.slot_mapping, self.cos_sin, *weights),
+                (self.k.stride(0), self.k.stride(1), self.v.stride(0), self.v.stride(1),
+                 self.cos_sin.stride(0)))
 
 
 @triton.jit
@@ -33,8 +64,7 @@ def _norm_rope_heads(
     first, mask, cos, sin, weight_ptr, eps,
     HAS_QK_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # One token's heads, addressed by `first` (pointers to each head's first half), normalised
-    # and rotated in fp32; returns both rotated halves rounded to the heads' dtype.
+    # One token's heads at `first` (each head's first half) normalised and rotated in fp32.
     dtype = first.dtype.element_ty
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -55,11 +85,9 @@ def _norm_rope_heads(
 @triton.jit
 def norm_rope_rows(rows, d, partner, mask, cos, sin, sign, w, w_partner, eps,
                     HAS_QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Heads at ``rows`` (pointers to each head's start), RMS-normalised (optional) and rotated,
-    as whole ``[heads, D]`` tiles for a kernel that needs them so (decode attention's q group).
-    Rounded as ``_norm_rope_heads``; RoPE pairs element d with ``partner`` = d +- D/2 (a second
-    load of the row), ``sign`` is -1 on the first half, ``cos``/``sin`` run over all of D and
-    ``w``/``w_partner`` are the norm weight at d and at its partner."""
+    """Heads at ``rows`` normalised (optional) and rotated as ``_norm_rope_heads`` rounds them,
+    as whole ``[heads, D]`` tiles (decode attention's q group): d pairs with ``partner`` =
+    d +- D/2, ``sign`` is -1 on the first half, ``w``/``w_partner`` the norm weight at each."""
     x = tl.load(rows + d[None, :], mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
@@ -132,24 +160,17 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                        eps: float = 0.0) -> torch.Tensor:
     """Optional per-head q/k RMSNorm, RoPE, then the KV-cache store, in one launch; returns q.
 
-    ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated ``k [T, Hkv, D]`` and
-    ``v [T, Hkv, D]`` are written to ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` at
-    ``slot_mapping[t]`` (-1: not stored); ``k`` and ``v`` are left untouched. With
-    ``q_weight``/``k_weight`` (``[D]``, q's dtype) each head is first RMS-normalised with ``eps``.
-    ``cos_sin`` is RoPE's ``[max_pos, D]`` table of ``[cos | sin]`` rows (half-split layout).
-    Inputs may be strided views with a contiguous last dimension. Positions are not
-    bounds-checked, and launch shapes come from tensor shapes only: CUDA-graph capturable.
-    """
+    ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated k and v (untouched) go to
+    the caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (see :class:`NewTokens`).
+    Positions are not bounds-checked. CUDA-graph capturable."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
-    assert positions.shape == slot_mapping.shape == (num_tokens,)
+    NewTokens(k, v, positions, slot_mapping, cos_sin, q_weight, k_weight).check(
+        num_tokens, num_kv_heads, head_dim)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
-    assert head_dim % 2 == 0 and cos_sin.shape[-1] == head_dim, "cos_sin rows are [cos | sin] of D"
-    for t in (q, k, v, cos_sin, k_cache, v_cache):
+    for t in (q, k_cache, v_cache):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     has_qk_norm = q_weight is not None
-    assert has_qk_norm == (k_weight is not None), "q and k are normalised together or not at all"
     if has_qk_norm:
         # The reference would promote a wider weight's product; in place into q it cannot.
         for w in (q_weight, k_weight):

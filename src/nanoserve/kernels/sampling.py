@@ -1,16 +1,9 @@
 """Fused greedy / temperature sampling: inverse-transform sampling over per-tile softmax sums.
 
-Two launches read the logits once, in their own dtype (docs/kernels.md):
-1. (row, chunk) programs store, per tile of ``TILE`` logits of a sampled row, the largest score
-   ``s = x log2(e) / T`` and the sum of ``2^(s - that max)``; per chunk of a greedy row
-   (temperature 0), the largest logit and its lowest index.
-2. One program per row: greedy takes the first chunk holding the maximum; a sampled row finds
-   the tile where the running weight (float64) passes one uniform ``u`` times the total, and
-   rereads that tile for the token.
-
-``u`` comes from Triton's Philox keyed by a seed read from device memory and counted by row, so
-a CUDA graph of the launches draws anew whenever its seed tensor changes. A negative seed draws
-nothing: a decode graph's batch that needs the general sampler skips the pass.
+Two launches read the logits once (docs/kernels.md): (row, chunk) programs store per tile the
+largest score ``s = x log2(e) / T`` and the sum of ``2^(s - max)`` (greedy rows: the argmax);
+then per row, the tile where the running weight passes ``u`` times the total is reread for the
+token. ``u`` is Philox keyed by a seed in device memory: a CUDA graph draws anew as it changes.
 """
 from __future__ import annotations
 
@@ -20,8 +13,7 @@ import triton.language as tl
 
 from nanoserve.kernels.common import LOG2E, interpreted
 
-# Small batches take TILES_PER_CHUNK tiles per program, so batch 1 spreads over the SMs; larger
-# ones up to MAX_TILES_PER_CHUNK, so each program has more tiles to stream (tiles_per_chunk).
+# Tiles per program: few at small batches, spread over the SMs, more at large (tiles_per_chunk).
 TILE = 2048
 TILES_PER_CHUNK = 2
 MAX_TILES_PER_CHUNK = 16
@@ -67,8 +59,7 @@ def _tile_stats_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     stats = row.to(tl.int64) * num_tiles
     offsets = tl.arange(0, TILE)
-    # The last chunk skips the tiles that lie wholly past the vocabulary. Each loop loads the
-    # next tile before it reduces the one in hand, so a program keeps two loads in flight.
+    # The last chunk stops at the vocabulary; each loop loads the next tile before reducing one.
     end = tl.minimum(first + TILES_PER_CHUNK, num_tiles)
     x = _logits_tile(row_ptr, first * TILE + offsets, vocab_size)
     if temperature > 0.0:
@@ -176,15 +167,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
                   seed: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row of ``logits [B, V]``: ``[B]`` int64 token ids (into ``out`` if given).
 
-    A row with ``temperature`` 0 (``[B]`` float32) takes the argmax of its logits, the lowest
-    index on ties as ``torch.argmax``. Any other row draws token ``i`` with probability
-    ``softmax(logits / T)_i``, with a uniform from ``seed``: an int in ``[0, 2**62)``, or a
-    one-element int64 tensor on the logits' device holding one, read when the kernel runs; a
-    negative value there draws nothing and leaves the result as it was. The same seed and
-    inputs give the same tokens on the same kind of device. A -inf logit is never drawn unless
-    the whole row is -inf (token 0); NaN logits are never picked (``torch.argmax`` would).
-    ``logits`` (bf16, fp16 or fp32) may have any row stride but a contiguous last dimension.
-    """
+    A row with ``temperature`` 0 (``[B]`` float32) takes the argmax (lowest index on ties);
+    others draw ``softmax(logits / T)``, from ``seed``: an int in ``[0, 2**62)`` or a one-element
+    int64 device tensor read when the kernel runs (negative: nothing drawn, ``out`` untouched).
+    A -inf logit is drawn only if the whole row is -inf (token 0); NaN is never picked."""
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
     assert temperature.shape == (batch,) and temperature.dtype == torch.float32 \

@@ -1,15 +1,10 @@
 """y = x W^T (+ b) for the few rows of a decode step (1 to ``MAX_ROWS``), with its fusions.
 
-At small batches a projection is a weight stream, where cuBLAS's tiles can reach a fraction of
-the bandwidth. Each program owns ``BLOCK_N`` output features and streams their rows of W along K
-in ``BLOCK_K`` chunks on the CUDA cores. The fusions, each a launch flag (docs/kernels.md):
-- ``norm_eps``: x is the un-normalised residual stream, the RMSNorm's weight folded into W
-  (``ColumnParallelLinear.fold_norm``); each program sums x's squares as it streams x and
-  scales its outputs by ``rsqrt(mean(x^2) + eps)``: the norm costs no launch of its own.
-- ``activate``: W = [gate; up]; a tile interleaves both halves' rows, writes ``silu(gate) * up``.
-- ``residual``: the product is added into the residual stream in place (each program owns its
-  output features, so no two programs touch one element).
-Which rows and shapes take the kernel, with which tiles, is data (:func:`select`).
+At small batches a projection is a weight stream, where cuBLAS's tiles reach a fraction of the
+bandwidth: each program streams ``BLOCK_N`` output features' rows of W along K on the CUDA cores.
+Fusions (docs/kernels.md): ``norm_eps`` (x un-normalised, the norm's weight folded into W),
+``activate`` (W = [gate; up]: writes ``silu(gate) * up``) and ``residual`` (added into in place).
+Which shapes take the kernel, with which tiles, is data (:func:`select`).
 """
 from __future__ import annotations
 
@@ -62,9 +57,8 @@ def heuristic_config(rows: int, n: int, k: int) -> SkinnyConfig:
 
 
 def select(rows: int, n: int, k: int, device: torch.device) -> SkinnyConfig | None:
-    """The tiles for a ``rows x k`` by ``k x n`` product on ``device``, or None where cuBLAS
-    should run it: the device's tuning file where it has the shape and row bucket, else the
-    heuristic tiles for one row and cuBLAS for more."""
+    """The tiles for a ``rows x k`` by ``k x n`` product, or None for cuBLAS: the device's tuning
+    file's where it has the shape and row bucket, else the heuristic's for one row."""
     if not 0 < rows <= MAX_ROWS:
         return None
     if interpreted(device):
@@ -164,17 +158,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None, *, norm_eps: float | None = None,
                   activate: bool = False, residual: torch.Tensor | None = None
                   ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows, with the fusions
-    of the module docstring; accumulates in float32, CUDA-graph capturable.
-
-    ``x`` is ``[M, K]`` (its last dimension contiguous), ``weight`` ``[N, K]`` contiguous; the
-    result is a new ``[M, N]`` tensor in ``x``'s dtype. ``norm_eps``: the norm is applied to
-    the float32 product (the reference rounds the normalised row first). ``activate``:
-    ``weight`` is ``[gate; up]`` and the result ``silu(gate) * up``, ``[M, N / 2]``.
-    ``residual`` (``[M, N]`` in x's dtype, contiguous rows) is added to IN PLACE and returned.
-    ``config``: the tiles (default: :func:`select`'s, or the heuristic's where that leaves the
-    shape to cuBLAS).
-    """
+    """``F.linear(x [M, K], weight [N, K], bias)`` for at most ``MAX_ROWS`` rows, with the
+    module docstring's fusions, in float32. ``norm_eps`` scales the float32 product; ``activate``
+    returns ``[M, N / 2]``; ``residual`` (``[M, N]`` in x's dtype) is added to IN PLACE and
+    returned. ``config``: the tiles (default: :func:`select`'s, else the heuristic's)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:

@@ -1,9 +1,8 @@
 """``nanoserve tune MODEL``: the skinny GEMV's tiles for a model's decode projections, as data.
 
-For each projection of the model (at its tensor-parallel width) and each decode row bucket, it
-times every candidate tiling whose output matches cuBLAS's, and cuBLAS, with the projection's
-fusions, and writes the fastest into ``configs/skinny_gemm/<device>.json``. Each timing replays
-a CUDA graph walking through enough copies of W that none is read from L2, as in a decode step.
+For each projection and decode row bucket it times cuBLAS and every tiling whose output matches,
+fusions included, as CUDA graphs through enough copies of W that none is read from L2, and
+writes the fastest into ``configs/skinny_gemm/<device>.json``.
 """
 from __future__ import annotations
 
@@ -44,18 +43,12 @@ def projection_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, int
 def candidates(rows: int, k: int) -> list[SkinnyConfig]:
     """Tilings worth timing for ``rows`` rows over ``k`` inputs: K chunks of 512-4096, 8-16K
     weights per chunk for one row (4-8K for more), summed per chunk or (one row) at the end."""
-    longest = triton.next_power_of_2(k)
-    out = []
-    for block_k in (512, 1024, 2048, 4096):
-        if block_k > max(longest, 512):
-            continue
-        for elements in ((8192, 16384) if rows == 1 else (4096, 8192)):
-            block_n = elements // rows // block_k
-            if block_n < 1:
-                continue
-            for defer in ((False, True) if rows == 1 else (False,)):
-                out.append(SkinnyConfig(block_n, block_k, 4, 4, defer))
-    return sorted(set(out))
+    longest = max(triton.next_power_of_2(k), 512)
+    return sorted({SkinnyConfig(elements // rows // block_k, block_k, 4, 4, defer)
+                   for block_k in (512, 1024, 2048, 4096) if block_k <= longest
+                   for elements in ((8192, 16384) if rows == 1 else (4096, 8192))
+                   if elements // rows >= block_k
+                   for defer in ((False, True) if rows == 1 else (False,))})
 
 
 def _graph_us(call: Callable[[int], Any], copies: int, replays: int = 10) -> float:
@@ -85,8 +78,7 @@ def _graph_us(call: Callable[[int], Any], copies: int, replays: int = 10) -> flo
 
 def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.device
                     ) -> tuple[SkinnyConfig | str, dict[SkinnyConfig | str, float]]:
-    """The fastest launch (tiles, or ``CUBLAS``) of one projection at ``rows`` rows, and each
-    candidate's microseconds."""
+    """The fastest launch (tiles, or ``CUBLAS``) of one projection, and each one's microseconds."""
     from nanoserve.layers.linear import unfused_linear
 
     gen = torch.Generator(device=device).manual_seed(n + k + rows)
@@ -121,8 +113,7 @@ def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.devi
 
 def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
                log: Callable[[str], None] = print) -> Path:
-    """Tune every decode projection of the model at ``model`` on the current GPU; returns the
-    tuning file written."""
+    """Tune every decode projection of ``model`` on the current GPU; returns the file written."""
     from nanoserve.config import resolve_model_path
     from nanoserve.models.loader import load_hf_config
 

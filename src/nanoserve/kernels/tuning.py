@@ -1,9 +1,6 @@
-"""Kernel launch configurations as data: one JSON file per op and device, keyed by shape.
-
-``configs/<op>/<device>.json`` beside this file holds ``{shape key: {row bucket: entry}}``,
-written by ``nanoserve tune MODEL`` on the device it names. An op's ``select`` reads it through
-:func:`load_table` and falls back to its own heuristic for shapes the file does not hold.
-"""
+"""Kernel launch configurations as data: ``configs/<op>/<device>.json`` beside this file holds
+``{shape key: {row bucket: entry}}``, written by ``nanoserve tune MODEL``, read by an op's
+``select`` (:func:`load_table`), which has its own heuristic for shapes it lacks."""
 from __future__ import annotations
 
 import functools

@@ -46,20 +46,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                 ) -> torch.Tensor | None:
-        """``out`` ([rows, vocab], one rank only) receives the logits in place: a decode CUDA
-        graph keeps one logits buffer for all its batch sizes instead of one per size."""
+        """``out`` ([rows, vocab], one rank only) receives the logits: the decode graphs' buffer."""
         if out is not None:
             assert self.tp.size == 1, "logits are written in place only without tensor parallelism"
             return torch.mm(hidden, self.weight.t(), out=out)
         logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
-        if logits is None or logits.shape[-1] == self.vocab_size:
-            return logits
-        return logits[..., :self.vocab_size]  # drop the padding rows' scores
+        return None if logits is None else logits[..., :self.vocab_size]  # drop the padding's
 
     @torch.inference_mode()
     def warm_row_counts(self, max_rows: int) -> None:
-        """This rank's GEMM once at every row count up to ``max_rows``: cuBLAS loads a kernel
-        the first time a row count needs it, which would stall an eager step."""
+        """This rank's GEMM at each row count to ``max_rows``: cuBLAS loads a kernel per count."""
         x = torch.zeros(max_rows, self.weight.shape[1], dtype=self.weight.dtype,
                         device=self.weight.device)
         for rows in range(1, max_rows + 1):

@@ -1,7 +1,6 @@
 """Linear layers that shard themselves across tensor-parallel ranks: column-parallel ones split
-output features (fused QKV and gate/up stack checkpoint tensors, one slot each), row-parallel
-ones input features. Loading a checkpoint tensor is ``checkpoint_slice`` (the part this rank
-reads from disk), then ``weight_loader``."""
+output features (fused QKV and gate/up stack checkpoint tensors), row-parallel ones input
+features. Loading is ``checkpoint_slice`` (the part this rank reads), then ``weight_loader``."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.activation import silu_and_mul
-from nanoserve.layers.norm import RMSNorm, rms_norm_torch
+from nanoserve.layers.norm import RMSNorm, rms_norm
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
 
 ShardId = str | int | None
@@ -18,14 +17,11 @@ ShardId = str | int | None
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_eps: float | None = None, activate: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The projection op: ``F.linear(x, weight, bias)`` with the fusions the caller asks for.
-    ``norm_eps``: ``x`` is un-normalised and ``weight`` carries the RMSNorm's weight in its
-    columns (``ColumnParallelLinear.fold_norm``): the product of ``x / rms(x)``.
-    ``activate``: ``weight`` is a merged ``[gate; up]`` and the result ``silu(gate) * up``.
-    ``residual``: the result is ``residual + product`` (on CUDA written into ``residual`` in
-    place: do not reuse the tensor passed). On CUDA in 16 bits, a decode-sized batch goes to
-    the skinny GEMV (all fusions inside) where its ``select`` says so.
-    """
+    """``F.linear(x, weight, bias)`` with fusions. ``norm_eps``: the product of ``x / rms(x)``,
+    the norm's weight folded into ``weight`` (``ColumnParallelLinear.fold_norm``); ``activate``:
+    ``weight`` is ``[gate; up]``, the result ``silu(gate) * up``; ``residual``: the result is
+    ``residual + product`` (on CUDA written into ``residual``). On CUDA in 16 bits, decode-sized
+    batches go to the skinny GEMV where its ``select`` says so."""
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
         from nanoserve.kernels import skinny_gemm
         config = skinny_gemm.select(x.shape[0], *weight.shape, x.device)
@@ -44,11 +40,7 @@ def unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if activate and residual is not None:
         raise ValueError("linear adds into a residual or activates, not both")
     if norm_eps is not None:
-        if x.is_cuda:
-            from nanoserve.kernels.fused_ops import rms_norm
-            x = rms_norm(x, None, norm_eps)
-        else:
-            x = rms_norm_torch(x, None, norm_eps)
+        x = rms_norm(x, None, norm_eps)
     if residual is None:
         out = F.linear(x, weight, bias)
         return silu_and_mul(out) if activate else out
@@ -84,8 +76,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, activate: bool = False
                 ) -> torch.Tensor:
-        """``linear(norm(x))`` (a folded norm is applied by the op); with ``activate``,
-        ``silu_and_mul`` of it."""
+        """``linear(norm(x))``, a folded norm applied by the op (``activate``: ``silu_and_mul``)."""
         if norm is not None and norm.folded:
             return linear(x, self.weight, self.bias, norm_eps=norm.eps, activate=activate)
         if norm is not None:

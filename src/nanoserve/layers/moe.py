@@ -1,6 +1,5 @@
 """Mixture-of-experts MLP (Qwen3-MoE): a replicated router weights each token's top-k SiLU-gated
-experts, whose intermediate features tensor parallelism splits as the dense MLP's. On CUDA,
-grouped GEMMs keep the routing on the device, so decode steps can be CUDA graphs."""
+experts, split across ranks as the dense MLP is; on CUDA the routing stays on the device."""
 from __future__ import annotations
 
 import torch
@@ -87,11 +86,9 @@ class Experts(nn.Module):
         expert, part = shard_id
         if expert >= param.shape[0]:
             raise ValueError(f"checkpoint has expert {expert}; the config has {param.shape[0]}")
-        if part == "down":
-            param.data[expert].copy_(loaded)
-        else:
-            rows = slice(0, self.per_rank) if part == "gate" else slice(self.per_rank, None)
-            param.data[expert, rows].copy_(loaded)
+        rows = {"gate": slice(0, self.per_rank), "up": slice(self.per_rank, None)}.get(
+            part, slice(None))  # down: the expert's whole matrix
+        param.data[expert, rows].copy_(loaded)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ) -> torch.Tensor:
@@ -115,5 +112,4 @@ class SparseMoeBlock(nn.Module):
     def forward(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """``residual`` plus the experts' mix of ``norm(residual)``."""
         normed = norm(residual)
-        weights, experts = self.gate(normed)
-        return residual + self.tp.all_reduce(self.experts(normed, weights, experts))
+        return residual + self.tp.all_reduce(self.experts(normed, *self.gate(normed)))

@@ -13,6 +13,14 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
     return normed if weight is None else normed * weight
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm on ``x``'s device: on CUDA one fused Triton kernel instead of ~8 launches."""
+    if x.is_cuda:
+        from nanoserve.kernels.fused_ops import rms_norm as rms_norm_triton
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32, over the last dimension."""
 
@@ -24,8 +32,4 @@ class RMSNorm(nn.Module):
         self.folded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.folded else self.weight
-        if x.is_cuda:  # one fused Triton kernel instead of ~8 elementwise launches
-            from nanoserve.kernels.fused_ops import rms_norm
-            return rms_norm(x, weight, self.eps)
-        return rms_norm_torch(x, weight, self.eps)
+        return rms_norm(x, None if self.folded else self.weight, self.eps)

@@ -1,6 +1,5 @@
-"""One decoder-only transformer for Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms)
-and Qwen3-MoE (experts in place of some MLPs); device and parallelism come in through the layer
-classes and the attention metadata. Between layers flows the residual stream: each pre-norm is
+"""One decoder-only transformer for Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and
+Qwen3-MoE (experts for some MLPs). Between layers flows the residual stream: each pre-norm is
 applied by the next projection (``norm=``), each output projection adds into it (``residual=``)."""
 from __future__ import annotations
 
@@ -47,13 +46,10 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                 ) -> torch.Tensor:
         """``residual + o_proj(attention(norm(residual)))``."""
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(residual, norm=norm)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(residual, norm=norm).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
                                      self.q_norm, self.k_norm)
@@ -100,8 +96,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None) -> torch.Tensor:
-        """The final hidden states of the tokens ``ids``, or ``token_table[ids]`` (the decode
-        graphs' arena of the tokens last sampled)."""
+        """Final hidden states of ``ids``, or of ``token_table[ids]`` (the decode graphs' arena)."""
         if token_table is not None:
             ids = token_table[ids]
         residual = self.embed_tokens(ids)
@@ -110,13 +105,12 @@ class DecoderModel(nn.Module):
         return self.norm(residual)
 
 
-# One expert's tensor in a Qwen3-MoE checkpoint; here every expert lives in one stacked parameter.
+# One expert's tensor in a Qwen3-MoE checkpoint (here all experts share stacked parameters).
 EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 # Checkpoint names of the tensors that live packed in one parameter here: (part, our name, slot).
 PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
           ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
-
 
 # Which part of a parameter one checkpoint tensor fills (None: all of it).
 Part = ShardId | ExpertShard
@@ -160,9 +154,8 @@ class DecoderForCausalLM(nn.Module):
         return self.model(ids, positions, token_table)
 
     def fold_norm_weights(self) -> None:
-        """Fold each layer's pre-norm weights into the projections that read them (qkv, and
-        gate/up where the MLP is dense: a router reads the normalised row too), the GPU path.
-        The final norm stays: the LM head may share the embedding's weights."""
+        """Fold each layer's pre-norm weights into qkv and a dense MLP's gate/up (GPU path; a
+        router reads the normalised row, the LM head may share the embedding's weights)."""
         for layer in self.model.layers:
             layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
             if isinstance(layer.mlp, MLP):
@@ -178,9 +171,8 @@ class DecoderForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         missing = {(n, slot) for n, p in self.named_parameters() for slot in _parts_of(n, p)}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
+                                                 and self.config.tie_word_embeddings):
                 continue
             target, shard = _target_of(name)
             if target not in params:

@@ -74,11 +74,8 @@ def is_gguf(path: str | os.PathLike) -> bool:
     """Whether to load ``path`` as GGUF: any ``*.gguf`` path (even a missing one, so that the
     error names the file), or a folder with ``.gguf`` files and no ``.safetensors``."""
     path = Path(path)
-    if path.suffix.lower() == ".gguf":
-        return True
-    if not path.is_dir():
-        return False
-    return bool(_gguf_files_in(path)) and not any(path.glob("*.safetensors"))
+    return path.suffix.lower() == ".gguf" or (path.is_dir() and bool(_gguf_files_in(path))
+                                             and not any(path.glob("*.safetensors")))
 
 
 def _gguf_files_in(folder: Path) -> list[Path]:
@@ -144,11 +141,11 @@ def load_gguf_eos_token_ids(path: str | os.PathLike) -> list[int]:
     return ids
 
 
-def _int_field(reader: gguf.GGUFReader, file: Path, key: str) -> int:
+def _int_field(reader: gguf.GGUFReader, file: Path, key: str, default: int | None = None) -> int:
     field = reader.get_field(key)
-    if field is None:
+    if field is None and default is None:
         raise ValueError(f"{file}: GGUF metadata lacks {key}")
-    return int(field.contents())
+    return default if field is None else int(field.contents())
 
 
 def _unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -176,8 +173,8 @@ def iter_gguf_weights(path: str | os.PathLike,
     if arch in _PERMUTED_ARCHS:
         n_heads = _int_field(reader, file, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
         # Without an explicit kv head count, llama.cpp means plain multi-head attention.
-        kv_field = reader.get_field(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch))
-        n_kv_heads = int(kv_field.contents()) if kv_field is not None else n_heads
+        n_kv_heads = _int_field(reader, file, gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch),
+                                default=n_heads)
         head_counts = {"self_attn.q_proj.weight": n_heads, "self_attn.k_proj.weight": n_kv_heads}
 
     for tensor in reader.tensors:

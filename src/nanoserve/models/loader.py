@@ -23,8 +23,9 @@ def load_model_assets(path: Path, require_weights: bool = True) -> tuple[Any, An
     if require_weights and not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} holds no *.safetensors weights "
                                 "(pickle checkpoints are not loaded, by design)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return config, tokenizer, _generation_eos_ids(path)
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    return config, AutoTokenizer.from_pretrained(path), as_id_list(eos)
 
 
 def load_hf_config(path: Path) -> Any:
@@ -47,13 +48,6 @@ def load_hf_config(path: Path) -> Any:
             raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
     check_architecture(config)
     return config
-
-
-def _generation_eos_ids(path: Path) -> list[int]:
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return []
-    return as_id_list(json.loads(file.read_text()).get("eos_token_id"))
 
 
 class CheckpointTensor:

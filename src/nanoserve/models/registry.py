@@ -1,23 +1,17 @@
-"""Maps a config's architecture name to the model class that runs it."""
+"""The architectures nanoserve runs, all on its one decoder (``decoder.py``)."""
 from __future__ import annotations
-
-from torch import nn
 
 from nanoserve.attention.backend import AttentionBackend
 from nanoserve.config import ModelConfig
 from nanoserve.models.decoder import DecoderForCausalLM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": DecoderForCausalLM,
-    "MistralForCausalLM": DecoderForCausalLM,
-    "Qwen2ForCausalLM": DecoderForCausalLM,
-    "Qwen3ForCausalLM": DecoderForCausalLM,
-    "Qwen3MoeForCausalLM": DecoderForCausalLM,
-}
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def build_model(cfg: ModelConfig, backend: AttentionBackend) -> nn.Module:
-    return MODEL_CLASSES[_supported(cfg.architecture)](cfg, backend)
+def build_model(cfg: ModelConfig, backend: AttentionBackend) -> DecoderForCausalLM:
+    _supported(cfg.architecture)
+    return DecoderForCausalLM(cfg, backend)
 
 
 def check_architecture(hf_config: object) -> str:
@@ -28,7 +22,7 @@ def check_architecture(hf_config: object) -> str:
 
 
 def _supported(arch: str) -> str:
-    if arch not in MODEL_CLASSES:
+    if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; "
-                         f"supported: {', '.join(sorted(MODEL_CLASSES))}")
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
     return arch

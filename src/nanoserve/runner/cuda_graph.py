@@ -1,5 +1,4 @@
-"""CUDA graphs for decode steps: captured once per batch size (and, for small batches, per
-context cap), replayed with padded inputs."""
+"""CUDA graphs for decode steps, replayed with padded inputs."""
 from __future__ import annotations
 
 import bisect
@@ -15,10 +14,10 @@ from nanoserve.runner.inputs import SequenceChunk
 
 
 # A graph's attention launch (splits, tiling) is fixed by the max_seq_len it is captured with:
-# small batches get a graph per context cap (x4 steps up to the model's length), so a step's
-# splits are sized for a context within 4x of its own.
+# small batches get a graph per context cap (x4 steps), so splits suit a context within 4x.
 SHORTEST_CONTEXT_CAP = 512
 SHORT_CONTEXT_MAX_BATCH = 8
+GraphKey = tuple[int, int]  # batch size, context cap
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -36,16 +35,12 @@ def context_caps(bs: int, max_seq_len: int) -> list[int]:
     return caps + [max_seq_len]
 
 
-def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context: int
-              ) -> tuple[int, int]:
+def graph_key(sizes: list[int], max_seq_len: int, num_seqs: int, longest_context: int) -> GraphKey:
     """(batch size, context cap) of the graph that runs a batch of ``num_seqs`` whose longest
     context, new token included, is ``longest_context``: the smallest that fit it."""
     bs = sizes[bisect.bisect_left(sizes, num_seqs)]
     caps = context_caps(bs, max_seq_len)
     return bs, caps[min(bisect.bisect_left(caps, longest_context), len(caps) - 1)]
-
-
-GraphKey = tuple[int, int]  # batch size, context cap
 
 
 class DecodeOutput(NamedTuple):
@@ -57,13 +52,9 @@ class DecodeOutput(NamedTuple):
 
 
 class DecodeGraphs:
-    """Decode forwards (one token per sequence) captured as CUDA graphs, one per batch size,
-    and for batches up to ``SHORT_CONTEXT_MAX_BATCH`` one per context cap too. A step stages
-    its inputs in the arena (``graph_inputs.GraphArena``), replays the smallest graph that fits
-    its batch and longest context, and returns the first rows of its output. With ``sample``
-    the graphs also run the LM head and the fused sampler, writing the samples into the arena's
-    first part; a batch that needs more than temperatures stages seed -1, and the graph's
-    sampling pass exits at once."""
+    """Decode forwards as CUDA graphs per batch size (and context cap, for small batches); a step
+    stages its inputs in the arena and replays the smallest that fits. With ``sample`` they also
+    run the LM head and fused sampler; a batch needing more stages seed -1: no draw."""
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
                  device: torch.device, sample: bool = False, max_samples: int = 0):
@@ -106,8 +97,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        # Largest first (batch, then cap: more splits need more scratch), so that each later
-        # graph reuses the memory of those before it.
+        # Largest first (more splits need more scratch): later graphs reuse the earlier memory.
         keys = [(bs, cap) for bs in self.sizes for cap in context_caps(bs, self.max_seq_len)]
         for key in sorted(keys, reverse=True):
             self._forward(*key)  # compiles kernels and settles allocations outside the capture
@@ -119,17 +109,14 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def accepts(self, chunks: list[SequenceChunk]) -> bool:
-        """Whether a step's chunks are a batch the graphs run: one token per sequence, each
-        sampled (a one-token chunk from a prompt's middle goes the eager way)."""
+        """Whether the graphs run this step: one sampled token per sequence (not a prompt's)."""
         return 0 < len(chunks) <= self.max_batch and all(
             len(c.token_ids) == 1 and c.sample for c in chunks)
 
     def run(self, rows: DecodeRows, temperature: np.ndarray | None = None,
             noise_seed: int = -1) -> DecodeOutput:
-        """Replay the step. ``temperature`` (float32 per row, 0: greedy) and ``noise_seed``
-        (see ``SamplingTensors.noise_seed``) sample every row in the graph (sampling graphs
-        only); without them no row is sampled there. Rows fed the previous step's samples
-        (``rows.sample_rows``) read them from ``samples``, which must hold them."""
+        """Replay the step; with ``temperature`` (float32 per row, 0: greedy) and ``noise_seed``
+        a sampling graph samples every row. ``samples`` must hold ``rows.sample_rows``."""
         n = len(rows.positions)
         sampled = self.sample and temperature is not None
         key = graph_key(self.sizes, self.max_seq_len, n, int(rows.seq_lens.max()))

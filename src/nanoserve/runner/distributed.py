@@ -1,19 +1,10 @@
 """Tensor parallelism across processes: rank 0 is the engine's executor, ranks 1..N-1 follow it
-(their side is in tp_worker.py).
+(tp_worker.py). Each rank holds its shard of the model and KV cache; rank 0 hands each step to
+the workers over a step channel (step_channel.py), all run the forward, rank 0 alone samples.
 
-Every rank builds its shard of the model and a KV cache for its own heads. For each step rank 0
-hands the step's inputs to the workers over a step channel (step_channel.py); all ranks then run
-the same forward, and only rank 0 receives logits and samples.
-
-Starting the group:
-- spawn (default): rank 0 spawns ranks 1..N-1; they meet at a TCPStore on a free port and read
-  their steps from shared memory.
-- env:// (torchrun): every process runs the same program; on ranks other than 0 the executor's
-  constructor serves as a worker until rank 0 closes, then exits. Steps go as gloo broadcasts.
-
-Lifecycle (spawn): workers are daemons that exit with rank 0's process. A worker's exception
-comes back over its report pipe as a WorkerError. A watchdog kills the other workers when one
-dies, so that a collective rank 0 waits in fails instead of hanging (NCCL's are aborted).
+By default rank 0 spawns the workers, which read steps from shared memory and report errors
+over a pipe; a watchdog kills the rest when one dies, so no collective hangs. Under torchrun,
+ranks but 0 serve from the executor's constructor; steps go as gloo broadcasts.
 """
 from __future__ import annotations
 
@@ -80,11 +71,8 @@ def _main_not_rerun() -> Iterator[None]:
 
 
 class TensorParallelExecutor:
-    """Rank 0 of a tensor-parallel group: runs its own shard and drives the workers' shards.
-    Offers the engine what a ModelRunner does (``num_kv_blocks``, ``launch``, ``close``); owns
-    the workers, their pipes and this process's torch.distributed group (one per process). No
-    step may feed workers a token still on the device: the engine collects each before the next.
-    """
+    """Rank 0 of a tensor-parallel group, with a ModelRunner's interface: runs its shard, drives
+    and owns the workers and this process's group. Steps never feed back device tokens."""
 
     feeds_pending_tokens = False
 
@@ -114,8 +102,6 @@ class TensorParallelExecutor:
             lambda: build_runner(config, model_config, path, 0, self.size, self.device))
         self.num_kv_blocks = self.runner.num_kv_blocks
 
-    # ---- starting ---------------------------------------------------------------------------
-
     def _join_torchrun(self, config: EngineConfig, model_config: ModelConfig, path: Path) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != self.size:
@@ -135,8 +121,7 @@ class TensorParallelExecutor:
         if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
             raise ValueError(f"tensor_parallel_size {self.size} needs {self.size} GPUs, "
                              f"{torch.cuda.device_count()} are visible")
-        # Port 0: the OS picks a free port, so concurrent engines on one host never collide.
-        # Held until the group is left: the rendezvous and the group run through it.
+        # Port 0: the OS picks a free one. Held until the group is left: the group runs through it.
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
                                     wait_for_workers=False)
         ctx = mp.get_context("spawn")
@@ -157,19 +142,18 @@ class TensorParallelExecutor:
                 self.workers.append(proc)
                 self.reports.append(report_r)
         alive_r.close()
-        self._guarded(self._await_workers)
-        self._guarded(lambda: dist.init_process_group(
-            self.backend, store=self._store, rank=0, world_size=self.size))
+        self._guarded(self._join_workers)
         threading.Thread(target=self._watch, name="nanoserve-tp-watchdog", daemon=True).start()
 
-    def _await_workers(self) -> None:
-        """Wait until every worker is about to join the group, so that one failing to start
-        (import, device, store) raises here instead of leaving rank 0 in the rendezvous."""
+    def _join_workers(self) -> None:
+        """Join the group once every worker is about to, so that one failing to start (import,
+        device, store) raises here instead of leaving rank 0 in the rendezvous."""
         while len(self.up) < len(self.workers):
             if self.errors or any(not p.is_alive() for p in self.workers):
                 raise WorkerError("a tensor-parallel worker failed to start")
             wait([c for c in self.reports if not c.closed] + [p.sentinel for p in self.workers])
             self._read_reports()
+        dist.init_process_group(self.backend, store=self._store, rank=0, world_size=self.size)
 
     def _read_reports(self) -> None:
         for rank, conn in enumerate(self.reports, start=1):
@@ -183,8 +167,6 @@ class TensorParallelExecutor:
                     self.up.add(rank)
                 else:
                     self.errors.append(text)
-
-    # ---- failures ---------------------------------------------------------------------------
 
     def _watch(self) -> None:
         """Daemon thread: a worker that exits while the group runs must not hang rank 0."""
@@ -229,8 +211,6 @@ class TensorParallelExecutor:
                                          f"{code}" for rank, code in dead) + " (see its stderr)")
         return None
 
-    # ---- the executor interface -------------------------------------------------------------
-
     @property
     def stopped(self) -> bool:
         """True once no step can run: closed, or a worker died (seen by the watchdog even
@@ -242,8 +222,7 @@ class TensorParallelExecutor:
 
     def _step(self, step: StepInput) -> InFlightStep:
         self.channel.send(step)
-        # Waited for here, inside the guard: a collective that a dying worker aborted may
-        # return garbage rather than raise, and only the guard knows to discard it.
+        # Waited for inside the guard, which discards what a collective aborted may return.
         return CompletedStep(self.runner.launch(step).result())
 
     def close(self) -> None:

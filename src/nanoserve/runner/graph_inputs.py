@@ -1,16 +1,13 @@
 """The decode graphs' inputs: one static device arena that a step fills with one copy.
 
-A CUDA graph reads its inputs from the addresses it was captured with. Each graph size has its
-region of the arena, laid out so that a step's inputs are one contiguous span, packed in pinned
-memory and copied in one go. The block table is column-major (``[max_blocks, batch]``): the
-columns a step uses come first, whatever the batch.
-
-Token ids come through an index: each row names the arena element (as int64) holding its token,
-the previous step's sample (the arena's first part, where the graphs' sampler writes) or the id
-the host uploaded, so feeding back sampled tokens copies none of them.
+A CUDA graph reads its inputs where it was captured: each graph size has a region of the arena
+where a step's inputs are one span, packed in pinned memory (block table column-major, so a
+step's columns come first). A row's token is an index into the arena, at the previous step's
+sample (the first part, where the graphs' sampler writes) or an uploaded id: samples stay put.
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -20,7 +17,6 @@ from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
 from nanoserve.runner.packed_copy import TENSOR_ALIGNMENT, TORCH_DTYPES
 from nanoserve.runner.step_inputs import (first_token_slot, longest_first, padded_block_tables,
                                           table_width)
-
 
 
 class DecodeRows(NamedTuple):
@@ -33,10 +29,6 @@ class DecodeRows(NamedTuple):
     seq_lens: np.ndarray  # int32 [n]
     order: np.ndarray  # int32 [n]: the rows, longest context first
     tables: np.ndarray  # int32 [n, width], padded with block 0
-
-    @property
-    def feeds_samples(self) -> bool:
-        return bool((self.sample_rows >= 0).any())
 
     @classmethod
     def empty(cls) -> DecodeRows:
@@ -77,10 +69,9 @@ def _aligned(nbytes: int) -> int:
 
 
 class GraphRegion:
-    """One graph size's inputs: byte offsets in the arena and the device views its graph reads.
-    ``sources[i]`` is the arena element (as int64) holding row ``i``'s token id. Rows past a
-    step's batch hold padding: no slot (nothing stored), length 1 over block 0 (harmless
-    reads), temperature 0. Beside the rows, one int64 scalar: the sampler's noise seed."""
+    """One graph size's inputs: byte offsets in the arena and the device views its graph reads
+    (per row, and the sampler's int64 noise seed). ``sources[i]`` is the arena element (int64)
+    holding row ``i``'s token id. Rows past a step's batch are padding (see :meth:`pack`)."""
 
     @staticmethod
     def size(batch: int, max_blocks: int) -> int:
@@ -90,13 +81,10 @@ class GraphRegion:
 
     def __init__(self, arena: torch.Tensor, start: int, batch: int, max_blocks: int):
         self.batch, self.start = batch, start
-        self.offsets: dict[str, int] = {}
-        offset = start
-        for name, dtype in _FIELDS:
-            self.offsets[name] = offset
-            offset += _aligned(batch * np.dtype(dtype).itemsize)
-        self.offsets["noise_seed"] = offset
-        self.tables_start = offset + TENSOR_ALIGNMENT
+        starts = itertools.accumulate((_aligned(batch * np.dtype(dtype).itemsize)
+                                       for _, dtype in _FIELDS), initial=start)
+        self.offsets: dict[str, int] = dict(zip([*_DTYPES, "noise_seed"], starts))
+        self.tables_start = self.offsets["noise_seed"] + TENSOR_ALIGNMENT
         (self.token_ids, self.sources, self.positions, self.slots, self.temperature,
          self.seq_lens, self.order) = (self._view(arena, name, dtype, batch)
                                        for name, dtype in _FIELDS)
@@ -123,10 +111,9 @@ class GraphRegion:
 
         fed = rows.sample_rows >= 0
         own = self.offsets["token_ids"] // 8 + np.arange(b)  # each row's uploaded id
-        sources = field("sources", np.int64)
-        sources[:n], sources[n:] = np.where(fed, rows.sample_rows, own[:n]), own[n:]
         # Padding rows are greedy, store nothing and read one key of block 0.
         for name, values, pad in (("token_ids", np.where(fed, 0, rows.token_ids), 0),
+                                  ("sources", np.where(fed, rows.sample_rows, own[:n]), own[n:]),
                                   ("positions", rows.positions, 0),
                                   ("slots", rows.slots, -1),
                                   ("seq_lens", rows.seq_lens, 1),
@@ -145,9 +132,8 @@ class GraphRegion:
 
 
 class GraphArena:
-    """Static device memory for the last sampled tokens (int64: ``max_samples``, as a prefill
-    step may sample more than the largest graph's batch, and at least that batch), then every
-    decode graph's inputs, a :class:`GraphRegion` per graph size."""
+    """Static device memory for the last sampled tokens (int64, as many as any step samples),
+    then a :class:`GraphRegion` per graph size."""
 
     def __init__(self, sizes: list[int], max_blocks: int, max_samples: int,
                  device: torch.device):
@@ -171,12 +157,10 @@ class GraphArena:
 
     def stage(self, bs: int, rows: DecodeRows, temperature: np.ndarray | None,
               noise_seed: int) -> GraphRegion:
-        """Copy a step's inputs into the region of graph size ``bs`` (one pinned, asynchronous
-        copy) and return the region."""
+        """Copy a step's inputs into graph size ``bs``'s region in one asynchronous copy."""
         region = self.regions[bs]
         nbytes = region.upload_bytes(rows.tables.shape[1])
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.memory.is_cuda)
         region.pack(host.numpy(), rows, temperature, noise_seed)
         self.memory[region.start:region.start + nbytes].copy_(host, non_blocking=True)
         return region
-

@@ -30,10 +30,8 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class ModelRunner:
-    """Runs one tensor-parallel rank's share of the model for a step on one device. Steps are
-    launched without waiting for the device. A step may feed a request the token that the
-    previous step sampled for it (PENDING_TOKEN in its input): the runner keeps that step's
-    samples on the device for this."""
+    """Runs one tensor-parallel rank's share of each step on one device, without waiting for
+    it; keeps the step's samples on the device for the next to feed back (PENDING_TOKEN)."""
 
     feeds_pending_tokens = True
 
@@ -47,6 +45,8 @@ class ModelRunner:
                                                      self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len(config, model_config)
+        self.blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.graph_batch = min(config.max_num_seqs, 512)  # the largest decode graph's batch
         torch.manual_seed(config.seed)
         self.backend = select_backend(self.device)
         previous = torch.get_default_dtype()
@@ -66,26 +66,24 @@ class ModelRunner:
         self.sampler = Sampler()
         tp = get_tp_group()
         self.sampling_rank = tp.rank == 0  # rank 0 gathers the logits and samples
-        # On one GPU the LM head and sampler join the decode graphs (TP gathers logits outside).
-        self.graphs_sample = tp.size == 1
         self.stopped = False
         self.generators: dict[str, torch.Generator] = {}
         self.last_samples: torch.Tensor | None = None  # the previous step's sampled ids
         self.last_sample_rows: dict[str, int] = {}  # request id -> row in last_samples
-        attn = self._attention_layers()[0]
+        self.attention = [layer.self_attn for layer in self.model.model.layers]
+        attn = self.attention[0]
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
                                                       self.device)
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model, self._graph_batch(), self._blocks_per_seq(),
-                self.max_model_len, self.device, sample=self.graphs_sample,
-                max_samples=config.max_num_seqs)
+            # On one GPU the LM head and sampler join the graphs (TP gathers logits outside).
+            self.graphs = DecodeGraphs(self.model, self.graph_batch, self.blocks_per_seq,
+                                       self.max_model_len, self.device, sample=tp.size == 1,
+                                       max_samples=config.max_num_seqs)
         if self.device.type == "cuda":
-            # cuBLAS loads a kernel the first time a GEMM shape needs it, behind queued work:
-            # meet an odd-sized last chunk's shapes and the LM head's row counts here.
+            # cuBLAS loads a kernel at a GEMM shape's first use: meet the shapes here, not mid-run.
             if config.max_num_batched_tokens > 1:
                 self.profile_run(num_tokens=config.max_num_batched_tokens - 1)
             self.model.lm_head.warm_row_counts(config.max_num_seqs)
@@ -94,38 +92,28 @@ class ModelRunner:
                 compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
                                     self.device)
 
-    # ---- KV cache -------------------------------------------------------------------------
-
-    def _attention_layers(self) -> list[torch.nn.Module]:
-        return [layer.self_attn for layer in self.model.model.layers]
-
     def _bytes_per_block(self) -> int:
-        attn = self._attention_layers()[0]
+        attn = self.attention[0]
         per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        return per_layer * len(self._attention_layers()) * self.kv_cache_dtype.itemsize
+        return per_layer * len(self.attention) * self.kv_cache_dtype.itemsize
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory or self._default_kv_budget()
-        num = budget // self._bytes_per_block()
         # Never more than every admitted sequence could fill at full length.
-        num = min(num, self.config.max_num_seqs * self._blocks_per_seq())
+        num = min(budget // self._bytes_per_block(), self.config.max_num_seqs * self.blocks_per_seq)
         if num < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
                              f"{self._bytes_per_block()} bytes")
         # Tensor-parallel ranks must agree: the engine addresses one block table for them all.
         return get_tp_group().min_over_ranks(int(num), self.device)
 
-    def _blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
-
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
             return CPU_KV_CACHE_BYTES
         free, total = torch.cuda.mem_get_info(self.device)
-        # Blocks this process's allocator caches but no tensor holds (a closed engine's) are
-        # not in use: the KV cache may take them.
+        # What this process's allocator caches but no tensor holds, the KV cache may take.
         in_use_by_others = total - free - torch.cuda.memory_reserved(self.device)
         self._allocate_kv_cache(num_blocks=1)  # the profile pass reads through block 0
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -134,23 +122,18 @@ class ModelRunner:
         graphs_bytes = self._decode_graphs_bytes()
         self._allocate_kv_cache(num_blocks=0)
         torch.cuda.empty_cache()
-        # The sampler's float32 working copies of the logits come on top of the forward's peak,
-        # and so do the logits that the decode graphs keep in their own memory.
+        # On top of the forward's peak: the sampler's float32 copies of the logits, the graphs'.
         logits_bytes = self.config.max_num_seqs * self.model_config.vocab_size
         sampler_bytes = logits_bytes * (4 * 4 + self.dtype.itemsize)
         return int(total * self.config.gpu_memory_utilization - peak - sampler_bytes
                    - graphs_bytes - max(in_use_by_others, 0))
 
-    def _graph_batch(self) -> int:
-        return min(self.config.max_num_seqs, 512)
-
     def _decode_graphs_bytes(self) -> int:
-        """What the decode graphs will keep beside the KV cache (they are captured after it):
-        their input arena, and their memory pool, which holds about one decode forward's
-        activations at the largest batch (every size shares the pool), measured here."""
+        """What the decode graphs, captured after the KV cache, will keep beside it: their input
+        arena and their shared pool (one decode forward's activations at the largest batch)."""
         if self.config.enforce_eager:
             return 0
-        arena = DecodeGraphs.arena_bytes(self._graph_batch(), self._blocks_per_seq(),
+        arena = DecodeGraphs.arena_bytes(self.graph_batch, self.blocks_per_seq,
                                          self.config.max_num_seqs)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -158,21 +141,19 @@ class ModelRunner:
         return arena + torch.cuda.max_memory_allocated(self.device) - before
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
-        attn = self._attention_layers()[0]
+        attn = self.attention[0]
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        for layer in self._attention_layers():
+        for layer in self.attention:
             layer.k_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     @torch.inference_mode()
     def profile_run(self, decode: bool = False, num_tokens: int | None = None) -> None:
-        """A forward over the largest batch the scheduler may build, to measure peak memory;
-        with ``decode``, over the largest batch a decode graph runs (one token per sequence,
-        no logits: the graphs keep those outside their pool); with ``num_tokens``, over that
-        many tokens."""
+        """A forward over the largest batch the scheduler may build (or ``num_tokens``) to
+        measure peak memory; with ``decode``, the largest graph's, without logits."""
         if num_tokens is None:
-            num_tokens = self._graph_batch() if decode else self.config.max_num_batched_tokens
+            num_tokens = self.graph_batch if decode else self.config.max_num_batched_tokens
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         q_lens = [num_tokens // num_seqs] * num_seqs
         q_lens[-1] += num_tokens - sum(q_lens)
@@ -185,8 +166,6 @@ class ModelRunner:
             self.model.compute_logits(hidden if last is None else hidden[last])
         torch.cuda.synchronize(self.device)
 
-    # ---- one step -------------------------------------------------------------------------
-
     def _prepare(self, chunks: list[SequenceChunk], dummy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         return prepare_inputs(chunks, self.block_size, self.device, self.last_samples,
@@ -195,12 +174,10 @@ class ModelRunner:
     def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
         if chunk.params.seed is None:
             return None
-        gen = self.generators.get(chunk.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(chunk.params.seed)
-            self.generators[chunk.request_id] = gen
-        return gen
+        if chunk.request_id not in self.generators:
+            self.generators[chunk.request_id] = torch.Generator(device=self.device).manual_seed(
+                chunk.params.seed)
+        return self.generators[chunk.request_id]
 
     @torch.inference_mode()
     def launch(self, step: StepInput) -> InFlightStep:
@@ -258,11 +235,11 @@ class ModelRunner:
 
     def _replay(self, chunks: list[SequenceChunk]) -> tuple[
             torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
-        """A decode step through the CUDA graphs (every chunk one token, each sampled): the
-        hidden states, the graph's logits and samples where it ran them, and the sampling
-        tensors where the batch needs the general sampler."""
+        """A decode step through the CUDA graphs: the hidden states, the graph's logits and
+        samples where it ran them, and the sampling tensors where it needs the general sampler."""
         rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
-        if rows.feeds_samples and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
+        fed = (rows.sample_rows >= 0).any()
+        if fed and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
             # The previous step sampled outside the graphs: its tokens join the arena.
             self.graphs.samples[:len(self.last_samples)].copy_(self.last_samples)
         temperature = tensors = None

@@ -1,13 +1,6 @@
-"""Carries each step from rank 0 to the tensor-parallel workers.
-
-A worker only needs what shapes the forward; sampling parameters, request ids and histories
-stay on rank 0, which alone samples. The step is packed into one flat int64 array (no pickling):
-
-    [num_chunks, (num_tokens, start, sample, num_blocks, prompt_logprob_rows) per chunk,
-     all token ids, all blocks]
-
-Two channels carry it: shared memory to workers that rank 0 spawned on its own host (the
-default), and gloo broadcasts to ranks that torchrun started, which may be anywhere.
+"""Carries each step from rank 0 to the tensor-parallel workers (shared memory to spawned ones,
+gloo broadcasts under torchrun): what shapes the forward, as one flat int64 array, ``[num_chunks,
+(num_tokens, start, sample, num_blocks, prompt_logprob_rows) per chunk, token ids, blocks]``.
 """
 from __future__ import annotations
 
@@ -15,7 +8,6 @@ import itertools
 import threading
 from multiprocessing.context import SpawnContext
 from multiprocessing.sharedctypes import RawArray
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -63,21 +55,10 @@ def unpack_step(values: list[int]) -> StepInput:
     return StepInput(chunks)
 
 
-class StepChannel(Protocol):
-    def send(self, step: StepInput | None) -> None:
-        """On rank 0: hand every worker this step (None: close)."""
-
-    def recv(self) -> StepInput | None:
-        """On a worker: the next step, or None when rank 0 closes."""
-
-
 class SharedMemoryStepChannel:
-    """Rank 0 writes each step into one shared-memory slot that every same-host worker reads:
-    a copy and a semaphore post per worker, not a TCP round trip. Rank 0 waits until every
-    worker has copied the previous step out (``done``), writes the next one, then posts
-    ``ready`` to each. It builds the channel before spawning the workers, which get it as a
-    process argument and set ``rank`` on their copy. Rank 0 stops waiting, and raises, once
-    ``abandoned`` (its watchdog's event) is set."""
+    """One shared-memory slot that rank 0 writes each step into and its same-host workers read,
+    with a semaphore post per worker. Rank 0 waits for each ``done``, writes, posts each ``ready``,
+    and raises once ``abandoned`` (its watchdog's event) is set. Workers set ``rank``."""
 
     def __init__(self, ctx: SpawnContext, num_workers: int, capacity: int,
                  abandoned: threading.Event):
@@ -101,10 +82,8 @@ class SharedMemoryStepChannel:
                 if self.abandoned.is_set():
                     raise RuntimeError("a tensor-parallel worker stopped reading steps")
         words = np.frombuffer(self.slot, dtype=np.int64)
-        if payload is None:
-            words[0] = _CLOSE
-        else:
-            words[0] = len(payload)
+        words[0] = _CLOSE if payload is None else len(payload)
+        if payload is not None:
             words[1:1 + len(payload)] = payload
         for ready in self.ready:
             ready.release()
@@ -119,9 +98,8 @@ class SharedMemoryStepChannel:
 
 
 class GlooStepChannel:
-    """Rank 0 broadcasts each step over a gloo group, to ranks torchrun started: a one-element
-    header with the payload's length (-1: close), then the payload. Create on all ranks together.
-    """
+    """Gloo broadcasts of each step to ranks torchrun started: the payload's length (-1: close),
+    then the payload. Create on all ranks together."""
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")
@@ -142,3 +120,7 @@ class GlooStepChannel:
         payload = torch.empty(length, dtype=torch.int64)
         dist.broadcast(payload, src=0, group=self.group)
         return unpack_step(payload.tolist())
+
+
+# Rank 0 sends each step (None: close); a worker receives it (None: closed).
+StepChannel = SharedMemoryStepChannel | GlooStepChannel

@@ -16,14 +16,10 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
                    last_samples: torch.Tensor | None, last_sample_rows: dict[str, int],
                    dummy: bool = False, prefill_tile: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
-    """Token ids, positions, attention metadata and the rows to sample (None when every row is
-    sampled, which spares a gather before the LM head), on ``device``.
-
-    A chunk whose last token is PENDING_TOKEN gets the previous step's sample for its request
-    (row ``last_sample_rows[request_id]`` of ``last_samples``), read on the device. ``dummy``
-    (the memory-profiling pass) stores nothing and reads every sequence through block 0. With
-    ``prefill_tile`` (the attention backend's, 0 for none), steps that are not decode-only also
-    carry the prefill kernel's work list."""
+    """Token ids, positions, attention metadata and the rows to sample (None: every row), on
+    ``device``. A PENDING_TOKEN gets row ``last_sample_rows[request_id]`` of ``last_samples``.
+    ``dummy`` (memory profiling) stores nothing and reads through block 0. With ``prefill_tile``
+    (0: none) steps that are not decode-only carry the prefill kernel's work list."""
     ids: list[int] = []
     positions: list[int] | np.ndarray = []
     q_lens, seq_lens, last = [], [], []
@@ -42,8 +38,7 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks)
     tables = padded_block_tables(chunks, width)
     decode_only = max(q_lens) == 1
-    # Cache slots are found on the host: device ops would cost more to launch than numpy takes,
-    # and would load kernels at each new size.
+    # Cache slots are found on the host: device ops would cost more to launch than numpy takes.
     order = longest_first(seq_lens) if decode_only else []  # decode takes the longest first
     if dummy:
         slots = np.full(len(ids), -1, dtype=np.int64)
@@ -102,6 +97,5 @@ def first_token_slot(chunk: SequenceChunk, block_size: int) -> int:
 
 
 def longest_first(seq_lens: list[int]) -> list[int]:
-    """Row indices by decreasing length, batch order among equal lengths: the order in which
-    decode kernels take sequences."""
+    """Row indices by decreasing length (stable): the order decode kernels take sequences in."""
     return sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)

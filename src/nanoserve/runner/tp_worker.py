@@ -1,8 +1,8 @@
-"""The worker side of tensor parallelism (see distributed.py): ranks 1..N-1, each running its
-shard of every step until rank 0 sends close. Spawned workers also report to rank 0 over a pipe
-("up" when about to join the group, or their error) and exit with rank 0's process."""
+"""The worker side of tensor parallelism (distributed.py): ranks 1..N-1 run their shard of every
+step until rank 0 closes; spawned ones report "up" or their error to rank 0 and die with it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -42,9 +42,8 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, path: Path, ra
 
 
 def leave_process_group(backend: str, abort: bool) -> None:
-    """Leave this process's torch.distributed group, if it is in one. NCCL is always aborted:
-    its orderly destroy can hang once CUDA graphs captured its collectives, and aborting frees
-    the communicators without waiting for peers, which are exiting too."""
+    """Leave this process's torch.distributed group, if any. NCCL's is aborted: its orderly
+    destroy can hang once CUDA graphs captured its collectives."""
     if not dist.is_initialized():
         return
     if abort or backend == "nccl":
@@ -67,10 +66,8 @@ def serve(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int
 
 def _exit_with_parent(parent_alive: Connection) -> None:
     """Thread: rank 0 never writes to this pipe, so EOF means its process is gone."""
-    try:
+    with contextlib.suppress(EOFError):
         parent_alive.recv()
-    except EOFError:
-        pass
     os._exit(0)
 
 
@@ -83,8 +80,7 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_config: ModelC
     try:
         device = rank_device(config.device, rank)
         if device.type == "cpu":
-            # The ranks share this host's cores: torch's default of one thread per core in
-            # every rank would oversubscribe them size-fold.
+            # The ranks share this host's cores: one thread per core each would oversubscribe.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False)
         report.send(("up", ""))
