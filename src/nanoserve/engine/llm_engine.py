@@ -301,12 +301,15 @@ class LLMEngine:
                 chunk.request.add_prompt_logprobs(chunk.start + 1, entries)
         sampling = [c for c in chunks if c.samples]
         logprobs = step_out.logprobs or [None] * len(sampling)
+        grammar_ok = {} if not self._structured else self._structured.accept({
+            c.request.request_id: t for c, t in zip(sampling, step_out.token_ids)
+            if not c.request.finished and t != FAILED_ROW})
         for chunk, token, token_logprobs in zip(sampling, step_out.token_ids, logprobs):
             req = chunk.request
             if req.finished:  # ended (a stop, an abort) while this step ran: drop its token
                 continue
             try:
-                self._take_token(req, token, token_logprobs, now)
+                self._take_token(req, token, token_logprobs, now, grammar_ok.get(req.request_id))
             except Exception as exc:
                 logger.error("request %s failed", req.request_id, exc_info=exc)
                 outputs.append(self._fail(req, exc))
@@ -321,11 +324,12 @@ class LLMEngine:
         return outputs
 
     def _take_token(self, req: Request, token: int, token_logprobs: dict[int, float] | None,
-                    now: float) -> None:
+                    now: float, grammar_ok: bool | None = None) -> None:
+        """Add a sampled token to ``req``; ``grammar_ok``: whether its grammar (if it has
+        one) accepted the token, the matcher having advanced."""
         if token == FAILED_ROW:
             raise FloatingPointError("the model's logits for this request are not finite")
-        matcher = self._structured and self._structured.matchers.get(req.request_id)
-        if matcher is not None and not matcher.accept_token(token):
+        if grammar_ok is False:
             raise ValueError(f"the grammar does not allow token {token}")
         req.num_pending_tokens -= 1
         if req.first_token_time is None:
@@ -335,7 +339,8 @@ class LLMEngine:
             req.logprobs.append(token_logprobs)
         self.generation_tokens += 1
         self.output_processor.append_token(req, token, now)
-        if matcher is not None and matcher.is_terminated() and not req.finished:
+        matcher = grammar_ok and self._structured.matchers[req.request_id]
+        if matcher and matcher.is_terminated() and not req.finished:
             req.finish(FinishReason.STOP)  # the grammar ended on a stop token it ignores
         self.scheduler.register_known_blocks(req)
 

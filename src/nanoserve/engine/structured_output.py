@@ -22,6 +22,7 @@ CACHE_SIZE = 512  # compiled grammars kept (least recently used goes first)
 # Whitespace allowed between JSON tokens: plenty for any layout, and a sampled model cannot
 # spend its whole budget on blank lines.
 MAX_WHITESPACE = 16
+FEW_ROWS = 16  # bitmasks of fewer rows are filled one by one, of more on xgrammar's threads
 # JSON-schema keywords that xgrammar accepts but does not enforce: refused, never ignored.
 UNENFORCED_KEYWORDS = frozenset({
     "uniqueItems", "not", "contains", "minContains", "maxContains", "dependentRequired",
@@ -118,6 +119,7 @@ class StructuredOutputs:
         self.matchers: dict[str, Any] = {}
         self.words = -(-compiler.vocab_size // 32)
         self.batch = xgr.BatchGrammarMatcher()
+        self.buffer = np.empty((0, self.words), dtype=np.int32)  # reused: no 4 MB fill a step
 
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         """Start ``request_id``'s matcher; a constraint that does not compile raises."""
@@ -126,17 +128,28 @@ class StructuredOutputs:
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
-    def accept(self, request_id: str, token: int) -> bool:
-        """Advance the request's matcher; False when its grammar does not allow ``token``."""
-        return self.matchers[request_id].accept_token(token)
+    def accept(self, tokens: dict[str, int]) -> dict[str, bool]:
+        """Advance the matchers of ``tokens``' requests by one token each, in one call; per
+        request, False when its grammar does not allow the token."""
+        ids = [rid for rid in tokens if rid in self.matchers]
+        ok = self.xgr.BatchGrammarMatcher.batch_accept_token(
+            [self.matchers[rid] for rid in ids], [tokens[rid] for rid in ids])
+        return dict(zip(ids, ok))
 
     def bitmask(self, request_ids: list[str | None]) -> np.ndarray:
         """[len(request_ids), ceil(V / 32)] int32: each row's allowed next tokens, all bits
-        set for rows without a live matcher (None, or a request that has ended)."""
-        bits = np.full((len(request_ids), self.words), -1, dtype=np.int32)
-        rows = [i for i, rid in enumerate(request_ids) if rid in self.matchers
-                and not self.matchers[rid].is_terminated()]
-        if rows:
+        set for rows without a matcher (None, or an ended request). Valid until the next call.
+        A live request's matcher has not terminated: that ends the request."""
+        if len(self.buffer) < len(request_ids):
+            self.buffer = np.empty((2 * len(request_ids), self.words), dtype=np.int32)
+        bits = self.buffer[:len(request_ids)]
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.matchers]
+        for i in set(range(len(request_ids))) - set(rows):
+            bits[i] = -1
+        if len(rows) < FEW_ROWS:  # the batch call's threads cost more than they save here
+            for i in rows:
+                self.matchers[request_ids[i]].fill_next_token_bitmask(bits, i)
+        else:
             self.batch.batch_fill_next_token_bitmask(
                 [self.matchers[request_ids[i]] for i in rows], bits, rows)
         return bits

@@ -188,7 +188,7 @@ class ModelRunner:
         params = [c.params for c in sampling]
         tensors = logits = token_ids = last = None
         if self.graphs is not None and self.graphs.accepts(step.chunks):
-            hidden, logits, token_ids, tensors = self._replay(step.chunks)
+            hidden, logits, token_ids, tensors = self._replay(step.chunks, bool(step.grammar_rows))
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
             if self.sampling_rank and sampling:
@@ -233,10 +233,11 @@ class ModelRunner:
             [c.output_token_ids for c in chunks], [c.banned_token_ids for c in chunks],
             [self._generator(c) for c in chunks], self.model_config.vocab_size, self.device)
 
-    def _replay(self, chunks: list[SequenceChunk]) -> tuple[
+    def _replay(self, chunks: list[SequenceChunk], grammar: bool = False) -> tuple[
             torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
         """A decode step through the CUDA graphs: the hidden states, the graph's logits and
-        samples where it ran them, and the sampling tensors where it needs the general sampler."""
+        samples where it ran them, and the sampling tensors where it needs the general sampler
+        (or, with ``grammar``, waits for a bitmask: no row is then sampled in the graph)."""
         rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
         fed = (rows.sample_rows >= 0).any()
         if fed and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
@@ -246,7 +247,7 @@ class ModelRunner:
         if self.sampling_rank:
             params = [c.params for c in chunks]
             generators = [self._generator(c) for c in chunks]
-            if self.graphs.sample:
+            if self.graphs.sample and not grammar:
                 temperature = temperatures_only(params, [c.banned_token_ids for c in chunks],
                                                 generators, self.model_config.vocab_size)
             if temperature is None:

@@ -61,7 +61,8 @@ def _fused_sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutp
     """Greedy and temperature rows in one Triton pass (same distribution as the general path)."""
     from nanoserve.kernels.sampling import sample_tokens
 
-    token_ids = sample_tokens(logits, tensors.temperature, tensors.noise_seed)
+    token_ids = sample_tokens(apply_bitmask(logits, tensors.token_bitmask), tensors.temperature,
+                              tensors.noise_seed)
     return with_fused_logprobs(logits, token_ids, tensors.max_logprobs)
 
 
@@ -86,10 +87,7 @@ def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Ten
     penalties. Repetition (prompt or output tokens): a positive logit is divided by the penalty,
     any other multiplied by it; then each output token loses ``frequency * count + presence``.
     Tokens a row's grammar does not allow next are -inf before all of it."""
-    if tensors.token_bitmask is not None:
-        rows, bits = tensors.token_bitmask
-        allowed = unpack_bitmask(bits, logits.shape[-1])
-        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
+    logits = apply_bitmask(logits, tensors.token_bitmask)
     if tensors.logit_bias is not None:
         index, bias = tensors.logit_bias
         logits = logits.index_put(index, bias, accumulate=True)
@@ -178,6 +176,16 @@ def _with_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     top_ids = logprobs.topk(max_logprobs, dim=-1).indices
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     return SamplerOutput(token_ids, logprobs.gather(1, ids), ids)
+
+
+def apply_bitmask(logits: torch.Tensor,
+                  bitmask: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``logits`` (not modified) with -inf where ``bitmask`` (rows, bits) forbids a token."""
+    if bitmask is None:
+        return logits
+    rows, bits = bitmask
+    allowed = unpack_bitmask(bits, logits.shape[-1])
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -142,13 +142,12 @@ def temperatures_only(params: list[SamplingParams], banned_token_ids: list[list[
                       generators: list[torch.Generator | None], vocab_size: int
                       ) -> np.ndarray | None:
     """Each row's temperature (float32, 0 where greedy) when no row of the batch needs more
-    than its temperature (no penalty, bias, banned or allowed list, grammar, top-k / top-p /
-    min-p filter or seeded generator), so that the fused sampler serves it; otherwise None."""
+    than its temperature (no penalty, bias, banned or allowed list, top-k / top-p / min-p
+    filter or seeded generator; a grammar's bitmask applies before the fused sampler too), so that the fused sampler serves it; otherwise None."""
     temperature = np.zeros(len(params), dtype=np.float32)
     for row, (p, banned, generator) in enumerate(zip(params, banned_token_ids, generators)):
         if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                 or p.presence_penalty != 0.0 or p.logit_bias or p.allowed_token_ids
-                or p.structured_outputs is not None
                 or any(0 <= t < vocab_size for t in banned)):
             return None
         if p.temperature < GREEDY_TEMPERATURE:
