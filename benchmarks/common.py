@@ -80,6 +80,13 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def add_deadline_argument(parser) -> None:
+    """``--deadline-s``, the ``deadline_s`` of ``run_shapes``."""
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no shape after this many seconds, or when the last shape's "
+                             "time would cross it (the rest get a skipped line)")
+
+
 def run_shapes(bench: str, shapes: list[str], run_shape: Callable[[str, Path], None],
                deadline_s: float | None) -> None:
     """``run_shape(name, tmp)`` for each shape in turn, in one temporary folder: a shape that

@@ -19,8 +19,8 @@ import random
 import time
 from pathlib import Path
 
-from common import (GCTimer, emit, environment, free_device_memory, on_gpu, replay_ms, run_shapes,
-                    sync)
+from common import (GCTimer, add_deadline_argument, emit, environment, free_device_memory, on_gpu,
+                    replay_ms, run_shapes, sync)
 from floor import DEFAULT_CEILINGS, latency_floor, measure_ceilings
 from shapes import DENSE, SHAPES, config_of, make_model_dir, tokenizer_kind
 
@@ -153,9 +153,7 @@ def main() -> None:
                         help="also replay the batch-1 decode graph alone (the runner's internals)")
     parser.add_argument("--no-measure", action="store_true",
                         help="take the H200's default ceilings instead of measuring them")
-    parser.add_argument("--deadline-s", type=float, default=None,
-                        help="start no shape after this many seconds, or when the last shape's "
-                             "time would cross it (the rest get a skipped line)")
+    add_deadline_argument(parser)
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2")

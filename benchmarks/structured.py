@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import emit, environment, free_device_memory, run_shapes, sync
+from common import (add_deadline_argument, emit, environment, free_device_memory, run_shapes,
+                    sync)
 from shapes import SHAPES, make_model_dir
 from throughput import host_profile, workload
 
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--batch1-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--deadline-s", type=float, default=None)
+    add_deadline_argument(parser)
     parser.add_argument("--host-profile", action="store_true",
                         help="print (to stderr) a cProfile of the host over the constrained runs")
     args = parser.parse_args()

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import (GCTimer, emit, environment, free_device_memory, kernel_us, on_gpu, run_shapes,
-                    sync)
+from common import (GCTimer, add_deadline_argument, emit, environment, free_device_memory,
+                    kernel_us, on_gpu, run_shapes, sync)
 from floor import (DEFAULT_CEILINGS, OFFLINE_MAX_NUM_BATCHED_TOKENS, measure_ceilings,
                    throughput_requests, workload_floor)
 from shapes import SHAPES, config_of, make_model_dir, tokenizer_kind
@@ -303,9 +303,7 @@ def main() -> None:
                         help="also print (to stderr) a cProfile of the host over the run")
     parser.add_argument("--no-measure", action="store_true",
                         help="take the H200's default ceilings instead of measuring them")
-    parser.add_argument("--deadline-s", type=float, default=None,
-                        help="start no shape after this many seconds, or when the last shape's "
-                             "time would cross it (the rest get a skipped line)")
+    add_deadline_argument(parser)
     args = parser.parse_args()
 
     measure = on_gpu(args.device) and not args.no_measure

@@ -301,9 +301,10 @@ class LLMEngine:
                 chunk.request.add_prompt_logprobs(chunk.start + 1, entries)
         sampling = [c for c in chunks if c.samples]
         logprobs = step_out.logprobs or [None] * len(sampling)
-        grammar_ok = {} if not self._structured else self._structured.accept({
+        grammar_ok = self._structured.accept({
             c.request.request_id: t for c, t in zip(sampling, step_out.token_ids)
-            if not c.request.finished and t != FAILED_ROW})
+            if c.request.params.structured_outputs is not None and not c.request.finished
+            and t != FAILED_ROW}) if self._structured else {}
         for chunk, token, token_logprobs in zip(sampling, step_out.token_ids, logprobs):
             req = chunk.request
             if req.finished:  # ended (a stop, an abort) while this step ran: drop its token

@@ -143,9 +143,12 @@ class StructuredOutputs:
         if len(self.buffer) < len(request_ids):
             self.buffer = np.empty((2 * len(request_ids), self.words), dtype=np.int32)
         bits = self.buffer[:len(request_ids)]
-        rows = [i for i, rid in enumerate(request_ids) if rid in self.matchers]
-        for i in set(range(len(request_ids))) - set(rows):
-            bits[i] = -1
+        rows = []
+        for i, rid in enumerate(request_ids):
+            if rid in self.matchers:
+                rows.append(i)
+            else:
+                bits[i] = -1
         if len(rows) < FEW_ROWS:  # the batch call's threads cost more than they save here
             for i in rows:
                 self.matchers[request_ids[i]].fill_next_token_bitmask(bits, i)

@@ -2,11 +2,12 @@
 
 Pipeline, with vLLM's semantics, all in float32: tokens a grammar forbids -> -inf; logit
 biases; tokens outside an allowed list and banned tokens -> -inf; repetition penalty (prompt
-+ output tokens), then frequency and presence penalties (output tokens). Greedy rows take the argmax of the penalised logits; the
-other rows are divided by their temperature, filtered by top-k, then top-p, then min-p, and
-drawn from the softmax with the exponential race. Parameters are tensor rows, so a step costs a
-fixed number of kernels whatever the batch. On CUDA, a batch that needs nothing but greedy or
-temperature sampling takes one fused Triton pass instead (``nanoserve.kernels.sampling``).
++ output tokens), then frequency and presence penalties (output tokens). Greedy rows take the
+argmax of the penalised logits; the other rows are divided by their temperature, filtered by
+top-k, then top-p, then min-p, and drawn from the softmax with the exponential race.
+Parameters are tensor rows, so a step costs a fixed number of kernels whatever the batch. On
+CUDA, a batch that needs nothing but greedy or temperature sampling (and grammar bitmasks)
+takes one fused Triton pass instead (``nanoserve.kernels.sampling``).
 """
 from __future__ import annotations
 

@@ -143,7 +143,8 @@ def temperatures_only(params: list[SamplingParams], banned_token_ids: list[list[
                       ) -> np.ndarray | None:
     """Each row's temperature (float32, 0 where greedy) when no row of the batch needs more
     than its temperature (no penalty, bias, banned or allowed list, top-k / top-p / min-p
-    filter or seeded generator; a grammar's bitmask applies before the fused sampler too), so that the fused sampler serves it; otherwise None."""
+    filter or seeded generator), so that the fused sampler serves it; otherwise None. A
+    grammar's bitmask does not count: it applies before the fused sampler too."""
     temperature = np.zeros(len(params), dtype=np.float32)
     for row, (p, banned, generator) in enumerate(zip(params, banned_token_ids, generators)):
         if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
