@@ -10,7 +10,7 @@ from torch import nn
 
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
 from nanoserve.runner.graph_inputs import DecodeRows, GraphArena
-from nanoserve.runner.inputs import SequenceChunk
+from nanoserve.runner.inputs import FAILED_ROW, SequenceChunk
 
 
 # A graph's attention launch (splits, tiling) is fixed by the max_seq_len it is captured with:
@@ -49,6 +49,9 @@ class DecodeOutput(NamedTuple):
     hidden: torch.Tensor
     logits: torch.Tensor | None  # None where the graph stops at the hidden states
     token_ids: torch.Tensor | None  # None where the batch needs more than the fused sampler
+    # token_ids with FAILED_ROW where the row's logits are not usable (see mark_failed_rows);
+    # token_ids, not these, feed the next step.
+    checked_ids: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -68,6 +71,8 @@ class DecodeGraphs:
         if sample:  # one buffer for every size's logits (a pool keeps live outputs)
             self.logits = torch.empty(self.max_batch, model.lm_head.vocab_size,
                                       dtype=model.lm_head.weight.dtype, device=device)
+            self.checked = torch.empty(self.max_batch, dtype=torch.int64, device=device)
+            self.failed_row = torch.tensor(FAILED_ROW, dtype=torch.int64, device=device)
         self.max_seq_len = max_seq_len
         # Graphs of one batch size share its arena region.
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -91,8 +96,12 @@ class DecodeGraphs:
         from nanoserve.kernels.sampling import sample_tokens
 
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
-        return DecodeOutput(hidden, logits, sample_tokens(
-            logits, region.temperature, region.noise_seed, out=self.samples[:bs]))
+        token_ids = sample_tokens(logits, region.temperature, region.noise_seed,
+                                  out=self.samples[:bs])
+        # In the graph, the per-row check costs no launches of its own.
+        checked = torch.where(logits.amax(dim=-1).isfinite(), token_ids, self.failed_row,
+                              out=self.checked[:bs])
+        return DecodeOutput(hidden, logits, token_ids, checked)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -123,9 +132,10 @@ class DecodeGraphs:
         self.arena.stage(key[0], rows, temperature if sampled else None,
                          noise_seed if sampled else -1)
         self.graphs[key].replay()
-        hidden, logits, token_ids = self.outputs[key]
+        hidden, logits, token_ids, checked = self.outputs[key]
         return DecodeOutput(hidden[:n], None if logits is None else logits[:n],
-                            token_ids[:n] if sampled else None)
+                            token_ids[:n] if sampled else None,
+                            checked[:n] if sampled else None)
 
     def release(self) -> None:
         """Destroy the graphs. Graphs that captured NCCL collectives hold their communicator:

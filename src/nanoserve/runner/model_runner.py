@@ -13,7 +13,7 @@ from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.models.loader import init_dummy_weights, iter_weights
 from nanoserve.models.registry import build_model
-from nanoserve.runner.cuda_graph import DecodeGraphs
+from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.runner.graph_inputs import decode_rows
 from nanoserve.runner.inputs import (CompletedStep, DeferredSample, InFlightStep, SequenceChunk,
@@ -186,9 +186,10 @@ class ModelRunner:
             self.generators.pop(rid, None)
         sampling = [c for c in step.chunks if c.sample]
         params = [c.params for c in sampling]
-        tensors = logits = token_ids = last = None
+        tensors = logits = token_ids = checked_ids = last = None
         if self.graphs is not None and self.graphs.accepts(step.chunks):
-            hidden, logits, token_ids, tensors = self._replay(step.chunks, bool(step.grammar_rows))
+            (hidden, logits, token_ids, checked_ids), tensors = self._replay(
+                step.chunks, bool(step.grammar_rows))
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
             if self.sampling_rank and sampling:
@@ -205,7 +206,7 @@ class ModelRunner:
             return CompletedStep(StepOutput([]))
         if token_ids is not None:
             out = with_fused_logprobs(logits, token_ids, max_logprobs(params))
-            return self._sampled(out, sampling, prompt, logits)
+            return self._sampled(out, sampling, prompt, logits, checked_ids)
 
         @torch.inference_mode()
         def sample(bitmask: np.ndarray | None) -> SampledStep:
@@ -220,11 +221,14 @@ class ModelRunner:
         return sample(step.token_bitmask)
 
     def _sampled(self, out: SamplerOutput, sampling: list[SequenceChunk],
-                 prompt: dict[str, list[dict[int, float]]], logits: torch.Tensor
-                 ) -> SampledStep:
+                 prompt: dict[str, list[dict[int, float]]], logits: torch.Tensor,
+                 checked_ids: torch.Tensor | None = None) -> SampledStep:
+        """``checked_ids``: ``out.token_ids`` already marked by mark_failed_rows (a graph's)."""
         self.last_samples = out.token_ids  # the next step may feed them, even a failed row's
         self.last_sample_rows = {c.request_id: i for i, c in enumerate(sampling)}
-        out = dataclasses.replace(out, token_ids=mark_failed_rows(logits, out.token_ids))
+        if checked_ids is None:
+            checked_ids = mark_failed_rows(logits, out.token_ids)
+        out = dataclasses.replace(out, token_ids=checked_ids)
         return SampledStep(out, [c.params.logprobs for c in sampling], prompt)
 
     def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors:
@@ -233,8 +237,8 @@ class ModelRunner:
             [c.output_token_ids for c in chunks], [c.banned_token_ids for c in chunks],
             [self._generator(c) for c in chunks], self.model_config.vocab_size, self.device)
 
-    def _replay(self, chunks: list[SequenceChunk], grammar: bool = False) -> tuple[
-            torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
+    def _replay(self, chunks: list[SequenceChunk], grammar: bool = False
+                ) -> tuple[DecodeOutput, SamplingTensors | None]:
         """A decode step through the CUDA graphs: the hidden states, the graph's logits and
         samples where it ran them, and the sampling tensors where it needs the general sampler
         (or, with ``grammar``, waits for a bitmask: no row is then sampled in the graph)."""
@@ -253,7 +257,7 @@ class ModelRunner:
             if temperature is None:
                 tensors = self._sampling_tensors(chunks)
         noise_seed = -1 if temperature is None else draw_noise_seed(bool(temperature.any()))
-        return (*self.graphs.run(rows, temperature, noise_seed), tensors)
+        return self.graphs.run(rows, temperature, noise_seed), tensors
 
     def close(self) -> None:
         self.generators.clear()
