@@ -27,8 +27,9 @@ QWEN3_TOKENIZER := .cache/qwen3-tokenizer/tokenizer.json
 $(QWEN3_TOKENIZER):
 	bash scripts/fetch_qwen3_tokenizer.sh || echo "warning: Qwen3's tokenizer not fetched"
 
+# One worker per core, whole files to a worker (module fixtures build once).
 test: install $(QWEN3_TOKENIZER)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n auto --dist loadfile --durations=20
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,12 +1,17 @@
 """Shared fixtures: tiny random models saved with transformers, and the real SmolLM2 GGUF."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from nanoserve.models.gguf import default_model_path
+
+# `make test` runs one pytest worker per core: each then keeps to one thread.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 TINY_COMMON = dict(
     hidden_size=64,
