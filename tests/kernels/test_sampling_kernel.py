@@ -102,6 +102,29 @@ def test_special_values_in_sampled_rows():
     assert (ids[:, 3] == base.argmax()).all()
 
 
+def test_checked_ids_mark_rows_with_unusable_logits():
+    """With ``checked_out``, rows holding a NaN or +inf logit, or no finite one, get the void id
+    (as mark_failed_rows marks them), greedy or sampled, in any chunk; the others their token."""
+    from nanoserve.runner.sampler import mark_failed_rows
+
+    gen = torch.Generator().manual_seed(8)
+    vocab_size = 3 * CHUNK + 5
+    logits = torch.randn(12, vocab_size, generator=gen)
+    logits[0, 3] = float("nan")
+    logits[1, vocab_size - 1] = float("nan")  # in the last, one-tile chunk
+    logits[2, CHUNK + 1] = float("inf")
+    logits[3] = NEG_INF
+    logits[4, ::3] = NEG_INF  # -inf alone is fine
+    logits[5, 7] = 3e38  # huge but finite
+    logits = torch.cat([logits[:6], logits[:6]])
+    temperature = torch.tensor([0.0] * 6 + [1.0] * 6)
+    checked = torch.empty(12, dtype=torch.int64)
+    ids = sample_tokens(logits, temperature, seed=5, checked_out=checked, void_id=-2)
+    assert torch.equal(checked, mark_failed_rows(logits, ids))
+    assert checked.tolist().count(-2) == 8
+    assert torch.equal(ids, sample_tokens(logits, temperature, seed=5))
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens():
     """On a flat distribution over three chunks: each draw is a fresh uniform token."""
     rows, vocab_size = 32, 2 * CHUNK + 1

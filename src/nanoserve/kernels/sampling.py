@@ -27,11 +27,27 @@ _NO_INDEX = tl.constexpr(2 ** 31 - 1)  # loses every lowest-index tie
 
 
 @triton.jit
-def _logits_tile(row_ptr, cols, limit):
+def _raw_tile(row_ptr, cols, limit):
     """One tile of a row as float32, -inf from column ``limit`` on (the vocabulary's end, or 0
-    to load nothing) and for NaN (never drawn)."""
-    x = tl.load(row_ptr + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
+    to load nothing)."""
+    return tl.load(row_ptr + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _no_nan(x):
+    """NaN as -inf: never drawn."""
     return tl.where(x == x, x, float("-inf"))
+
+
+@triton.jit
+def _logits_tile(row_ptr, cols, limit):
+    return _no_nan(_raw_tile(row_ptr, cols, limit))
+
+
+@triton.jit
+def _num_unusable(x):
+    """How many of a tile's raw logits are NaN or +inf (they make the row's sample void)."""
+    return tl.sum(tl.where(x < float("inf"), 0, 1), axis=0)
 
 
 @triton.jit
@@ -48,8 +64,9 @@ def _finite(top):
 
 @triton.jit
 def _tile_stats_kernel(
-    logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr,
+    logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr, unusable_ptr,
     vocab_size, stride_row, num_tiles, TILE: tl.constexpr, TILES_PER_CHUNK: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     if tl.load(seed_ptr) < 0:
         return
@@ -61,11 +78,15 @@ def _tile_stats_kernel(
     offsets = tl.arange(0, TILE)
     # The last chunk stops at the vocabulary; each loop loads the next tile before reducing one.
     end = tl.minimum(first + TILES_PER_CHUNK, num_tiles)
-    x = _logits_tile(row_ptr, first * TILE + offsets, vocab_size)
+    x = _raw_tile(row_ptr, first * TILE + offsets, vocab_size)
+    unusable = 0
     if temperature > 0.0:
         for tile in range(first, end):
-            after = _logits_tile(row_ptr, (tile + 1) * TILE + offsets,
-                                 tl.where(tile + 1 < end, vocab_size, 0))
+            after = _raw_tile(row_ptr, (tile + 1) * TILE + offsets,
+                              tl.where(tile + 1 < end, vocab_size, 0))
+            if CHECK:
+                unusable += _num_unusable(x)
+            x = _no_nan(x)
             s = _scores(x, temperature)
             top = tl.max(s, axis=0)
             tl.store(tile_sum_ptr + stats + tile, tl.sum(tl.exp2(s - _finite(top)), axis=0))
@@ -78,8 +99,11 @@ def _tile_stats_kernel(
         # An all -inf chunk reports its first index, so an all -inf row yields token 0.
         best_idx = first * TILE + offsets
         for tile in range(first, end):
-            after = _logits_tile(row_ptr, (tile + 1) * TILE + offsets,
-                                 tl.where(tile + 1 < end, vocab_size, 0))
+            after = _raw_tile(row_ptr, (tile + 1) * TILE + offsets,
+                              tl.where(tile + 1 < end, vocab_size, 0))
+            if CHECK:
+                unusable += _num_unusable(x)
+            x = _no_nan(x)
             # Strictly greater: a position sees increasing indices, so it keeps the first.
             better = x > best
             best = tl.where(better, x, best)
@@ -92,12 +116,16 @@ def _tile_stats_kernel(
         tl.store(tile_max_ptr + stats + first, top)
         tl.store(tile_arg_ptr + stats + first,
                  tl.min(tl.where(best == top, best_idx, _NO_INDEX), axis=0))
+    if CHECK:
+        tl.store(unusable_ptr + row.to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
+                 unusable)
 
 
 @triton.jit
 def _pick_kernel(
-    logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr, out_ptr,
-    vocab_size, stride_row, num_tiles, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+    logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr, unusable_ptr,
+    out_ptr, checked_ptr, vocab_size, stride_row, num_tiles, num_chunks, TILE: tl.constexpr,
+    BLOCK_T: tl.constexpr, CHECK: tl.constexpr, BLOCK_C: tl.constexpr, VOID: tl.constexpr,
 ):
     seed = tl.load(seed_ptr)
     if seed < 0:
@@ -144,6 +172,13 @@ def _pick_kernel(
         # Tiles cover increasing index ranges: the lowest index among the row's maxima.
         token = tl.min(tl.where(tops == row_top, args, _NO_INDEX), axis=0)
     tl.store(out_ptr + row, token.to(tl.int64))
+    if CHECK:
+        chunks = tl.arange(0, BLOCK_C)
+        bad = tl.sum(tl.load(unusable_ptr + row.to(tl.int64) * num_chunks + chunks,
+                             mask=chunks < num_chunks, other=0), axis=0)
+        # NaN or +inf somewhere, or nothing finite (an all -inf row's max stays -inf).
+        void = (bad > 0) | (row_top == float("-inf"))
+        tl.store(checked_ptr + row, tl.where(void, VOID, token.to(tl.int64)))
 
 
 def tiles_per_chunk(batch: int) -> int:
@@ -164,8 +199,11 @@ def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
-                  seed: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                  seed: int | torch.Tensor, out: torch.Tensor | None = None,
+                  checked_out: torch.Tensor | None = None, void_id: int = -1) -> torch.Tensor:
     """Draw one token per row of ``logits [B, V]``: ``[B]`` int64 token ids (into ``out`` if given).
+    With ``checked_out`` ([B] int64), the same ids go there too, ``void_id`` in rows with a NaN or
+    +inf logit or none finite (the rows ``runner.sampler.mark_failed_rows`` marks).
 
     A row with ``temperature`` 0 (``[B]`` float32) takes the argmax (lowest index on ties);
     others draw ``softmax(logits / T)``, from ``seed``: an int in ``[0, 2**62)`` or a one-element
@@ -190,13 +228,21 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     tile_max = torch.empty(batch, num_tiles, dtype=torch.float32, device=logits.device)
     tile_sum = torch.empty_like(tile_max)
     tile_arg = torch.empty(batch, num_tiles, dtype=torch.int32, device=logits.device)
-    common = (logits, temperature, tile_max, tile_sum, tile_arg, seed)
-    _tile_stats_kernel[(batch, triton.cdiv(num_tiles, tiles))](
+    num_chunks = triton.cdiv(num_tiles, tiles)
+    check = checked_out is not None
+    if check:
+        assert checked_out.shape == (batch,) and checked_out.dtype == torch.int64
+    unusable = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device) \
+        if check else tile_arg
+    common = (logits, temperature, tile_max, tile_sum, tile_arg, seed, unusable)
+    _tile_stats_kernel[(batch, num_chunks)](
         *common, vocab_size, logits.stride(0), num_tiles, TILE=tile, TILES_PER_CHUNK=tiles,
-        num_warps=NUM_WARPS,
+        CHECK=check, num_warps=NUM_WARPS,
     )
     _pick_kernel[(batch,)](
-        *common, token_ids, vocab_size, logits.stride(0), num_tiles, TILE=tile,
-        BLOCK_T=triton.next_power_of_2(num_tiles), num_warps=NUM_WARPS,
+        *common, token_ids, checked_out if check else token_ids, vocab_size, logits.stride(0),
+        num_tiles, num_chunks, TILE=tile, BLOCK_T=triton.next_power_of_2(num_tiles),
+        CHECK=check, BLOCK_C=triton.next_power_of_2(num_chunks), VOID=void_id,
+        num_warps=NUM_WARPS,
     )
     return token_ids

@@ -72,7 +72,6 @@ class DecodeGraphs:
             self.logits = torch.empty(self.max_batch, model.lm_head.vocab_size,
                                       dtype=model.lm_head.weight.dtype, device=device)
             self.checked = torch.empty(self.max_batch, dtype=torch.int64, device=device)
-            self.failed_row = torch.tensor(FAILED_ROW, dtype=torch.int64, device=device)
         self.max_seq_len = max_seq_len
         # Graphs of one batch size share its arena region.
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -96,12 +95,11 @@ class DecodeGraphs:
         from nanoserve.kernels.sampling import sample_tokens
 
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
+        # The sampler also marks the rows whose logits are unusable, in the same pass.
         token_ids = sample_tokens(logits, region.temperature, region.noise_seed,
-                                  out=self.samples[:bs])
-        # In the graph, the per-row check costs no launches of its own.
-        checked = torch.where(logits.amax(dim=-1).isfinite(), token_ids, self.failed_row,
-                              out=self.checked[:bs])
-        return DecodeOutput(hidden, logits, token_ids, checked)
+                                  out=self.samples[:bs], checked_out=self.checked[:bs],
+                                  void_id=FAILED_ROW)
+        return DecodeOutput(hidden, logits, token_ids, self.checked[:bs])
 
     @torch.inference_mode()
     def _capture(self) -> None:
