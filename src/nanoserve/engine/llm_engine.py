@@ -1,6 +1,7 @@
 """LLMEngine: validates and tokenizes requests, runs scheduler steps, turns tokens into outputs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
+from nanoserve.engine.spec_decode import SpecDecoder, SpecStats
 from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import check_context_length, truncate_prompt
 from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, InFlightStep, SequenceChunk,
@@ -60,6 +62,7 @@ class EngineStats:
     num_partial_prefills: int  # prefill chunks that stopped short of the prompt's end
     prompt_tokens: int
     generation_tokens: int
+    spec: SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
 class LLMEngine:
@@ -94,6 +97,8 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        spec = config.speculative_config
+        self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -226,14 +231,17 @@ class LLMEngine:
         propagates when the executor stopped for good or the engine's own bookkeeping broke."""
         outputs = [self._finalize(req) for req in self.aborted]
         self.aborted = []
+        # Proposals read the previous step's tokens: speculation runs unoverlapped steps.
         overlap = (self.executor.feeds_pending_tokens and not self.num_history_requests
-                   and not self.fault_hunt.groups)
+                   and not self.fault_hunt.groups and self.spec is None)
         previous, self.in_flight = self.in_flight, None
         try:
             if not overlap:
                 outputs += self._collect(previous)
                 previous = None
             suspects = self.fault_hunt.suspects()
+            if self.spec is not None:
+                self.spec.propose(self.scheduler.running)
             sched = self.scheduler.schedule(suspects)
             if not sched.chunks and suspects is not None:  # no suspect can run now: the rest
                 sched = self.scheduler.schedule()
@@ -301,16 +309,25 @@ class LLMEngine:
                 chunk.request.add_prompt_logprobs(chunk.start + 1, entries)
         sampling = [c for c in chunks if c.samples]
         logprobs = step_out.logprobs or [None] * len(sampling)
+        accepted = step_out.accepted_token_ids or [[]] * len(sampling)
+        accepted_logprobs = step_out.accepted_logprobs or [None] * len(sampling)
         grammar_ok = self._structured.accept({
             c.request.request_id: t for c, t in zip(sampling, step_out.token_ids)
             if c.request.params.structured_outputs is not None and not c.request.finished
             and t != FAILED_ROW}) if self._structured else {}
-        for chunk, token, token_logprobs in zip(sampling, step_out.token_ids, logprobs):
+        for i, (chunk, token) in enumerate(zip(sampling, step_out.token_ids)):
             req = chunk.request
             if req.finished:  # ended (a stop, an abort) while this step ran: drop its token
                 continue
+            tokens, token_logprobs = [token], [logprobs[i]]
+            if chunk.draft_token_ids:
+                tokens, token_logprobs = self._verified(chunk, accepted[i], accepted_logprobs[i],
+                                                        token, logprobs[i])
             try:
-                self._take_token(req, token, token_logprobs, now, grammar_ok.get(req.request_id))
+                for token, lp in zip(tokens, token_logprobs):
+                    self._take_token(req, token, lp, now, grammar_ok.get(req.request_id))
+                    if req.finished:  # a stop among the accepted tokens: drop the rest
+                        break
             except Exception as exc:
                 logger.error("request %s failed", req.request_id, exc_info=exc)
                 outputs.append(self._fail(req, exc))
@@ -323,6 +340,20 @@ class LLMEngine:
         if self.fault_hunt.groups:  # these ran without failing: no longer suspects
             self.fault_hunt.discard([c.request.request_id for c in chunks])
         return outputs
+
+    def _verified(self, chunk: ScheduledChunk, accepted: list[int],
+                  accepted_logprobs: list[dict[int, float]] | None, token: int,
+                  token_logprobs: dict[int, float] | None
+                  ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """A verify step's tokens for ``chunk``'s request: the accepted proposals, then the
+        token sampled after them; the K/V of the rejected ones is rolled back first, so that
+        only accepted tokens are hashed into the prefix cache."""
+        req = chunk.request
+        self.spec.record(req, len(chunk.draft_token_ids), len(accepted))
+        self.scheduler.rollback(req, chunk.start + 1 + len(accepted))
+        req.num_pending_tokens += len(accepted)  # each token taken counts one pending off
+        lps = accepted_logprobs or [None] * len(accepted)
+        return accepted + [token], lps + [token_logprobs]
 
     def _take_token(self, req: Request, token: int, token_logprobs: dict[int, float] | None,
                     now: float, grammar_ok: bool | None = None) -> None:
@@ -359,9 +390,11 @@ class LLMEngine:
             banned = []
             if req.num_sampled_tokens < params.min_tokens:
                 banned = list(req.eos_token_ids) + list(params.stop_token_ids)
-            token_ids = req.token_ids[c.start:c.start + c.num_tokens]
-            if len(token_ids) < c.num_tokens:  # a decode of a token still on the device
+            known = c.num_tokens - len(c.draft_token_ids)
+            token_ids = req.token_ids[c.start:c.start + known]
+            if len(token_ids) < known:  # a decode of a token still on the device
                 token_ids.append(PENDING_TOKEN)
+            token_ids += c.draft_token_ids
             seqs.append(SequenceChunk(
                 request_id=req.request_id,
                 token_ids=token_ids,
@@ -370,7 +403,8 @@ class LLMEngine:
                 output_token_ids=req.output_token_ids if params.needs_token_history else [],
                 banned_token_ids=banned,
                 prompt_logprob_rows=0 if req.prompt_logprobs is None
-                else req.prompt_logprob_rows(c.start, c.num_tokens)))
+                else req.prompt_logprob_rows(c.start, c.num_tokens),
+                num_draft_tokens=len(c.draft_token_ids)))
         finished, self.finished_ids = self.finished_ids, []
         grammar_rows = [i for i, c in enumerate(c for c in chunks if c.samples)
                         if c.request.params.structured_outputs is not None]
@@ -400,7 +434,9 @@ class LLMEngine:
             num_total_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             num_partial_prefills=self.scheduler.num_partial_prefills,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            spec=None if self.spec is None else dataclasses.replace(
+                self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos)))
 
     def close(self) -> None:
         if self._structured is not None:

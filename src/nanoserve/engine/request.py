@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -61,6 +62,10 @@ class Request:
     # One entry per prompt token, the first None (nothing predicts it), when params ask.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_preemptions: int = 0
+    # Speculative decoding: tokens proposed for the next step to verify, and the
+    # SpecDecoder's adaptive state for this request (engine/spec_decode.py).
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_state: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -24,6 +24,7 @@ from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler, SamplerOutput, mark_failed_rows, with_fused_logprobs
 from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed, max_logprobs,
                                                temperatures_only)
+from nanoserve.runner.spec_verify import VerifiedStep, verify
 from nanoserve.runner.step_inputs import prepare_inputs
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -186,6 +187,8 @@ class ModelRunner:
             self.generators.pop(rid, None)
         sampling = [c for c in step.chunks if c.sample]
         params = [c.params for c in sampling]
+        if any(c.num_draft_tokens for c in sampling):
+            return self._verify(step, sampling)
         tensors = logits = token_ids = last = None
         if self.graphs is not None and self.graphs.accepts(step.chunks):
             hidden, logits, token_ids, tensors = self._replay(step.chunks, bool(step.grammar_rows))
@@ -218,6 +221,35 @@ class ModelRunner:
         if step.grammar_rows and step.token_bitmask is None:
             return DeferredSample(sample)
         return sample(step.token_bitmask)
+
+    def _verify(self, step: StepInput, sampling: list[SequenceChunk]) -> InFlightStep:
+        """A step that verifies proposals (spec_verify.py): logits at every proposal and the
+        token before it, rejection-sampled; run eagerly, its tokens not fed to the next step
+        (speculation runs unoverlapped steps)."""
+        ids, positions, meta, last = self._prepare(step.chunks)
+        with attention_metadata(meta):
+            hidden = self.model(ids, positions)
+        self.last_samples, self.last_sample_rows = None, {}
+        prompt = prompt_logprobs(self.model, step.chunks, hidden)
+        logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        if not self.sampling_rank:
+            return CompletedStep(StepOutput([]))
+        # One row per proposal and one after them: each chunk's parameters, repeated.
+        repeats = [c.num_draft_tokens + 1 for c in sampling]
+        rows = [c for c, n in zip(sampling, repeats) for _ in range(n)]
+        tensors = self._sampling_tensors(rows)
+        if step.grammar_rows:  # grammar rows propose nothing: each is its chunk's one row
+            first_rows = np.cumsum([0] + repeats[:-1])
+            grammar = first_rows[step.grammar_rows]
+            rows_t, bits = packed_to_device([(grammar, np.int64),
+                                             (step.token_bitmask.ravel(), np.int32)], self.device)
+            tensors.token_bitmask = (rows_t, bits.view(len(grammar), -1))
+        drafts = [t for c in sampling for t in c.token_ids[len(c.token_ids) - c.num_draft_tokens:]
+                  + [-1]]
+        (drafts_t,) = packed_to_device([(drafts, np.int64)], self.device)
+        out, accept = verify(logits, tensors, drafts_t)
+        return VerifiedStep(out, accept, [n - 1 for n in repeats],
+                            [c.params.logprobs for c in rows], prompt)
 
     def _sampled(self, out: SamplerOutput, sampling: list[SequenceChunk],
                  prompt: dict[str, list[dict[int, float]]], logits: torch.Tensor
