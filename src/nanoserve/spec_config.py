@@ -40,9 +40,12 @@ class SpeculativeConfig:
                 raise ValueError(f"{where}.model is only for method 'draft_model'")
             # vLLM's defaults: either bound alone sets both; neither means 5.
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
-            low, high = (low or high or 5), (high or low or 5)
             for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-                check_int(f"{where}.{name}", value, 1)
+                if value is not None:
+                    check_int(f"{where}.{name}", value, 1)
+            if low is None and high is None:
+                low = high = 5
+            low, high = (high if low is None else low), (low if high is None else high)
             if low > high:
                 raise ValueError(f"{where}.prompt_lookup_min ({low}) must be <= "
                                  f"prompt_lookup_max ({high})")

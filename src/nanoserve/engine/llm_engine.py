@@ -99,6 +99,8 @@ class LLMEngine:
         self.generation_tokens = 0
         spec = config.speculative_config
         self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len)
+        if self.spec is not None:
+            self.scheduler.proposer = self.spec.propose
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -240,8 +242,6 @@ class LLMEngine:
                 outputs += self._collect(previous)
                 previous = None
             suspects = self.fault_hunt.suspects()
-            if self.spec is not None:
-                self.spec.propose(self.scheduler.running)
             sched = self.scheduler.schedule(suspects)
             if not sched.chunks and suspects is not None:  # no suspect can run now: the rest
                 sched = self.scheduler.schedule()

@@ -62,10 +62,7 @@ class Request:
     # One entry per prompt token, the first None (nothing predicts it), when params ask.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_preemptions: int = 0
-    # Speculative decoding: tokens proposed for the next step to verify, and the
-    # SpecDecoder's adaptive state for this request (engine/spec_decode.py).
-    draft_token_ids: list[int] = field(default_factory=list)
-    spec_state: Any = None
+    spec_state: Any = None  # speculative decoding's state for it (engine/spec_decode.py)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

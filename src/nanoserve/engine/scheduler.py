@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from nanoserve.engine.block_manager import BlockManager
@@ -53,6 +53,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_partial_prefills = 0
+        # Speculative decoding: proposals for a request whose chunk reaches its last token.
+        self.proposer: Callable[[Request], list[int]] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -82,7 +84,7 @@ class Scheduler:
                     out.preempted.append(self._preempt(self.running.pop()))
                     break
                 req.block_table += self.bm.allocate(need)
-            drafts = self._fit_drafts(req, n, budget - n) if req.draft_token_ids else []
+            drafts = self._drafts(req, n, budget - n)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(drafts),
                                              drafts))
             budget -= n + len(drafts)
@@ -119,16 +121,21 @@ class Scheduler:
                 req.num_cached_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, computed, n))
-            budget -= n
+            drafts = self._drafts(req, n, budget - n)
+            out.chunks.append(ScheduledChunk(req, computed, n + len(drafts), drafts))
+            budget -= n + len(drafts)
         return out
 
-    def _fit_drafts(self, req: Request, n: int, budget: int) -> list[int]:
-        """The request's proposals that fit the step's budget and the free blocks (taking
-        those): proposals never preempt anyone."""
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Proposals to verify after a chunk of ``n`` tokens that reaches the request's last
+        known token, as many as fit the step's ``budget`` and the free blocks (taking those):
+        proposals never preempt anyone."""
         end = req.num_computed_tokens + n
+        if (self.proposer is None or budget <= 0 or req.num_pending_tokens
+                or end != req.num_tokens):
+            return []
         room = (len(req.block_table) + self.bm.num_free_blocks) * self.bm.block_size - end
-        drafts, req.draft_token_ids = req.draft_token_ids[:max(0, min(budget, room))], []
+        drafts = self.proposer(req)[:max(0, min(budget, room))]
         need = self.bm.blocks_needed(end + len(drafts)) - len(req.block_table)
         if need > 0:
             req.block_table += self.bm.allocate(need)
@@ -180,6 +187,5 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.bm.free_blocks(req.block_table)
         req.block_table = []
-        req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0

@@ -1,4 +1,8 @@
-"""Speculative decoding's engine side: which sequences propose, how many tokens, and counts."""
+"""Speculative decoding's engine side: which sequences propose, how many tokens, and counts.
+
+The scheduler asks for proposals for every chunk that reaches its request's last known token,
+a prompt's last chunk included: its verify then samples the first token and checks proposals
+made from the prompt alone in the same forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,8 +44,8 @@ class SpecDecoder:
     """Proposes tokens for running sequences before each schedule, adapts each sequence's
     proposal length to what it had accepted, and counts. A request is run without speculation
     (a plain one-token decode) while its sampling reads its token history (penalties), it is
-    held to a grammar, or it has not reached ``min_tokens``: its next tokens' distributions
-    would depend on the proposals themselves."""
+    held to a grammar, or it has not reached ``min_tokens`` (its next tokens' distributions
+    would depend on the proposals themselves), or it asked for prompt logprobs."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         if config.method != "ngram":
@@ -55,29 +59,28 @@ class SpecDecoder:
     def eligible(self, req: Request) -> bool:
         params = req.params
         return not (params.needs_token_history or params.structured_outputs is not None
+                    or params.prompt_logprobs is not None
                     or req.num_sampled_tokens < params.min_tokens)
 
-    def propose(self, requests: list[Request]) -> None:
-        """Set ``draft_token_ids`` of every running request that decodes next step."""
-        for req in requests:
-            req.draft_token_ids = []
-            if (req.num_pending_tokens or req.num_computed_tokens != len(req.token_ids) - 1
-                    or not self.eligible(req)):
-                continue
-            state = req.spec_state
-            if state is None:
-                state = req.spec_state = SpecState(self.k)
-            if state.pause:
-                state.pause -= 1
-                continue
-            # Never propose past max_tokens or the model's length: the verify's last token
-            # is sampled too.
-            room = min(req.max_tokens - req.num_sampled_tokens,
-                       self.max_model_len - len(req.token_ids)) - 1
-            k = min(state.k, room)
-            if k > 0:
-                req.draft_token_ids = self.proposer.propose(
-                    np.asarray(req.token_ids, dtype=np.int64), k)
+    def propose(self, req: Request) -> list[int]:
+        """Tokens for ``req``'s next step to verify after its last known token (none at all
+        while it is not eligible, or pauses after misses)."""
+        if not self.eligible(req):
+            return []
+        state = req.spec_state
+        if state is None:
+            state = req.spec_state = SpecState(self.k)
+        if state.pause:
+            state.pause -= 1
+            return []
+        # Never propose past max_tokens or the model's length: the verify samples after
+        # the last proposal too.
+        room = min(req.max_tokens - req.num_sampled_tokens,
+                   self.max_model_len - req.num_tokens) - 1
+        k = min(state.k, room)
+        if k < 1:
+            return []
+        return self.proposer.propose(np.asarray(req.token_ids, dtype=np.int64), k)
 
     def record(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         """Count a verify step's outcome and adapt the request's proposal length."""

@@ -247,7 +247,7 @@ class ModelRunner:
         drafts = [t for c in sampling for t in c.token_ids[len(c.token_ids) - c.num_draft_tokens:]
                   + [-1]]
         (drafts_t,) = packed_to_device([(drafts, np.int64)], self.device)
-        out, accept = verify(logits, tensors, drafts_t)
+        out, accept = verify(logits, tensors, drafts_t, [i for i, t in enumerate(drafts) if t >= 0])
         return VerifiedStep(out, accept, [n - 1 for n in repeats],
                             [c.params.logprobs for c in rows], prompt)
 

@@ -21,12 +21,14 @@ from nanoserve.runner.inputs import StepOutput
 from nanoserve.runner.sampling_tensors import SamplingTensors
 
 
-def verify(logits: torch.Tensor, tensors: SamplingTensors, draft_ids: torch.Tensor
-           ) -> tuple[SamplerOutput, torch.Tensor]:
+def verify(logits: torch.Tensor, tensors: SamplingTensors, draft_ids: torch.Tensor,
+           draft_rows: list[int]) -> tuple[SamplerOutput, torch.Tensor]:
     """Each row's token and whether it accepted its proposal. ``draft_ids`` [R] int64: the
     proposal each row scores, -1 for rows without one (a sequence's last row, or a sequence
-    that proposed nothing). Returns the rows' tokens (with logprobs as the sampler gives them)
-    and [R] bool acceptances; no host-device sync."""
+    that proposed nothing); ``draft_rows``: the rows with one. Returns the rows' tokens (with
+    logprobs as the sampler gives them) and [R] bool acceptances; no host-device sync. A
+    seeded row without a proposal draws from its generator what the sampler would, so its
+    tokens do not depend on what else is batched."""
     raw = logits.float()
     penalised = apply_penalties(raw, tensors)
     has_draft = draft_ids >= 0
@@ -39,8 +41,10 @@ def verify(logits: torch.Tensor, tensors: SamplingTensors, draft_ids: torch.Tens
         probs = filter_logits(penalised, tensors).softmax(dim=-1)
         p_draft = probs.gather(1, draft[:, None])[:, 0]
         u = torch.rand(p_draft.shape, device=probs.device)
+        with_draft = set(draft_rows)
         for row, generator in tensors.seeded_rows:
-            u[row:row + 1].uniform_(generator=generator)
+            if row in with_draft:
+                u[row:row + 1].uniform_(generator=generator)
         accept = has_draft & (u < p_draft)
         # The residual max(p - onehot(d), 0) is p without d; the race needs no normalising.
         residual = probs.scatter(1, draft[:, None], torch.where(has_draft, 0.0, p_draft)[:, None])

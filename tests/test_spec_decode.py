@@ -1,0 +1,299 @@
+"""Speculative decoding: greedy outputs exactly as without it, sampling exactly the target's
+distribution, KV rolled back after rejections, and its configuration's errors."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_COMMON
+from sampling_stats import chi_square
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.engine.spec_ngram import NgramProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog did not move, and the fox ran "
+           "into the forest, where it met an old owl who lived in a tall oak tree.")
+REPEAT_PROMPTS = [
+    f"Repeat the passage exactly.\nPassage: {PASSAGE}\nRepeat: {PASSAGE}\nRepeat:",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Monday, Tuesday, Wednesday, Monday, Tuesday, Wednesday, Monday,",
+]
+
+
+@contextlib.contextmanager
+def speculation_off(llm: LLM):
+    """The same engine (same weights, same cache) running every step without proposals."""
+    engine = llm.engine
+    spec, proposer = engine.spec, engine.scheduler.proposer
+    engine.spec = engine.scheduler.proposer = None
+    try:
+        yield
+    finally:
+        engine.spec, engine.scheduler.proposer = spec, proposer
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
+
+
+# --- configuration -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "medusa"}, "method"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": "4"}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"prompt_lookup_max": 0}, "prompt_lookup_max"),
+    ({"method": "draft_model"}, "model"),
+    ({"method": "ngram", "model": "x"}, "model"),
+    ({"num_speculative_token": 4}, "unknown keys"),
+    ("{not json", "JSON"),
+    (3, "dict"),
+])
+def test_bad_speculative_config_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(speculative_config=bad)
+
+
+def test_speculative_config_from_json_and_vllm_defaults():
+    config = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 5,'
+                                             ' "prompt_lookup_max": 3}')
+    spec = config.speculative_config
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 3, 3)
+    assert EngineConfig(speculative_config={}).speculative_config.prompt_lookup_min == 5
+    # The CLI hands LLM(...) the config as a dict again: it must come back the same.
+    assert EngineConfig(**dataclasses.asdict(config)).speculative_config == spec
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_and_server_take_speculative_config_as_json(command):
+    from nanoserve.entrypoints.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args([command, "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 2}'])
+    spec = engine_config_from_args(args).speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine_config_from_args(build_parser().parse_args(
+            [command, "--speculative-config", '{"num_speculative_tokens": -1}']))
+
+
+# --- n-gram proposals ----------------------------------------------------------------------
+
+def _reference_proposal(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix n-gram, by brute force."""
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        suffix = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == suffix:
+                return seq[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_brute_force_lookup():
+    gen = np.random.default_rng(0)
+    proposer = NgramProposer(2, 4)
+    hits = 0
+    for _ in range(300):
+        seq = gen.integers(0, 4, size=int(gen.integers(1, 40))).tolist()  # few ids: many matches
+        got = proposer.propose(np.asarray(seq, dtype=np.int64), 3)
+        assert got == _reference_proposal(seq, 2, 4, 3), seq
+        hits += bool(got)
+    assert hits > 100
+
+
+# --- greedy exactness ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_spec(smollm2_path):
+    return LLM(str(smollm2_path), max_model_len=512, num_kv_blocks=48, block_size=16,
+               speculative_config=NGRAM)
+
+
+def test_smollm2_greedy_with_speculation_equals_without(smollm2_spec):
+    llm, params = smollm2_spec, _greedy(32)
+    got = _ids(llm.generate(REPEAT_PROMPTS[:2], params, use_tqdm=False))
+    spec = llm.engine.stats().spec
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens > spec.num_draft_tokens / 2  # the text repeats
+    assert spec.accepted_per_pos[3] > 0
+    _assert_no_leak(llm)
+    with speculation_off(llm):
+        assert _ids(llm.generate(REPEAT_PROMPTS[:2], params, use_tqdm=False)) == got
+    # A prompt that goes on with the output hits the blocks that verify steps filled: only
+    # accepted tokens were hashed, and their K/V is what a plain decode computes.
+    prompt = llm.tokenizer.encode(REPEAT_PROMPTS[0]) + got[0][:24]
+    hits = llm.engine.stats().prefix_cache_hits
+    out = llm.generate([prompt], _greedy(8), use_tqdm=False)[0]
+    assert out.num_cached_tokens > len(prompt) - 16
+    assert llm.engine.stats().prefix_cache_hits > hits
+    assert out.outputs[0].token_ids == got[0][24:]
+    _assert_no_leak(llm)
+
+
+def test_smollm2_stop_strings_and_logprobs_under_speculation(smollm2_spec):
+    llm = smollm2_spec
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, stop=["lazy"])
+    with speculation_off(llm):
+        want = llm.generate(REPEAT_PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    drafts = llm.engine.stats().spec.num_draft_tokens
+    got = llm.generate(REPEAT_PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert llm.engine.stats().spec.num_draft_tokens > drafts
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    assert len(got.logprobs) == len(got.token_ids)
+    for g, w in zip(got.logprobs, want.logprobs):
+        assert g.keys() == w.keys()
+        assert np.allclose(list(g.values()), list(w.values()), atol=1e-4)
+    # max_tokens is never passed, even when every proposal would be accepted.
+    for n in (1, 2, 5):
+        out = llm.generate(REPEAT_PROMPTS[:1], _greedy(n), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+    _assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def repeating_ids(tiny_llama):
+    """Token-id prompts that repeat themselves, so that proposals come."""
+    gen = np.random.default_rng(1)
+    out = []
+    for n in (6, 9, 13):
+        unit = gen.integers(100, 5000, size=n).tolist()
+        out.append(unit * 3 + unit[:2])
+    return out + [[7] * 30]
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"num_kv_blocks": 14, "block_size": 8},  # preemption
+    {"max_num_batched_tokens": 9, "block_size": 8},  # chunked prefill
+], ids=["plain", "preemption", "chunked"])
+def test_tiny_greedy_with_speculation_equals_without(tiny_llama, repeating_ids, engine_args):
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", speculative_config=NGRAM,
+              **engine_args)
+    with speculation_off(llm):
+        want = _ids(llm.generate(repeating_ids, _greedy(24), use_tqdm=False))
+    stats0 = llm.engine.stats()
+    llm.reset_prefix_cache()
+    assert _ids(llm.generate(repeating_ids, _greedy(24), use_tqdm=False)) == want
+    stats = llm.engine.stats()
+    assert stats.spec.num_accepted_tokens > 0
+    if "num_kv_blocks" in engine_args:
+        assert stats.num_preemptions > stats0.num_preemptions
+    if "max_num_batched_tokens" in engine_args:
+        assert stats.num_partial_prefills > stats0.num_partial_prefills
+    _assert_no_leak(llm)
+
+
+def test_no_blocks_leak_after_rejections_and_aborts(tiny_llama, repeating_ids):
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", block_size=4,
+              speculative_config=NGRAM)
+    engine = llm.engine
+    for i, ids in enumerate(repeating_ids):
+        engine.add_request(str(i), ids, _greedy(30))
+    for _ in range(4):
+        engine.step()
+    spec = engine.stats().spec
+    assert spec.num_draft_tokens > spec.num_accepted_tokens  # some were rejected
+    engine.abort_request(["0", "2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_no_leak(llm)
+    # The counters as the server's /metrics shows them, under vLLM's names.
+    from nanoserve.engine.metrics import ServerMetrics
+
+    spec = engine.stats().spec
+    text = ServerMetrics("m", engine.stats).render()[0].decode()
+    for name, value in (("num_draft_tokens", spec.num_draft_tokens),
+                        ("num_accepted_tokens", spec.num_accepted_tokens)):
+        assert f'nanoserve:spec_decode_{name}_total{{model_name="m"}} {float(value)}' in text
+    assert (f'nanoserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+            f'position="0"}} {float(spec.accepted_per_pos[0])}') in text
+
+
+# --- sampling follows the target's distribution ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny random Llama with a 512-token vocabulary: cheap exact distributions."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_COMMON, vocab_size=512, head_dim=16, eos_token_id=0,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    out = tmp_path_factory.mktemp("vocab512")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def test_sampling_with_speculation_follows_the_target_distribution(small_vocab_model):
+    """The joint law of three tokens sampled (top-k 3) with two n-gram proposals verified per
+    step, against transformers' exact one, by a chi-square test over the 27 outcomes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(small_vocab_model, dtype=torch.float32)
+    temperature, top_k = 1.0, 3
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].double() / temperature
+        kth = logits.topk(top_k).values[-1]
+        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+    gen = torch.Generator().manual_seed(1)
+    head, middle = (torch.randint(3, 512, (n,), generator=gen).tolist() for n in (10, 6))
+    # The prompt ends with token 300, seen once before: its followers are the proposals,
+    # chosen as the model's likeliest next tokens, so that many are accepted.
+    d1 = d2 = 7
+    for _ in range(3):
+        prompt = head + [300, d1, d2] + middle + [300]
+        d1 = int(probs(prompt).argmax())
+        d2 = int(probs(prompt + [d1]).argmax())
+    prompt = head + [300, d1, d2] + middle + [300]
+    p1 = probs(prompt)
+    cell_of, expected = {}, []  # the 27 outcomes of nonzero probability
+    for a in p1.nonzero()[:, 0].tolist():
+        p2 = probs(prompt + [a])
+        for b in p2.nonzero()[:, 0].tolist():
+            p3 = probs(prompt + [a, b])
+            for c in p3.nonzero()[:, 0].tolist():
+                cell_of[a, b, c] = len(expected)
+                expected.append(p1[a] * p2[b] * p3[c])
+    expected.append(0.0)  # any other outcome
+
+    llm = LLM(str(small_vocab_model), device="cpu", dtype="float32", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2})
+    n = 3000
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, seed=s,
+                             ignore_eos=True) for s in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    cells = torch.tensor([cell_of.get(tuple(t), len(expected) - 1) for t in _ids(outs)])
+    spec = llm.engine.stats().spec
+    assert spec.accepted_per_pos[0] > n / 10 and spec.accepted_per_pos[1] > n / 20
+    # 26 degrees of freedom: 54 is the 0.1% tail (seeded, so the test is deterministic).
+    assert chi_square(cells, torch.tensor(expected)) < 54.0
+    # Seeded requests are reproducible whatever else is batched.
+    again = llm.generate([prompt] * 5, params[10:15], use_tqdm=False)
+    assert _ids(again) == _ids(outs[10:15])
+    _assert_no_leak(llm)
