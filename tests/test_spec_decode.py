@@ -14,6 +14,8 @@ from sampling_stats import chi_square
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
+from nanoserve.engine.request import Request
+from nanoserve.engine.spec_decode import SpecDecoder
 from nanoserve.engine.spec_ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -81,6 +83,12 @@ def test_speculative_config_from_json_and_vllm_defaults():
     assert EngineConfig(**dataclasses.asdict(config)).speculative_config == spec
 
 
+def test_draft_model_method_is_refused_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="method 'draft_model' is not implemented"):
+        LLM(str(tmp_path / "missing"), speculative_config={"method": "draft_model",
+                                                           "model": str(tmp_path)})
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_cli_and_server_take_speculative_config_as_json(command):
     from nanoserve.entrypoints.cli import build_parser, engine_config_from_args
@@ -116,6 +124,36 @@ def test_ngram_proposer_matches_brute_force_lookup():
         assert got == _reference_proposal(seq, 2, 4, 3), seq
         hits += bool(got)
     assert hits > 100
+
+
+def test_rejected_proposals_shrink_then_pause_then_come_back():
+    """A sequence whose proposals are always rejected proposes ever less often, so it runs
+    almost only plain decodes; once they are accepted again, proposals grow back to k."""
+    config = EngineConfig(speculative_config=NGRAM).speculative_config
+    spec = SpecDecoder(config, max_model_len=1000)
+    req = Request("r", None, [1, 2, 3, 4] * 8, SamplingParams(temperature=0.0,
+                                                              max_tokens=500), 500, frozenset())
+    proposed = []
+    for _ in range(200):
+        drafts = spec.propose(req)
+        proposed.append(len(drafts))
+        if drafts:
+            spec.record(req, len(drafts), 0)
+    assert proposed[0] == 4 and proposed[1] == 2
+    assert sum(map(bool, proposed)) < 12  # paused ever longer: few wasted verifies
+    assert sum(map(bool, proposed[100:])) <= 2
+    while not (drafts := spec.propose(req)):
+        pass
+    for _ in range(4):
+        spec.record(req, len(drafts), len(drafts))
+        drafts = spec.propose(req)
+    assert len(drafts) == 4
+    assert spec.stats.num_accepted_tokens > 0 and spec.stats.accepted_per_pos[0] > 0
+    # Requests whose sampling reads their history, or under a grammar, never propose.
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(min_tokens=5),
+                   SamplingParams(prompt_logprobs=1)):
+        other = Request("o", None, [1, 2, 3, 4] * 8, params, 50, frozenset())
+        assert spec.propose(other) == []
 
 
 # --- greedy exactness ----------------------------------------------------------------------

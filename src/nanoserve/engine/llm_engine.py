@@ -108,6 +108,7 @@ class LLMEngine:
         from nanoserve.models.loader import load_model_assets
         from nanoserve.runner.executor import make_executor
 
+        SpecDecoder.check_supported(config.speculative_config)
         path = resolve_model_path(config.model)
         hf_config, tokenizer, extra_eos = load_model_assets(
             path, require_weights=config.load_format != "dummy")

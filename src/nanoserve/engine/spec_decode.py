@@ -48,13 +48,18 @@ class SpecDecoder:
     would depend on the proposals themselves), or it asked for prompt logprobs."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} is not implemented "
-                             "yet; use 'ngram'")
+        self.check_supported(config)
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+
+    @staticmethod
+    def check_supported(config: SpeculativeConfig | None) -> None:
+        """Refuse, before any model loads, a method this engine does not run."""
+        if config is not None and config.method != "ngram":
+            raise ValueError(f"speculative_config.method {config.method!r} is not implemented "
+                             "yet; use 'ngram'")
 
     def eligible(self, req: Request) -> bool:
         params = req.params
