@@ -125,6 +125,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         # On top of the forward's peak: the sampler's float32 copies of the logits, the graphs'.
         logits_bytes = self.config.max_num_seqs * self.model_config.vocab_size
+        spec = self.config.speculative_config
+        if spec is not None:  # a verify samples at every proposal too
+            logits_bytes *= 1 + spec.num_speculative_tokens
         sampler_bytes = logits_bytes * (4 * 4 + self.dtype.itemsize)
         return int(total * self.config.gpu_memory_utilization - peak - sampler_bytes
                    - graphs_bytes - max(in_use_by_others, 0))
