@@ -17,11 +17,13 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.request import Request
 from nanoserve.engine.spec_decode import SpecDecoder
 from nanoserve.engine.spec_ngram import NgramProposer
+from nanoserve.spec_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog did not move, and the fox ran "
            "into the forest, where it met an old owl who lived in a tall oak tree.")
+PROMPTS_PLAIN = ["The capital of France is", "def fibonacci(n):"]
 REPEAT_PROMPTS = [
     f"Repeat the passage exactly.\nPassage: {PASSAGE}\nRepeat: {PASSAGE}\nRepeat:",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -30,15 +32,22 @@ REPEAT_PROMPTS = [
 
 
 @contextlib.contextmanager
-def speculation_off(llm: LLM):
-    """The same engine (same weights, same cache) running every step without proposals."""
+def speculation(llm: LLM, config: dict | None):
+    """The same engine (same weights, same cache) with other speculation: none (None) or
+    n-gram lookup, set up as the engine's constructor does it."""
     engine = llm.engine
-    spec, proposer = engine.spec, engine.scheduler.proposer
-    engine.spec = engine.scheduler.proposer = None
+    saved = engine.spec, engine.scheduler.proposer
+    engine.spec = None if config is None else SpecDecoder(
+        SpeculativeConfig(**config), engine.max_model_len)
+    engine.scheduler.proposer = None if config is None else engine.spec.propose
     try:
         yield
     finally:
-        engine.spec, engine.scheduler.proposer = spec, proposer
+        engine.spec, engine.scheduler.proposer = saved
+
+
+def speculation_off(llm: LLM):
+    return speculation(llm, None)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -81,12 +90,6 @@ def test_speculative_config_from_json_and_vllm_defaults():
     assert EngineConfig(speculative_config={}).speculative_config.prompt_lookup_min == 5
     # The CLI hands LLM(...) the config as a dict again: it must come back the same.
     assert EngineConfig(**dataclasses.asdict(config)).speculative_config == spec
-
-
-def test_draft_model_method_is_refused_before_loading(tmp_path):
-    with pytest.raises(ValueError, match="method 'draft_model' is not implemented"):
-        LLM(str(tmp_path / "missing"), speculative_config={"method": "draft_model",
-                                                           "model": str(tmp_path)})
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -138,14 +141,14 @@ def test_rejected_proposals_shrink_then_pause_then_come_back():
         drafts = spec.propose(req)
         proposed.append(len(drafts))
         if drafts:
-            spec.record(req, len(drafts), 0)
+            spec.record(req, len(drafts), 0, len(req.token_ids))
     assert proposed[0] == 4 and proposed[1] == 2
     assert sum(map(bool, proposed)) < 12  # paused ever longer: few wasted verifies
     assert sum(map(bool, proposed[100:])) <= 2
     while not (drafts := spec.propose(req)):
         pass
     for _ in range(4):
-        spec.record(req, len(drafts), len(drafts))
+        spec.record(req, len(drafts), len(drafts), len(req.token_ids))
         drafts = spec.propose(req)
     assert len(drafts) == 4
     assert spec.stats.num_accepted_tokens > 0 and spec.stats.accepted_per_pos[0] > 0
@@ -160,14 +163,29 @@ def test_rejected_proposals_shrink_then_pause_then_come_back():
 
 @pytest.fixture(scope="module")
 def smollm2_spec(smollm2_path):
+    """SmolLM2 with itself as a draft model; tests switch it to n-gram lookup or to none."""
     return LLM(str(smollm2_path), max_model_len=512, num_kv_blocks=48, block_size=16,
-               speculative_config=NGRAM)
+               speculative_config={"method": "draft_model", "model": str(smollm2_path),
+                                   "num_speculative_tokens": 3})
+
+
+def test_smollm2_drafting_for_itself_keeps_greedy_outputs(smollm2_spec):
+    llm, params = smollm2_spec, _greedy(16)
+    with speculation_off(llm):
+        want = _ids(llm.generate(PROMPTS_PLAIN, params, use_tqdm=False))
+    assert _ids(llm.generate(PROMPTS_PLAIN, params, use_tqdm=False)) == want
+    spec = llm.engine.stats().spec
+    assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens > 0  # the same model
+    draft = llm.engine.spec.draft.bm
+    assert draft.num_free_blocks == draft.num_blocks
+    _assert_no_leak(llm)
 
 
 def test_smollm2_greedy_with_speculation_equals_without(smollm2_spec):
     llm, params = smollm2_spec, _greedy(24)
-    got = _ids(llm.generate(REPEAT_PROMPTS[:2], params, use_tqdm=False))
-    spec = llm.engine.stats().spec
+    with speculation(llm, NGRAM):
+        got = _ids(llm.generate(REPEAT_PROMPTS[:2], params, use_tqdm=False))
+        spec = llm.engine.stats().spec
     assert spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens > spec.num_draft_tokens / 2  # the text repeats
     assert spec.accepted_per_pos[3] > 0
@@ -178,7 +196,8 @@ def test_smollm2_greedy_with_speculation_equals_without(smollm2_spec):
     # accepted tokens were hashed, and their K/V is what a plain decode computes.
     prompt = llm.tokenizer.encode(REPEAT_PROMPTS[0]) + got[0][:16]
     hits = llm.engine.stats().prefix_cache_hits
-    out = llm.generate([prompt], _greedy(8), use_tqdm=False)[0]
+    with speculation_off(llm):
+        out = llm.generate([prompt], _greedy(8), use_tqdm=False)[0]
     assert out.num_cached_tokens > len(prompt) - 16
     assert llm.engine.stats().prefix_cache_hits > hits
     assert out.outputs[0].token_ids == got[0][16:]
@@ -192,7 +211,7 @@ def test_smollm2_stop_strings_and_logprobs_under_speculation(smollm2_spec):
         want = llm.generate(REPEAT_PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
     drafts = llm.engine.stats().spec.num_draft_tokens
     got = llm.generate(REPEAT_PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
-    assert llm.engine.stats().spec.num_draft_tokens > drafts
+    assert llm.engine.stats().spec.num_draft_tokens > drafts  # the draft model's
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
     assert len(got.logprobs) == len(got.token_ids)
     for g, w in zip(got.logprobs, want.logprobs):
@@ -216,13 +235,23 @@ def repeating_ids(tiny_llama):
     return out + [[7] * 30]
 
 
-@pytest.mark.parametrize("engine_args", [
-    {},
-    {"num_kv_blocks": 14, "block_size": 8},  # preemption
-    {"max_num_batched_tokens": 9, "block_size": 8},  # chunked prefill
-], ids=["plain", "preemption", "chunked"])
-def test_tiny_greedy_with_speculation_equals_without(tiny_llama, repeating_ids, engine_args):
-    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", speculative_config=NGRAM,
+PREEMPTION = {"num_kv_blocks": 14, "block_size": 8}
+CHUNKED = {"max_num_batched_tokens": 9, "block_size": 8}
+
+
+@pytest.mark.parametrize("proposer, engine_args", [
+    ("ngram", {}), ("ngram", PREEMPTION), ("ngram", CHUNKED),
+    ("itself", PREEMPTION), ("itself", CHUNKED), ("other", {}),
+], ids=["ngram", "ngram-preemption", "ngram-chunked", "draft-itself-preemption",
+        "draft-itself-chunked", "draft-other"])
+def test_tiny_greedy_with_speculation_equals_without(tiny_llama, tiny_qwen3, repeating_ids,
+                                                     proposer, engine_args):
+    """n-gram lookup, the model drafting for itself (all accepted) and another random model
+    drafting (nearly all rejected: the draft's cache rolls back every step)."""
+    config = NGRAM if proposer == "ngram" else {
+        "method": "draft_model", "num_speculative_tokens": 3,
+        "model": str(tiny_llama if proposer == "itself" else tiny_qwen3)}
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", speculative_config=config,
               **engine_args)
     with speculation_off(llm):
         want = _ids(llm.generate(repeating_ids, _greedy(24), use_tqdm=False))
@@ -230,12 +259,17 @@ def test_tiny_greedy_with_speculation_equals_without(tiny_llama, repeating_ids, 
     llm.reset_prefix_cache()
     assert _ids(llm.generate(repeating_ids, _greedy(24), use_tqdm=False)) == want
     stats = llm.engine.stats()
-    assert stats.spec.num_accepted_tokens > 0
+    assert stats.spec.num_draft_tokens > 0
+    if proposer != "other":
+        assert stats.spec.num_accepted_tokens > 0
     if "num_kv_blocks" in engine_args:
         assert stats.num_preemptions > stats0.num_preemptions
     if "max_num_batched_tokens" in engine_args:
         assert stats.num_partial_prefills > stats0.num_partial_prefills
     _assert_no_leak(llm)
+    if llm.engine.spec.draft is not None:
+        draft = llm.engine.spec.draft.bm
+        assert draft.num_free_blocks == draft.num_blocks, "draft blocks leaked"
 
 
 def test_no_blocks_leak_after_rejections_and_aborts(tiny_llama, repeating_ids):

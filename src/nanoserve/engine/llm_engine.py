@@ -16,7 +16,8 @@ from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
-from nanoserve.engine.spec_decode import SpecDecoder, SpecStats
+from nanoserve.engine.spec_decode import SpecDecoder, SpecStats, draft_model_assets
+from nanoserve.engine.spec_draft import DraftProposer
 from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import check_context_length, truncate_prompt
 from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, InFlightStep, SequenceChunk,
@@ -75,7 +76,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any,
-                 executor: Executor, model_name: str):
+                 executor: Executor, model_name: str, draft_executor: Executor | None = None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -98,7 +99,10 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         spec = config.speculative_config
-        self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len)
+        draft = None
+        if draft_executor is not None:
+            draft = DraftProposer(draft_executor, config.block_size, draft_executor.max_model_len)
+        self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len, draft)
         if self.spec is not None:
             self.scheduler.proposer = self.spec.propose
 
@@ -108,13 +112,21 @@ class LLMEngine:
         from nanoserve.models.loader import load_model_assets
         from nanoserve.runner.executor import make_executor
 
-        SpecDecoder.check_supported(config.speculative_config)
         path = resolve_model_path(config.model)
         hf_config, tokenizer, extra_eos = load_model_assets(
             path, require_weights=config.load_format != "dummy")
         model_config = ModelConfig.from_hf(hf_config, extra_eos)
-        executor = make_executor(config, model_config, path)
-        engine = cls(config, model_config, tokenizer, executor, str(path))
+        draft_assets = draft_model_assets(config, model_config)
+        executor = make_executor(config, model_config, path,
+                                 draft_assets[1] if draft_assets is not None else None)
+        draft = None
+        if draft_assets is not None:
+            # The draft holds as many blocks as the target: it never runs out first.
+            draft_config = dataclasses.replace(
+                config, model=str(draft_assets[0]), speculative_config=None,
+                num_kv_blocks=executor.num_kv_blocks, kv_cache_memory=None)
+            draft = make_executor(draft_config, draft_assets[1], draft_assets[0])
+        engine = cls(config, model_config, tokenizer, executor, str(path), draft)
         freeze_startup_heap()
         return engine
 
@@ -243,6 +255,8 @@ class LLMEngine:
                 outputs += self._collect(previous)
                 previous = None
             suspects = self.fault_hunt.suspects()
+            if self.spec is not None:
+                self.spec.prepare(self.scheduler.running)
             sched = self.scheduler.schedule(suspects)
             if not sched.chunks and suspects is not None:  # no suspect can run now: the rest
                 sched = self.scheduler.schedule()
@@ -350,7 +364,8 @@ class LLMEngine:
         token sampled after them; the K/V of the rejected ones is rolled back first, so that
         only accepted tokens are hashed into the prefix cache."""
         req = chunk.request
-        self.spec.record(req, len(chunk.draft_token_ids), len(accepted))
+        self.spec.record(req, len(chunk.draft_token_ids), len(accepted),
+                         chunk.start + 1 + len(accepted))
         self.scheduler.rollback(req, chunk.start + 1 + len(accepted))
         req.num_pending_tokens += len(accepted)  # each token taken counts one pending off
         lps = accepted_logprobs or [None] * len(accepted)
@@ -417,6 +432,8 @@ class LLMEngine:
         if self.fault_hunt.groups:
             self.fault_hunt.discard([req.request_id])
         self.num_history_requests -= req.params.needs_token_history
+        if self.spec is not None:
+            self.spec.release(req)
         self.output_processor.remove(req)
         if self._structured is not None:
             self._structured.remove(req.request_id)
@@ -443,3 +460,5 @@ class LLMEngine:
         if self._structured is not None:
             self._structured.compiler.close()
         self.executor.close()
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.executor.close()

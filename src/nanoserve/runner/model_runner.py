@@ -37,7 +37,8 @@ class ModelRunner:
     feeds_pending_tokens = True
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None,
+                 draft_model_config: ModelConfig | None = None):
         self.config = config
         self.model_config = model_config
         self.device = device or resolve_device(config.device)
@@ -75,6 +76,7 @@ class ModelRunner:
         attn = self.attention[0]
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
                                                       self.device)
+        self.draft_model_config = draft_model_config
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
@@ -102,11 +104,16 @@ class ModelRunner:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory or self._default_kv_budget()
+        block_bytes = self._bytes_per_block()
+        draft = self.draft_model_config
+        if draft is not None:  # a draft model's cache, as many blocks, shares the budget
+            block_bytes += (2 * self.block_size * draft.num_kv_heads * draft.head_dim
+                            * draft.num_layers * self.kv_cache_dtype.itemsize)
         # Never more than every admitted sequence could fill at full length.
-        num = min(budget // self._bytes_per_block(), self.config.max_num_seqs * self.blocks_per_seq)
+        num = min(budget // block_bytes, self.config.max_num_seqs * self.blocks_per_seq)
         if num < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
-                             f"{self._bytes_per_block()} bytes")
+                             f"{block_bytes} bytes")
         # Tensor-parallel ranks must agree: the engine addresses one block table for them all.
         return get_tp_group().min_over_ranks(int(num), self.device)
 
