@@ -18,6 +18,7 @@ the batch's output rate over the same steps, ``acceptance`` accepted / proposed 
 
     python benchmarks/spec_decode.py --shapes qwen3-0.6b qwen3-8b --synthetic-acceptance 0.5 0.8 0.9
     python benchmarks/spec_decode.py --device cpu --batch-sizes 1 4 --new-tokens 32   # SmolLM2
+    python benchmarks/spec_decode.py --model TARGET --draft-model DRAFT --k 3
 """
 from __future__ import annotations
 
@@ -102,24 +103,26 @@ def measure(llm: LLM, prompts: list, args: argparse.Namespace, spec_on: bool) ->
     return record
 
 
-def engine_args(args: argparse.Namespace, k: int) -> dict:
+def engine_args(args: argparse.Namespace, k: int, draft: str | None = None) -> dict:
     extra = {} if args.device == "auto" else {"device": args.device}
+    spec = ({"method": "draft_model", "model": draft, "num_speculative_tokens": k} if draft
+            else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 4})
     return dict(max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
                 enable_prefix_caching=False, enforce_eager=args.enforce_eager,
-                speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **extra)
+                speculative_config=spec, **extra)
 
 
 def run_model(args: argparse.Namespace, env: dict) -> None:
     for k in args.k:
-        llm = LLM(args.model, **engine_args(args, k))
+        llm = LLM(args.model, **engine_args(args, k, args.draft_model))
         try:
             for batch in args.batch_sizes:
                 prompts = repeat_prompts(batch)
                 time_generate(llm, prompts, 8, 1, args.device)  # warm-up
                 for spec_on in (False, True):
                     emit({"bench": "spec_decode", "model": args.model or "SmolLM2-135M",
-                          "proposer": "ngram", "k": k, **measure(llm, prompts, args, spec_on),
+                          "proposer": args.draft_model or "ngram", "k": k, **measure(llm, prompts, args, spec_on),
                           **env})
         finally:
             llm.close()
@@ -162,6 +165,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None,
                         help="a real model for n-gram proposals (default: SmolLM2-135M)")
+    parser.add_argument("--draft-model", default=None,
+                        help="with --model: a draft model's path instead of n-gram lookup")
     parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
                         metavar="SHAPE", help="random-weight shapes (with --synthetic-acceptance)")
     parser.add_argument("--synthetic-acceptance", nargs="+", type=float, default=[0.5, 0.8, 0.9])

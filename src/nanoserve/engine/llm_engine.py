@@ -101,7 +101,8 @@ class LLMEngine:
         spec = config.speculative_config
         draft = None
         if draft_executor is not None:
-            draft = DraftProposer(draft_executor, config.block_size, draft_executor.max_model_len)
+            draft = DraftProposer(draft_executor, config.block_size, draft_executor.max_model_len,
+                                  config.max_num_batched_tokens)
         self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len, draft)
         if self.spec is not None:
             self.scheduler.proposer = self.spec.propose

@@ -93,6 +93,8 @@ class SpecDecoder:
             return
         wanted = []
         for req in running:
+            if req.spec_state is not None:
+                req.spec_state.proposals = []
             if req.num_pending_tokens or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             k = self._budget(req)

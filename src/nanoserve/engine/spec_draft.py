@@ -30,8 +30,10 @@ class DraftProposer:
     sampling (accept with probability p(d)) keeps exact for every sampling option.
     """
 
-    def __init__(self, executor: Any, block_size: int, max_model_len: int):
+    def __init__(self, executor: Any, block_size: int, max_model_len: int,
+                 max_num_batched_tokens: int):
         self.executor = executor
+        self.max_num_batched_tokens = max_num_batched_tokens  # per draft step
         self.bm = BlockManager(executor.num_kv_blocks, block_size, enable_prefix_caching=False)
         self.max_model_len = max_model_len  # the draft's own positions may end sooner
         self.finished_ids: list[str] = []
@@ -40,6 +42,7 @@ class DraftProposer:
         """Up to ``k`` proposals after each ``(request, k)``'s last known token; a request
         whose proposals would not fit the draft's cache or positions gets none."""
         rows: list[tuple[Request, int, DraftState]] = []
+        num_tokens = 0  # in the first step, which catches up
         for req, k in wanted:
             state = req.spec_state.draft
             if state is None:
@@ -50,8 +53,11 @@ class DraftProposer:
             k = min(k, self.max_model_len - req.num_tokens + 1)
             # The draft computes through its k-1-th proposal.
             need = self.bm.blocks_needed(req.num_tokens + k - 1) - len(state.block_table)
-            if k < 1 or not self.bm.can_allocate(need):
-                continue
+            catch_up = req.num_tokens - state.num_computed
+            if k < 1 or not self.bm.can_allocate(need) or (
+                    rows and num_tokens + catch_up > self.max_num_batched_tokens):
+                continue  # no proposals this step (a long catch-up: in a later one)
+            num_tokens += catch_up
             if need > 0:
                 state.block_table += self.bm.allocate(need)
             rows.append((req, k, state))
