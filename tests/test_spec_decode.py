@@ -278,7 +278,11 @@ def test_no_blocks_leak_after_rejections_and_aborts(tiny_llama, repeating_ids):
     engine = llm.engine
     for i, ids in enumerate(repeating_ids):
         engine.add_request(str(i), ids, _greedy(30))
-    for _ in range(4):
+    engine.step()  # the prompts, with proposals from them verified in the same forward
+    assert engine.stats().spec.num_drafts == len(repeating_ids)
+    for req in engine.scheduler.running:  # the K/V of every token but the newest stands
+        assert req.num_computed_tokens == len(req.token_ids) - 1 >= len(req.prompt_token_ids)
+    for _ in range(3):
         engine.step()
     spec = engine.stats().spec
     assert spec.num_draft_tokens > spec.num_accepted_tokens  # some were rejected

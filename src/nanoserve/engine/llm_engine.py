@@ -365,9 +365,11 @@ class LLMEngine:
         token sampled after them; the K/V of the rejected ones is rolled back first, so that
         only accepted tokens are hashed into the prefix cache."""
         req = chunk.request
-        self.spec.record(req, len(chunk.draft_token_ids), len(accepted),
-                         chunk.start + 1 + len(accepted))
-        self.scheduler.rollback(req, chunk.start + 1 + len(accepted))
+        num_proposed = len(chunk.draft_token_ids)
+        # The chunk's known tokens (a prompt's last part, or the last token) and the accepted.
+        num_valid = chunk.start + chunk.num_tokens - num_proposed + len(accepted)
+        self.spec.record(req, num_proposed, len(accepted), num_valid)
+        self.scheduler.rollback(req, num_valid)
         req.num_pending_tokens += len(accepted)  # each token taken counts one pending off
         lps = accepted_logprobs or [None] * len(accepted)
         return accepted + [token], lps + [token_logprobs]
