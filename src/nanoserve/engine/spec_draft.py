@@ -103,7 +103,7 @@ class DraftProposer:
     def release(self, req: Request) -> None:
         """A finished request's draft blocks go back; its runner state goes with the next step."""
         state = req.spec_state.draft if req.spec_state is not None else None
-        if state is not None:
+        if state is not None:  # the draft runner has seen it
             self.bm.free_blocks(state.block_table)
             req.spec_state.draft = None
-        self.finished_ids.append(req.request_id)
+            self.finished_ids.append(req.request_id)
