@@ -1,8 +1,9 @@
 """Speculative decoding's engine side: which sequences propose, how many tokens, and counts.
 
 The scheduler asks for proposals for every chunk that reaches its request's last known token,
-a prompt's last chunk included: its verify then samples the first token and checks proposals
-made from the prompt alone in the same forward."""
+a prompt's last chunk included (n-gram lookup): its verify then samples the first token and
+checks proposals made from the prompt alone in the same forward. A draft model proposes for
+decodes only, its k steps batched before the schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ class SpecStats:
 
 
 class SpecDecoder:
-    """Proposes tokens for running sequences before each schedule, adapts each sequence's
+    """Proposes tokens for the scheduler (n-gram lookup when it asks; a draft model's, run
+    for the whole batch by ``prepare`` before each schedule), adapts each sequence's
     proposal length to what it had accepted, and counts. A request is run without speculation
     (a plain one-token decode) while its sampling reads its token history (penalties), it is
     held to a grammar, or it has not reached ``min_tokens`` (its next tokens' distributions
