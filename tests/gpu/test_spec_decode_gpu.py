@@ -1,9 +1,9 @@
 """On a CUDA device: speculative decoding (n-gram and draft model) against plain decoding.
 
-The real SmolLM2 in float32 on prompts that repeat a passage, so proposals are accepted;
-plain steps run the decode graphs, verify steps the eager prefill path, so the two may differ
-in the last bits: greedy outputs must be equal, or diverge only at a near tie. Skipped
-without CUDA.
+The real SmolLM2 in bf16 on prompts that repeat a passage, so proposals are accepted; plain
+steps run the decode graphs, verify steps the eager prefill path, so the two differ in the last
+bits: greedy outputs must be equal or, at their first divergence, each side's token must be in
+the other's top-5 (test_gpu_parity's rule). Skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -19,16 +19,19 @@ PROMPTS = [f"Repeat the passage exactly.\nPassage: {PASSAGE}\nRepeat: {PASSAGE}\
            "The capital of France is"] * 3
 
 
+def _top5(logprobs: dict[int, float]) -> set[int]:
+    return set(sorted(logprobs, key=logprobs.get, reverse=True)[:5])
+
+
 def _assert_equal_or_near_tie(want, got) -> None:
     for w, g in zip(want, got):
         w, g = w.outputs[0], g.outputs[0]
-        diverge = next((i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b),
-                       None)
-        if diverge is None:
-            assert w.token_ids == g.token_ids
-            continue
-        top = sorted(w.logprobs[diverge].values(), reverse=True)
-        assert top[0] - top[1] < 1e-2, f"diverged at token {diverge}, not at a near tie"
+        assert len(w.token_ids) == len(g.token_ids)
+        for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)):
+            if a != b:
+                assert a in _top5(g.logprobs[i]) and b in _top5(w.logprobs[i]), (
+                    f"diverged at token {i}, not at a near tie")
+                break
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -40,13 +43,15 @@ def test_speculation_keeps_greedy_outputs_on_cuda(method):
             if method == "ngram" else
             {"method": "draft_model", "model": str(default_model_path()),
              "num_speculative_tokens": 3})
-    base = LLM(dtype="float32", max_model_len=1024, max_num_seqs=16)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    engine = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16,
+                  gpu_memory_utilization=0.5)
+    base = LLM(**engine)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5)
     want = base.generate(PROMPTS, params, use_tqdm=False)
     base.close()
     del base
     torch.cuda.empty_cache()
-    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=16, speculative_config=spec)
+    llm = LLM(**engine, speculative_config=spec)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     _assert_equal_or_near_tie(want, got)
     stats = llm.engine.stats()
