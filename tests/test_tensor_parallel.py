@@ -194,11 +194,13 @@ def test_lm_head_writes_logits_in_place_on_one_rank():
 def test_step_packing_round_trips():
     chunks = [SequenceChunk("a", [5, 6, 7], 0, [3], True, None, [], [], [], 2),
               SequenceChunk("b", [9], 40, [1, 4, 8], False, None, [], [], []),
-              SequenceChunk("c", [2, 2], 16, [], True, None, [], [], [])]
+              SequenceChunk("c", [2, 2], 16, [], True, None, [], [], []),
+              SequenceChunk("d", [2, 8, 9], 7, [5], True, None, [], [], [], 0, 2)]
     back = unpack_step(pack_step(StepInput(chunks, ["x"])).tolist()).chunks
 
     def fields(c):
-        return c.token_ids, c.start, c.block_table, c.sample, c.prompt_logprob_rows
+        return (c.token_ids, c.start, c.block_table, c.sample, c.prompt_logprob_rows,
+                c.num_draft_tokens)
 
     assert [fields(c) for c in back] == [fields(c) for c in chunks]
 

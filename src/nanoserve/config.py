@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.sampling_params import MAX_LOGPROBS, check_int
+from nanoserve.spec_config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -38,8 +39,11 @@ class EngineConfig:
     # Admission control: add_request refuses a request (EngineOverloadedError; the server's
     # 503) while this many wait beyond the batch's free seats. None: no bound.
     max_waiting_requests: int | None = None
+    # Speculative decoding (vLLM's): a dict, a JSON object (the CLI's) or a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size", "max_n"):
             check_int(name, getattr(self, name), 1)

@@ -1,6 +1,7 @@
 """LLMEngine: validates and tokenizes requests, runs scheduler steps, turns tokens into outputs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -15,6 +16,8 @@ from nanoserve.gc_tuning import freeze_startup_heap
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
+from nanoserve.engine.spec_decode import SpecDecoder, SpecStats, draft_model_assets
+from nanoserve.engine.spec_draft import DraftProposer
 from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import check_context_length, truncate_prompt
 from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, InFlightStep, SequenceChunk,
@@ -60,6 +63,7 @@ class EngineStats:
     num_partial_prefills: int  # prefill chunks that stopped short of the prompt's end
     prompt_tokens: int
     generation_tokens: int
+    spec: SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
 class LLMEngine:
@@ -72,7 +76,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any,
-                 executor: Executor, model_name: str):
+                 executor: Executor, model_name: str, draft_executor: Executor | None = None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -94,6 +98,14 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        spec = config.speculative_config
+        draft = None
+        if draft_executor is not None:
+            draft = DraftProposer(draft_executor, config.block_size, draft_executor.max_model_len,
+                                  config.max_num_batched_tokens)
+        self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len, draft)
+        if self.spec is not None:
+            self.scheduler.proposer = self.spec.propose
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -105,8 +117,17 @@ class LLMEngine:
         hf_config, tokenizer, extra_eos = load_model_assets(
             path, require_weights=config.load_format != "dummy")
         model_config = ModelConfig.from_hf(hf_config, extra_eos)
-        executor = make_executor(config, model_config, path)
-        engine = cls(config, model_config, tokenizer, executor, str(path))
+        draft_assets = draft_model_assets(config, model_config)
+        executor = make_executor(config, model_config, path,
+                                 draft_assets[1] if draft_assets is not None else None)
+        draft = None
+        if draft_assets is not None:
+            # The draft holds as many blocks as the target: it never runs out first.
+            draft_config = dataclasses.replace(
+                config, model=str(draft_assets[0]), speculative_config=None,
+                num_kv_blocks=executor.num_kv_blocks, kv_cache_memory=None)
+            draft = make_executor(draft_config, draft_assets[1], draft_assets[0])
+        engine = cls(config, model_config, tokenizer, executor, str(path), draft)
         freeze_startup_heap()
         return engine
 
@@ -226,14 +247,17 @@ class LLMEngine:
         propagates when the executor stopped for good or the engine's own bookkeeping broke."""
         outputs = [self._finalize(req) for req in self.aborted]
         self.aborted = []
+        # Proposals read the previous step's tokens: speculation runs unoverlapped steps.
         overlap = (self.executor.feeds_pending_tokens and not self.num_history_requests
-                   and not self.fault_hunt.groups)
+                   and not self.fault_hunt.groups and self.spec is None)
         previous, self.in_flight = self.in_flight, None
         try:
             if not overlap:
                 outputs += self._collect(previous)
                 previous = None
             suspects = self.fault_hunt.suspects()
+            if self.spec is not None:
+                self.spec.prepare(self.scheduler.running)
             sched = self.scheduler.schedule(suspects)
             if not sched.chunks and suspects is not None:  # no suspect can run now: the rest
                 sched = self.scheduler.schedule()
@@ -301,16 +325,25 @@ class LLMEngine:
                 chunk.request.add_prompt_logprobs(chunk.start + 1, entries)
         sampling = [c for c in chunks if c.samples]
         logprobs = step_out.logprobs or [None] * len(sampling)
+        accepted = step_out.accepted_token_ids or [[]] * len(sampling)
+        accepted_logprobs = step_out.accepted_logprobs or [None] * len(sampling)
         grammar_ok = self._structured.accept({
             c.request.request_id: t for c, t in zip(sampling, step_out.token_ids)
             if c.request.params.structured_outputs is not None and not c.request.finished
             and t != FAILED_ROW}) if self._structured else {}
-        for chunk, token, token_logprobs in zip(sampling, step_out.token_ids, logprobs):
+        for i, (chunk, token) in enumerate(zip(sampling, step_out.token_ids)):
             req = chunk.request
             if req.finished:  # ended (a stop, an abort) while this step ran: drop its token
                 continue
+            tokens, token_logprobs = [token], [logprobs[i]]
+            if chunk.draft_token_ids:
+                tokens, token_logprobs = self._verified(chunk, accepted[i], accepted_logprobs[i],
+                                                        token, logprobs[i])
             try:
-                self._take_token(req, token, token_logprobs, now, grammar_ok.get(req.request_id))
+                for token, lp in zip(tokens, token_logprobs):
+                    self._take_token(req, token, lp, now, grammar_ok.get(req.request_id))
+                    if req.finished:  # a stop among the accepted tokens: drop the rest
+                        break
             except Exception as exc:
                 logger.error("request %s failed", req.request_id, exc_info=exc)
                 outputs.append(self._fail(req, exc))
@@ -323,6 +356,23 @@ class LLMEngine:
         if self.fault_hunt.groups:  # these ran without failing: no longer suspects
             self.fault_hunt.discard([c.request.request_id for c in chunks])
         return outputs
+
+    def _verified(self, chunk: ScheduledChunk, accepted: list[int],
+                  accepted_logprobs: list[dict[int, float]] | None, token: int,
+                  token_logprobs: dict[int, float] | None
+                  ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """A verify step's tokens for ``chunk``'s request: the accepted proposals, then the
+        token sampled after them; the K/V of the rejected ones is rolled back first, so that
+        only accepted tokens are hashed into the prefix cache."""
+        req = chunk.request
+        num_proposed = len(chunk.draft_token_ids)
+        # The chunk's known tokens (a prompt's last part, or the last token) and the accepted.
+        num_valid = chunk.start + chunk.num_tokens - num_proposed + len(accepted)
+        self.spec.record(req, num_proposed, len(accepted), num_valid)
+        self.scheduler.rollback(req, num_valid)
+        req.num_pending_tokens += len(accepted)  # each token taken counts one pending off
+        lps = accepted_logprobs or [None] * len(accepted)
+        return accepted + [token], lps + [token_logprobs]
 
     def _take_token(self, req: Request, token: int, token_logprobs: dict[int, float] | None,
                     now: float, grammar_ok: bool | None = None) -> None:
@@ -359,9 +409,11 @@ class LLMEngine:
             banned = []
             if req.num_sampled_tokens < params.min_tokens:
                 banned = list(req.eos_token_ids) + list(params.stop_token_ids)
-            token_ids = req.token_ids[c.start:c.start + c.num_tokens]
-            if len(token_ids) < c.num_tokens:  # a decode of a token still on the device
+            known = c.num_tokens - len(c.draft_token_ids)
+            token_ids = req.token_ids[c.start:c.start + known]
+            if len(token_ids) < known:  # a decode of a token still on the device
                 token_ids.append(PENDING_TOKEN)
+            token_ids += c.draft_token_ids
             seqs.append(SequenceChunk(
                 request_id=req.request_id,
                 token_ids=token_ids,
@@ -370,7 +422,8 @@ class LLMEngine:
                 output_token_ids=req.output_token_ids if params.needs_token_history else [],
                 banned_token_ids=banned,
                 prompt_logprob_rows=0 if req.prompt_logprobs is None
-                else req.prompt_logprob_rows(c.start, c.num_tokens)))
+                else req.prompt_logprob_rows(c.start, c.num_tokens),
+                num_draft_tokens=len(c.draft_token_ids)))
         finished, self.finished_ids = self.finished_ids, []
         grammar_rows = [i for i, c in enumerate(c for c in chunks if c.samples)
                         if c.request.params.structured_outputs is not None]
@@ -382,6 +435,8 @@ class LLMEngine:
         if self.fault_hunt.groups:
             self.fault_hunt.discard([req.request_id])
         self.num_history_requests -= req.params.needs_token_history
+        if self.spec is not None:
+            self.spec.release(req)
         self.output_processor.remove(req)
         if self._structured is not None:
             self._structured.remove(req.request_id)
@@ -400,9 +455,13 @@ class LLMEngine:
             num_total_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             num_partial_prefills=self.scheduler.num_partial_prefills,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            spec=None if self.spec is None else dataclasses.replace(
+                self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos)))
 
     def close(self) -> None:
         if self._structured is not None:
             self._structured.compiler.close()
         self.executor.close()
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.executor.close()

@@ -53,11 +53,27 @@ class _EngineStatsCollector(Collector):
             ("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
             ("generation_tokens", "Tokens generated.", stats.generation_tokens),
         )
+        spec = stats.spec
+        if spec is not None:  # vLLM's spec-decode counters
+            counters += (
+                ("spec_decode_num_drafts", "Verify steps of a sequence with proposals.",
+                 spec.num_drafts),
+                ("spec_decode_num_draft_tokens", "Tokens proposed.", spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                 spec.num_accepted_tokens),
+            )
         for kind, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in metrics:
                 family = kind(PREFIX + name, doc, labels=["model_name"])
                 family.add_metric([self._model_name], value)
                 yield family
+        if spec is not None:
+            family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Proposals accepted, by position in the draft.",
+                                         labels=["model_name", "position"])
+            for position, value in enumerate(spec.accepted_per_pos):
+                family.add_metric([self._model_name, str(position)], value)
+            yield family
 
 
 class ServerMetrics:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class Request:
     # One entry per prompt token, the first None (nothing predicts it), when params ask.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_preemptions: int = 0
+    spec_state: Any = None  # speculative decoding's state for it (engine/spec_decode.py)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from nanoserve.engine.block_manager import BlockManager
@@ -12,15 +12,18 @@ from nanoserve.engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` starting at position ``start`` go into this step."""
+    """``num_tokens`` tokens of ``request`` starting at position ``start`` go into this step;
+    the last ``len(draft_token_ids)`` of them are proposals for the step to verify."""
 
     request: Request
     start: int
     num_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
     samples: bool = field(init=False)  # the chunk reaches the request's last token: sample
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        known_end = self.start + self.num_tokens - len(self.draft_token_ids)
+        self.samples = known_end == self.request.num_tokens
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_partial_prefills = 0
+        # Speculative decoding: proposals for a request whose chunk reaches its last token.
+        self.proposer: Callable[[Request], list[int]] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -79,8 +84,10 @@ class Scheduler:
                     out.preempted.append(self._preempt(self.running.pop()))
                     break
                 req.block_table += self.bm.allocate(need)
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            drafts = self._drafts(req, n, budget - n)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(drafts),
+                                             drafts))
+            budget -= n + len(drafts)
             i += 1
         if out.preempted:
             return out
@@ -114,9 +121,34 @@ class Scheduler:
                 req.num_cached_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, computed, n))
-            budget -= n
+            drafts = self._drafts(req, n, budget - n)
+            out.chunks.append(ScheduledChunk(req, computed, n + len(drafts), drafts))
+            budget -= n + len(drafts)
         return out
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Proposals to verify after a chunk of ``n`` tokens that reaches the request's last
+        known token, as many as fit the step's ``budget`` and the free blocks (taking those):
+        proposals never preempt anyone."""
+        end = req.num_computed_tokens + n
+        if (self.proposer is None or budget <= 0 or req.num_pending_tokens
+                or end != req.num_tokens):
+            return []
+        room = (len(req.block_table) + self.bm.num_free_blocks) * self.bm.block_size - end
+        drafts = self.proposer(req)[:max(0, min(budget, room))]
+        need = self.bm.blocks_needed(end + len(drafts)) - len(req.block_table)
+        if need > 0:
+            req.block_table += self.bm.allocate(need)
+        return drafts
+
+    def rollback(self, req: Request, num_computed: int) -> None:
+        """After a verify: only ``num_computed`` tokens' K/V stand (the rejected proposals'
+        do not); blocks that only rejected proposals used go back to the free list."""
+        req.num_computed_tokens = num_computed
+        keep = self.bm.blocks_needed(num_computed + 1)  # room for the next token's K/V
+        if len(req.block_table) > keep:
+            self.bm.free_blocks(req.block_table[keep:])
+            del req.block_table[keep:]
 
     def advance(self, chunk: ScheduledChunk) -> None:
         """Count the chunk's K/V as computed (once its step runs) and its sampled token as

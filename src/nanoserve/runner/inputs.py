@@ -33,6 +33,9 @@ class SequenceChunk:
     # The chunk's first positions whose next token is a prompt token whose logprobs were asked
     # for (SamplingParams.prompt_logprobs): each predicts the token after it.
     prompt_logprob_rows: int = 0
+    # The last ones of token_ids are proposals to verify: the step samples at each of them
+    # and at the token before them (speculative decoding).
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -50,11 +53,15 @@ class StepInput:
 @dataclass
 class StepOutput:
     """Sampled token per sampling chunk, in order; optional logprobs alongside; per request
-    whose chunk had ``prompt_logprob_rows``, the logprobs of the prompt tokens they predict."""
+    whose chunk had ``prompt_logprob_rows``, the logprobs of the prompt tokens they predict.
+    In a step that verified proposals, ``accepted_token_ids[i]`` are chunk ``i``'s accepted
+    ones (``accepted_logprobs[i]`` theirs), which come before ``token_ids[i]``."""
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    accepted_token_ids: list[list[int]] | None = None
+    accepted_logprobs: list[list[dict[int, float]] | None] | None = None
 
 
 class InFlightStep(Protocol):

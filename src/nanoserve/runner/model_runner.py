@@ -24,6 +24,7 @@ from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler, SamplerOutput, mark_failed_rows, with_fused_logprobs
 from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed, max_logprobs,
                                                temperatures_only)
+from nanoserve.runner.spec_verify import VerifiedStep, verify
 from nanoserve.runner.step_inputs import prepare_inputs
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -36,7 +37,8 @@ class ModelRunner:
     feeds_pending_tokens = True
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None,
+                 draft_model_config: ModelConfig | None = None):
         self.config = config
         self.model_config = model_config
         self.device = device or resolve_device(config.device)
@@ -74,6 +76,7 @@ class ModelRunner:
         attn = self.attention[0]
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
                                                       self.device)
+        self.draft_model_config = draft_model_config
         self.num_kv_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
@@ -101,11 +104,16 @@ class ModelRunner:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory or self._default_kv_budget()
+        block_bytes = self._bytes_per_block()
+        draft = self.draft_model_config
+        if draft is not None:  # a draft model's cache, as many blocks, shares the budget
+            block_bytes += (2 * self.block_size * draft.num_kv_heads * draft.head_dim
+                            * draft.num_layers * self.kv_cache_dtype.itemsize)
         # Never more than every admitted sequence could fill at full length.
-        num = min(budget // self._bytes_per_block(), self.config.max_num_seqs * self.blocks_per_seq)
+        num = min(budget // block_bytes, self.config.max_num_seqs * self.blocks_per_seq)
         if num < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
-                             f"{self._bytes_per_block()} bytes")
+                             f"{block_bytes} bytes")
         # Tensor-parallel ranks must agree: the engine addresses one block table for them all.
         return get_tp_group().min_over_ranks(int(num), self.device)
 
@@ -124,6 +132,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         # On top of the forward's peak: the sampler's float32 copies of the logits, the graphs'.
         logits_bytes = self.config.max_num_seqs * self.model_config.vocab_size
+        spec = self.config.speculative_config
+        if spec is not None:  # a verify samples at every proposal too
+            logits_bytes *= 1 + spec.num_speculative_tokens
         sampler_bytes = logits_bytes * (4 * 4 + self.dtype.itemsize)
         return int(total * self.config.gpu_memory_utilization - peak - sampler_bytes
                    - graphs_bytes - max(in_use_by_others, 0))
@@ -186,6 +197,8 @@ class ModelRunner:
             self.generators.pop(rid, None)
         sampling = [c for c in step.chunks if c.sample]
         params = [c.params for c in sampling]
+        if any(c.num_draft_tokens for c in sampling):
+            return self._verify(step, sampling)
         tensors = logits = token_ids = checked_ids = last = None
         if self.graphs is not None and self.graphs.accepts(step.chunks):
             (hidden, logits, token_ids, checked_ids), tensors = self._replay(
@@ -219,6 +232,35 @@ class ModelRunner:
         if step.grammar_rows and step.token_bitmask is None:
             return DeferredSample(sample)
         return sample(step.token_bitmask)
+
+    def _verify(self, step: StepInput, sampling: list[SequenceChunk]) -> InFlightStep:
+        """A step that verifies proposals (spec_verify.py): logits at every proposal and the
+        token before it, rejection-sampled; run eagerly, its tokens not fed to the next step
+        (speculation runs unoverlapped steps)."""
+        ids, positions, meta, last = self._prepare(step.chunks)
+        with attention_metadata(meta):
+            hidden = self.model(ids, positions)
+        self.last_samples, self.last_sample_rows = None, {}
+        prompt = prompt_logprobs(self.model, step.chunks, hidden)
+        logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        if not self.sampling_rank:
+            return CompletedStep(StepOutput([]))
+        # One row per proposal and one after them: each chunk's parameters, repeated.
+        repeats = [c.num_draft_tokens + 1 for c in sampling]
+        rows = [c for c, n in zip(sampling, repeats) for _ in range(n)]
+        tensors = self._sampling_tensors(rows)
+        if step.grammar_rows:  # grammar rows propose nothing: each is its chunk's one row
+            first_rows = np.cumsum([0] + repeats[:-1])
+            grammar = first_rows[step.grammar_rows]
+            rows_t, bits = packed_to_device([(grammar, np.int64),
+                                             (step.token_bitmask.ravel(), np.int32)], self.device)
+            tensors.token_bitmask = (rows_t, bits.view(len(grammar), -1))
+        drafts = [t for c in sampling for t in c.token_ids[len(c.token_ids) - c.num_draft_tokens:]
+                  + [-1]]
+        (drafts_t,) = packed_to_device([(drafts, np.int64)], self.device)
+        out, accept = verify(logits, tensors, drafts_t, [i for i, t in enumerate(drafts) if t >= 0])
+        return VerifiedStep(out, accept, [n - 1 for n in repeats],
+                            [c.params.logprobs for c in rows], prompt)
 
     def _sampled(self, out: SamplerOutput, sampling: list[SequenceChunk],
                  prompt: dict[str, list[dict[int, float]]], logits: torch.Tensor,

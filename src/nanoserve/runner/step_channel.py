@@ -1,6 +1,6 @@
 """Carries each step from rank 0 to the tensor-parallel workers (shared memory to spawned ones,
 gloo broadcasts under torchrun): what shapes the forward, as one flat int64 array, ``[num_chunks,
-(num_tokens, start, sample, num_blocks, prompt_logprob_rows) per chunk, token ids, blocks]``.
+(num_tokens, start, sample, num_blocks, prompt_logprob_rows, num_draft_tokens) per chunk, token ids, blocks]``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from nanoserve.runner.inputs import SequenceChunk, StepInput
 
 _CLOSE = -1
-_FIELDS = 5  # per-chunk header entries
+_FIELDS = 6  # per-chunk header entries
 _POLL_S = 0.1  # how often rank 0, waiting on its workers, checks whether one has died
 
 
@@ -25,7 +25,7 @@ def pack_step(step: StepInput) -> np.ndarray:
     head = [len(chunks)]
     for c in chunks:
         head += (len(c.token_ids), c.start, int(c.sample), len(c.block_table),
-                 c.prompt_logprob_rows)
+                 c.prompt_logprob_rows, c.num_draft_tokens)
     body = itertools.chain(head, *(c.token_ids for c in chunks),
                            *(c.block_table for c in chunks))
     return np.fromiter(body, dtype=np.int64)
@@ -45,11 +45,12 @@ def unpack_step(values: list[int]) -> StepInput:
     block_at = token_at + sum(heads[0::_FIELDS])
     chunks = []
     for i in range(num_chunks):
-        num_tokens, start, sample, num_blocks, prompt_rows = heads[_FIELDS * i:_FIELDS * (i + 1)]
+        (num_tokens, start, sample, num_blocks, prompt_rows,
+         num_drafts) = heads[_FIELDS * i:_FIELDS * (i + 1)]
         chunks.append(SequenceChunk(
             str(i), values[token_at:token_at + num_tokens], start,
             values[block_at:block_at + num_blocks], bool(sample), None, [], [], [],
-            prompt_rows))
+            prompt_rows, num_drafts))
         token_at += num_tokens
         block_at += num_blocks
     return StepInput(chunks)

@@ -30,8 +30,8 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         positions += range(c.start, c.start + n)
         q_lens.append(n)
         seq_lens.append(c.start + n)
-        if c.sample:
-            last.append(len(ids) - 1)
+        if c.sample:  # a verify samples at its proposals and the token before them too
+            last += range(len(ids) - 1 - c.num_draft_tokens, len(ids))
         if c.token_ids[-1] == PENDING_TOKEN:
             pending_at.append(len(ids) - 1)
             pending_rows.append(last_sample_rows[c.request_id])
