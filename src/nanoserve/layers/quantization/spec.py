@@ -1,0 +1,79 @@
+"""Which quantization a checkpoint asks for, read from its ``quantization_config`` (or its being a
+GGUF file) and checked against what the engine implements. Torch-free: the config layer uses it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# EngineConfig.quantization: "auto" keeps a checkpoint's quantized weights quantized; "none"
+# dequantizes them at load into the engine's dtype (the reference the kept form is tested on).
+QUANTIZATION_OPTIONS = ("auto", "none")
+SUPPORTED_METHODS = ("awq", "gguf", "gptq")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's packed-int4 kernel takes
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A checkpoint's weight quantization: the method and the fields its layout depends on.
+    ``dequantize``: unpack at load into dense weights of the engine's dtype."""
+
+    method: str
+    bits: int = 4
+    group_size: int = 0
+    desc_act: bool = False  # GPTQ act-order: input features grouped through g_idx
+    zero_offset: int = 0  # GPTQ v1 checkpoints store zero points minus one
+    dequantize: bool = False
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def parse_quantization_config(config: Any) -> QuantSpec:
+    """The QuantSpec of a Hugging Face ``quantization_config`` (dict or transformers object);
+    ValueError naming the method or field the engine does not implement."""
+    method = str(_get(config, "quant_method", "?")).lower()
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(f"quantization_config method {method!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_METHODS)}")
+    if method == "gguf":  # how transformers marks a config it read from a GGUF file
+        return QuantSpec("gguf")
+    bits = _get(config, "bits", _get(config, "w_bit"))
+    group = _get(config, "group_size", _get(config, "q_group_size"))
+    if bits != 4:
+        raise ValueError(f"quantization_config ({method}) bits={bits!r} is not supported; "
+                         "supported: 4")
+    if group not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_config ({method}) group_size={group!r} is not "
+                         f"supported; supported: {', '.join(map(str, INT4_GROUP_SIZES))}")
+    if method == "awq":
+        version = str(_get(config, "version", "gemm")).lower()
+        if version != "gemm" or _get(config, "zero_point", True) is not True:
+            raise ValueError(f"quantization_config (awq) version={version!r}, zero_point="
+                             f"{_get(config, 'zero_point', True)!r} is not supported; "
+                             "supported: version 'gemm' with zero_point=True")
+        return QuantSpec("awq", 4, group)
+    fmt = str(_get(config, "checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config (gptq) checkpoint_format={fmt!r} is not "
+                         "supported; supported: gptq, gptq_v2")
+    return QuantSpec("gptq", 4, group, bool(_get(config, "desc_act", False)),
+                     zero_offset=1 if fmt == "gptq" else 0)
+
+
+def resolve_quant_spec(quantization_config: Any, is_gguf: bool, option: str) -> QuantSpec | None:
+    """The quantization a model loads with under ``EngineConfig.quantization`` ``option``."""
+    if option not in QUANTIZATION_OPTIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_OPTIONS)}, "
+                         f"got {option!r}")
+    if is_gguf:
+        spec = QuantSpec("gguf")
+    elif quantization_config:
+        spec = parse_quantization_config(quantization_config)
+        if spec.method == "gguf":  # a folder transformers saved from a GGUF: float weights
+            return None
+    else:
+        return None
+    return QuantSpec(**{**spec.__dict__, "dequantize": option == "none"})
