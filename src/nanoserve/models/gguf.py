@@ -2,6 +2,7 @@
 and weights, streamed one tensor at a time with the ``gguf`` package."""
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import os
@@ -128,8 +129,17 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
 
 
 def _from_gguf(auto_class: type, path: str | os.PathLike, what: str) -> Any:
-    """``auto_class.from_pretrained`` on a GGUF file; unreadable files raise ValueError."""
+    """``auto_class.from_pretrained`` on a GGUF file; unreadable files raise ValueError. Parsing
+    takes seconds: a copy of the last result per file (path, size and mtime) is returned."""
     file = _resolve_gguf_file(path)
+    stat = file.stat()
+    return copy.deepcopy(_parsed(auto_class, file.resolve(), file, what, stat.st_size,
+                                 stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(auto_class: type, key: Path, file: Path, what: str, size: int, mtime_ns: int
+            ) -> Any:
     try:
         return auto_class.from_pretrained(file.parent, gguf_file=file.name)
     except _PARSE_ERRORS as e:
