@@ -237,7 +237,7 @@ def _quantized_checkpoint(arch: str, method: str, act_order: bool, out, tokenize
 
 def assert_close_greedy(want, got, atol: float = 0.1) -> None:
     """Token-equal, or at the first divergence each side's token in the other's top-5; the
-    chosen tokens' logprobs close up to there."""
+    chosen tokens' logprobs within ``atol`` up to there."""
     for w, g in zip(want, got, strict=True):
         w, g = w.outputs[0], g.outputs[0]
         diverge = next((i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b),

@@ -48,3 +48,45 @@ def test_int4_checkpoint_on_gpu_matches_dequantized(method, act_order, tmp_path,
         outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
         llm.close()
     assert_close_greedy(*outs, atol=0.3)  # bf16 activations on both sides
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_scaled_mm_fp8_matches_dequantized_product(m):
+    from nanoserve.layers.quantization.fp8 import Fp8Matrix, quantize_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w = torch.randn(4096, 4096, generator=gen, device="cuda") * 0.02
+    q, scale = quantize_rows(w)
+    matrix = Fp8Matrix(q, scale, None)
+    x = torch.randn(m, 4096, generator=gen, device="cuda").bfloat16()
+    xq, sx = quantize_rows(x)
+    want = (xq.double() * sx.double()) @ matrix.dequantize().double().t()
+    got = matrix.matmul(x)  # torch._scaled_mm
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b"])
+def test_online_fp8_close_to_bf16_transformers(shape, tmp_path_factory):
+    """quantization="fp8" (per-channel weights, per-token activations, torch._scaled_mm)
+    against transformers' bf16 model on the same random weights, by the top-5 rule."""
+    from test_gpu_parity import assert_greedy_close_to_transformers, random_model_dir
+
+    assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
+                                        f"{shape} fp8", quantization="fp8")
+
+
+def test_block_scaled_fp8_checkpoint_on_gpu(tmp_path, tokenizer_dir):
+    from test_fp8 import _fp8_checkpoint
+    from test_quantization import PROMPTS, assert_close_greedy
+
+    from nanoserve import LLM, SamplingParams
+
+    path = _fp8_checkpoint("block", tmp_path, tokenizer_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=5)
+    outs = []
+    for quantization in ("none", "auto"):
+        llm = LLM(str(path), dtype="bfloat16", quantization=quantization, max_num_seqs=8)
+        outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        llm.close()
+    assert_close_greedy(*outs, atol=1.0)

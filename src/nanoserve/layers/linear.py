@@ -125,8 +125,8 @@ class ColumnParallelLinear(_Linear):
         return self.tp.rank
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        if param.output_dim is None:  # e.g. GPTQ's g_idx: every rank reads all of it
-            return None
+        if param.output_dim is None or getattr(param, "broadcast", False):
+            return None  # e.g. GPTQ's g_idx, a per-tensor scale: every rank reads all of it
         size = self._slot(shard_id)[1] // param.out_pack
         return self._narrow(param, param.output_dim, self._shard_index(shard_id) * size, size)
 

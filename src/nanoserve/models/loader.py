@@ -68,7 +68,9 @@ class CheckpointTensor:
         self._type_name = type_name
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+        if self.dtype is None or not t.is_floating_point() or t.dtype.itemsize < 2:
+            return t  # integers and fp8 codes stay as stored
+        return t.to(self.dtype)
 
     def read(self, narrow: Narrow | None = None) -> torch.Tensor | RawBlocks:
         if isinstance(narrow, RawNarrow):
@@ -126,7 +128,8 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, Checkpoi
 
 
 def _is_quantization_tensor(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx")
+    return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx", "weight_scale",
+                                       "weight_scale_inv", "input_scale")
 
 
 def quant_spec_of(path: Path, quantization: str) -> QuantSpec | None:

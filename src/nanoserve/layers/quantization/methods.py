@@ -151,5 +151,8 @@ def make_linear_method() -> LinearMethod:
         return LinearMethod()
     if _spec.method == "gguf":
         return GGUFMethod(_spec)
+    if _spec.method in ("fp8", "compressed-tensors"):
+        from nanoserve.layers.quantization.fp8 import Fp8Method
+        return Fp8Method(_spec)
     from nanoserve.layers.quantization.gptq_awq import Int4CheckpointMethod
     return Int4CheckpointMethod(_spec)
