@@ -1,7 +1,8 @@
 """Quantized weights against 16-bit ones: batch-1 ms per token and throughput, one JSON line each.
 
 GPU mode (default): for each ``--shapes`` shape, random weights (``load_format="dummy"``) in
-bf16 and in int4 (AWQ's layout, group size 128: the Triton int4 GEMM); ``ms_per_token`` is
+bf16, fp8 (``quantization="fp8"``: per-channel weights, per-token activations, torch._scaled_mm)
+and int4 (AWQ's layout, group size 128: the Triton int4 GEMM); ``ms_per_token`` is
 (t(N tokens) - t(1 token)) / (N - 1) at a short prompt, each t the best of the repeats;
 ``throughput_tok_s`` is output tokens per second over ``--num-prompts`` random prompts.
 CPU mode (``--cpu``): the packaged SmolLM2-135M Q4_1 GGUF kept quantized against dequantized
@@ -50,7 +51,7 @@ def measure(llm: LLM, device: str, vocab: int, args: argparse.Namespace) -> dict
 
 
 def run_gpu_shape(name: str, args: argparse.Namespace, env: dict, tmp: Path) -> None:
-    for variant in ("bf16", "int4-awq"):
+    for variant in ("bf16", "fp8", "int4-awq"):
         folder = make_model_dir(name, tmp / f"{name}-{variant}", num_hidden_layers=args.layers)
         config = json.loads((folder / "config.json").read_text())
         if variant == "int4-awq":
@@ -58,7 +59,8 @@ def run_gpu_shape(name: str, args: argparse.Namespace, env: dict, tmp: Path) -> 
                 {**config, "quantization_config": AWQ_CONFIG}))
         t0 = time.perf_counter()
         llm = LLM(str(folder), load_format="dummy", dtype="bfloat16",
-                  max_num_seqs=args.max_num_seqs)
+                  max_num_seqs=args.max_num_seqs,
+                  quantization="fp8" if variant == "fp8" else "auto")
         load_s = time.perf_counter() - t0
         try:
             record = measure(llm, "cuda", min(config["vocab_size"], 10000), args)
