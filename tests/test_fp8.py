@@ -126,3 +126,38 @@ def test_online_fp8_matches_the_16_bit_model(tmp_path, tokenizer_dir):
     assert_close_greedy(dense, kept, atol=1.0)  # activations rounded to e4m3 (2-3%)
     with pytest.raises(ValueError, match="already quantized"):
         LLM(device="cpu", quantization="fp8")  # the GGUF default model
+
+
+def test_block_scales_shard_with_their_weights(tmp_path, tokenizer_dir):
+    """Each of two ranks' packed q/k/v, gate/up and o/down: its slice of the whole weight."""
+    from nanoserve.attention.torch_backend import TorchAttentionBackend
+    from nanoserve.config import ModelConfig
+    from nanoserve.layers.parallel_state import tensor_parallel_group
+    from nanoserve.layers.quantization.methods import quantized_linears
+    from nanoserve.layers.quantization.spec import resolve_quant_spec
+    from nanoserve.models.loader import iter_weights, load_model_assets
+    from nanoserve.models.registry import build_model
+
+    path = _fp8_checkpoint("block", tmp_path, tokenizer_dir)
+    hf_config, _, _ = load_model_assets(path)
+
+    def layer(rank, size):
+        spec = resolve_quant_spec(hf_config.quantization_config, False, "auto")
+        with tensor_parallel_group(rank, size), torch.device("cpu"), quantized_linears(spec):
+            model = build_model(ModelConfig.from_hf(hf_config), TorchAttentionBackend())
+        model.load_weights(iter_weights(path, torch.float32))
+        return model.model.layers[0]
+
+    whole, ranks = layer(0, 1), [layer(r, 2) for r in range(2)]
+
+    def weight(lay, name):
+        return lay.get_submodule(name).packed.dequantize()
+
+    for name in ("mlp.down_proj", "self_attn.o_proj"):
+        assert torch.equal(torch.cat([weight(r, name) for r in ranks], 1), weight(whole, name))
+    halves = [weight(r, "mlp.gate_up_proj").chunk(2) for r in ranks]
+    gate, up = weight(whole, "mlp.gate_up_proj").chunk(2)
+    assert torch.equal(torch.cat([h[0] for h in halves]), gate)
+    assert torch.equal(torch.cat([h[1] for h in halves]), up)
+    q = weight(whole, "self_attn.qkv_proj")[:256]  # 4 heads of 64; each rank holds two
+    assert torch.equal(torch.cat([weight(r, "self_attn.qkv_proj")[:128] for r in ranks]), q)
