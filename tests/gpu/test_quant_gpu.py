@@ -90,3 +90,23 @@ def test_block_scaled_fp8_checkpoint_on_gpu(tmp_path, tokenizer_dir):
         outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
         llm.close()
     assert_close_greedy(*outs, atol=1.0)
+
+
+@pytest.mark.parametrize("m", [1, 7, 256])
+def test_fp8_block_gemm_real_sizes(m):
+    """Qwen3-8B's gate/up in 128 x 128 blocks through the Triton kernel."""
+    from nanoserve.layers.quantization.fp8 import Fp8Matrix, quantize_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    n, k = 24576, 4096
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.02
+    tiles = w.view(n // 128, 128, k // 128, 128)
+    sw = tiles.abs().amax((1, 3)) / 448
+    wq = (tiles / sw[:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
+    matrix = Fp8Matrix(wq, sw, (128, 128))
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    xq, sx = quantize_rows(x, 128)
+    xd = (xq.double().view(m, -1, 128) * sx.double()[..., None]).view(m, k)
+    want = xd @ matrix.dequantize().double().t()
+    torch.testing.assert_close(matrix.matmul(x).double(), want, rtol=2e-2,
+                               atol=2e-2 * want.abs().max())

@@ -1,7 +1,8 @@
 """FP8 W8A8: e4m3 weights with a scale a block, channel or tensor, and activations quantized
 to e4m3 per token (per token and block of input features, for block-scaled weights) as they
-arrive. On CUDA (compute capability 8.9+) per-channel products run in ``torch._scaled_mm``;
-elsewhere, and for block scales, the reference: both sides dequantized, then a matmul."""
+arrive. On CUDA (compute capability 8.9+) per-channel products run in ``torch._scaled_mm``,
+block-scaled ones in a Triton kernel (``kernels/fp8_block_gemm.py``); on the CPU, the
+reference: both sides dequantized, then a matmul."""
 from __future__ import annotations
 
 import torch
@@ -54,6 +55,9 @@ class Fp8Matrix:
         q, sx = quantize_rows(x, group)
         if x.is_cuda and self.block is None:
             return _scaled_mm(q, sx, self.weight, self.scale, x.dtype)
+        if x.is_cuda:
+            from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
+            return fp8_block_linear(q, sx, self.weight, self.scale, self.block, x.dtype)
         xd = (q.float().view(x.shape[0], -1, group or self.in_features) * sx[..., None])
         xd = xd.view_as(x).to(x.dtype)
         step = max(1, CHUNK_ELEMENTS // self.in_features)
