@@ -328,3 +328,15 @@ def test_smollm2_gguf_kept_quantized_matches_dequantized(smollm2_path):
     dense, _ = _generate(smollm2_path, quantization="none")
     assert_close_greedy(dense, kept)
     assert "Paris" in kept[0].outputs[0].text
+
+
+def test_quantized_experts_are_refused():
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, vocab_size=100, num_experts=4,
+                            quantization_config={"quant_method": "awq", "bits": 4,
+                                                 "group_size": 128})
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    with pytest.raises(ValueError, match="awq.*Qwen3MoeForCausalLM"):
+        ModelConfig.from_hf(config)

@@ -160,7 +160,10 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
         raise ValueError(f"sliding_window={window} is not supported: nanoserve runs full "
                          f"attention only")
     if field("quantization_config"):  # a method or layout the linears do not hold: refused
-        parse_quantization_config(field("quantization_config"))
+        method = parse_quantization_config(field("quantization_config")).method
+        if method != "gguf" and arch == "Qwen3MoeForCausalLM":
+            raise ValueError(f"quantization_config ({method}) is not supported for {arch}: "
+                             "experts load 16- and 32-bit float weights only")
     act = field("hidden_act")
     if act is not None and act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"hidden_act={act!r} is not supported; supported: "
