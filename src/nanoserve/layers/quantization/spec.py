@@ -51,6 +51,10 @@ def parse_quantization_config(config: Any) -> QuantSpec:
         return _compressed_tensors_spec(config)
     bits = _get(config, "bits", _get(config, "w_bit"))
     group = _get(config, "group_size", _get(config, "q_group_size"))
+    skipped = _get(config, "modules_to_not_convert") or []
+    if [name for name in skipped if name != "lm_head"]:
+        raise ValueError(f"quantization_config ({method}) modules_to_not_convert={skipped!r} "
+                         "is not supported: every linear of the decoder must be quantized")
     if bits != 4:
         raise ValueError(f"quantization_config ({method}) bits={bits!r} is not supported; "
                          "supported: 4")
