@@ -100,7 +100,8 @@ class LinearMethod:
 
 class GGUFMethod(LinearMethod):
     """GGUF blocks, kept: each q/k/v or gate/up part unpacked at load, stacked, packed for the
-    device (4-bit types into the int4 kernels' layout); float parts make the layer dense."""
+    device (4-bit types into the int4 kernels' layout); float parts or types without a kernel
+    here (wider codes on CUDA, types not in ``BLOCK_TYPES``) make the layer dense."""
 
     reads_raw = quantized = True
 
@@ -126,6 +127,8 @@ class GGUFMethod(LinearMethod):
             dense = torch.cat([_dequantize_raw(p) for p in parts])
             return self.become_dense(layer, dense, ("weight",))
         w = concat_rows([unpack_blocks(p.data, p.type_name, p.cols) for p in parts])
+        if not w.four_bit and self.device.type == "cuda":  # no GPU kernel for wider codes
+            return self.become_dense(layer, w.dequantize(), ("weight",))
         self.become_packed(layer, w, ("weight",))
 
     def init_dummy(self, layer, gen):
