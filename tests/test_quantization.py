@@ -84,6 +84,30 @@ def test_unsupported_gguf_type_is_named():
         unpack_blocks(torch.zeros(1, 84, dtype=torch.uint8), "Q2_K", 256)
 
 
+@pytest.mark.parametrize("types,packed", [(("Q4_K", "Q4_0", "Q4_1"), Int4Matrix),
+                                          (("Q4_K", "Q8_0", "Q6_K"), GroupedMatrix)])
+def test_gguf_qkv_of_mixed_types_matches_dequantized(types, packed):
+    """q, k and v in different GGUF types (as Q4_K_M files mix them) stack into one matrix."""
+    from nanoserve.layers.linear import QKVParallelLinear
+    from nanoserve.layers.quantization.methods import RawBlocks, RawNarrow
+    from nanoserve.layers.quantization.spec import QuantSpec
+
+    with quantized_linears(QuantSpec("gguf")):
+        qkv = QKVParallelLinear(256, 64, 4, 2)
+    param, dense = qkv.weight, []
+    for seed, (shard, type_name) in enumerate(zip("qkv", types)):
+        raw = _random_blocks(type_name, 256 if shard == "q" else 128, 256, seed)
+        assert isinstance(qkv.checkpoint_slice(param, shard), RawNarrow)
+        qkv.weight_loader(param, RawBlocks(torch.from_numpy(raw), type_name, 256), shard)
+        dense.append(torch.from_numpy(gguf.quants.dequantize(
+            raw, gguf.GGMLQuantizationType[type_name])))
+    assert isinstance(qkv.packed, packed)
+    x = torch.randn(3, 256)
+    want = x.double() @ torch.cat(dense).double().t()
+    tol = 2e-2 if packed is Int4Matrix else 1e-5  # the CPU int4 kernel computes in bfloat16
+    torch.testing.assert_close(qkv(x).double(), want, rtol=tol, atol=tol * want.abs().max())
+
+
 # --- packed matmuls ------------------------------------------------------------------------
 
 def _grouped(n: int, k: int, g: int, four_bit: bool, seed: int = 0) -> GroupedInts:
