@@ -75,7 +75,8 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny_llama):
 def test_smollm2_gguf_matches_transformers(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
                                                  dtype=torch.float32)
-    llm = LLM(str(smollm2_path), device="cpu", dtype="float32")
+    # Dequantized at load, as transformers does (kept quantized: tests/test_quantization.py).
+    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", quantization="none")
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     want = hf_greedy(model, ids, NEW_TOKENS)
     outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)

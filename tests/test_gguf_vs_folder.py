@@ -24,8 +24,8 @@ def test_gguf_and_converted_folder_give_identical_logprobs(smollm2_path, tmp_pat
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=20)
     results = []
-    for path in (smollm2_path, folder):
-        llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
+    for path in (smollm2_path, folder):  # the GGUF's blocks dequantized at load, as transformers
+        llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, quantization="none")
         results.append(llm.generate(prompts, params, use_tqdm=False))
         llm.close()
     from_gguf, from_folder = results

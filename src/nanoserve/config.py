@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoserve.layers.quantization.spec import QUANTIZATION_OPTIONS, parse_quantization_config
 from nanoserve.sampling_params import MAX_LOGPROBS, check_int
 from nanoserve.spec_config import SpeculativeConfig
 
@@ -41,6 +42,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     # Speculative decoding (vLLM's): a dict, a JSON object (the CLI's) or a SpeculativeConfig.
     speculative_config: SpeculativeConfig | None = None
+    # "auto": a quantized checkpoint's linear weights stay quantized (GGUF blocks, AWQ, GPTQ);
+    # "none": they are dequantized at load into dtype.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -56,7 +60,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),
                               ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("load_format", ("auto", "dummy"))):
+                              ("load_format", ("auto", "dummy")),
+                              ("quantization", QUANTIZATION_OPTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
@@ -158,13 +163,11 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
             and window < getattr(hf_config, "max_position_embeddings", window + 1)):
         raise ValueError(f"sliding_window={window} is not supported: nanoserve runs full "
                          f"attention only")
-    quantization = field("quantization_config")
-    method = (quantization.get("quant_method", "?") if isinstance(quantization, dict)
-              else getattr(quantization, "quant_method", "?")) if quantization else None
-    # transformers marks what it read from a GGUF file "gguf": weights dequantized as they load.
-    if method is not None and str(method).lower() != "gguf":
-        raise ValueError(f"quantization_config ({method}) is not supported: nanoserve loads "
-                         f"16- and 32-bit float weights")
+    if field("quantization_config"):  # a method or layout the linears do not hold: refused
+        method = parse_quantization_config(field("quantization_config")).method
+        if method != "gguf" and arch == "Qwen3MoeForCausalLM":
+            raise ValueError(f"quantization_config ({method}) is not supported for {arch}: "
+                             "experts load 16- and 32-bit float weights only")
     act = field("hidden_act")
     if act is not None and act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"hidden_act={act!r} is not supported; supported: "

@@ -1,6 +1,9 @@
 """Linear layers that shard themselves across tensor-parallel ranks: column-parallel ones split
 output features (fused QKV and gate/up stack checkpoint tensors), row-parallel ones input
-features. Loading is ``checkpoint_slice`` (the part this rank reads), then ``weight_loader``."""
+features. Loading is ``checkpoint_slice`` (the part this rank reads), then ``weight_loader``.
+How a layer holds its weight (dense, or quantized and packed) is its ``method``'s business
+(``layers/quantization``), chosen when the model is built; quantized layers multiply through
+their packed matrix (not the skinny GEMV) and leave their pre-norm unfolded."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +13,7 @@ from torch import nn
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.norm import RMSNorm, rms_norm
 from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
+from nanoserve.layers.quantization.methods import RawNarrow, make_linear_method
 
 ShardId = str | int | None
 
@@ -49,30 +53,89 @@ def unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return residual + F.linear(x, weight, bias)
 
 
-class ColumnParallelLinear(nn.Module):
+def quantized_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None, *,
+                     activate: bool = False, residual: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """:func:`unfused_linear` through a packed quantized matrix (``packed.matmul``)."""
+    out = packed.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+    if bias is not None:
+        out = out + bias
+    if activate:
+        out = silu_and_mul(out)
+    return out if residual is None else residual + out
+
+
+class _Linear(nn.Module):
+    """What the parallel linears share: the method's parameters and their loading; once every
+    part of every one is in, the method finishes the layer (packs it, or makes it dense)."""
+
+    shard_ids: tuple[ShardId, ...] = (None,)
+
+    def _create(self, in_features: int, in_per_rank: int, out_per_rank: int,
+                row_parallel: bool) -> None:
+        self.method = make_linear_method()
+        self.packed = None  # a quantized layer's matrix, once loaded
+        before = set(self._parameters)
+        self.method.create_weights(self, in_features, in_per_rank, out_per_rank, row_parallel)
+        self._method_params = set(self._parameters) - before
+        self._unloaded = {(n, s) for n in self._method_params for s in self.shard_ids}
+
+    def _name_of(self, param: nn.Parameter) -> str:
+        return next(n for n, p in self._parameters.items() if p is param)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: ShardId,
+              dim: int | None, offset: int = 0, size: int = 0) -> None:
+        name = self._name_of(param)
+        if name not in self._method_params:  # a bias
+            param.data.narrow(dim, offset, size).copy_(loaded)
+            return
+        self.method.load(self, param, loaded, dim, offset, size)
+        self._unloaded.discard((name, shard))
+        if not self._unloaded:
+            self.method.finish(self)
+
+    def _narrow(self, param: nn.Parameter, dim: int, start: int, length: int) -> Narrow:
+        raw = self.method.reads_raw and self._name_of(param) in self._method_params
+        return (RawNarrow if raw else Narrow)(dim, start, length)
+
+    def init_dummy(self, gen: torch.Generator) -> None:
+        """Random weights (``load_format="dummy"``), finished as loaded ones are."""
+        self.method.init_dummy(self, gen)
+
+
+class ColumnParallelLinear(_Linear):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp = get_tp_group()
         self.out_per_rank = divide(out_features, self.tp.size, "output features")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features),
-                                   requires_grad=False)
+        self._create(in_features, in_features, self.out_per_rank, row_parallel=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) \
             if bias else None
+        if self.bias is not None:
+            self.bias.output_dim, self.bias.out_pack = 0, 1
 
     def _slot(self, shard_id: ShardId) -> tuple[int, int]:
         """(offset, size) of checkpoint tensor ``shard_id``'s shard in this rank's parameter."""
         return 0, self.out_per_rank
 
+    def _shard_index(self, shard_id: ShardId) -> int:
+        """Which of the checkpoint tensor's equal slices this rank holds."""
+        return self.tp.rank
+
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        size = self._slot(shard_id)[1]
-        return Narrow(0, self.tp.rank * size, size)
+        if param.output_dim is None or getattr(param, "broadcast", False):
+            return None  # e.g. GPTQ's g_idx, a per-tensor scale: every rank reads all of it
+        size = self._slot(shard_id)[1] // param.out_pack
+        return self._narrow(param, param.output_dim, self._shard_index(shard_id) * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ShardId = None) -> None:
         offset, size = self._slot(shard_id)
-        param.data.narrow(0, offset, size).copy_(loaded)
+        dim = param.output_dim
+        pack = param.out_pack if dim is not None else 1
+        self._load(param, loaded, shard_id, dim, offset // pack, size // pack)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, activate: bool = False
                 ) -> torch.Tensor:
@@ -81,12 +144,17 @@ class ColumnParallelLinear(nn.Module):
             return linear(x, self.weight, self.bias, norm_eps=norm.eps, activate=activate)
         if norm is not None:
             x = norm(x)
+        if self.packed is not None:
+            return quantized_linear(x, self.packed, self.bias, activate=activate)
         return linear(x, self.weight, self.bias, activate=activate)
 
     @torch.no_grad()
     def fold_norm(self, norm: RMSNorm) -> None:
         """Carry ``norm``'s weight in this projection's columns (``W[:, k] * g[k]``, in
-        float32), leaving the norm each row's 1 / rms, which the projection op applies."""
+        float32), leaving the norm each row's 1 / rms, which the projection op applies.
+        A quantized weight's codes cannot carry it: the norm then stays as it is."""
+        if self.packed is not None:
+            return
         folded = self.weight.float() * norm.weight.float()[None, :]
         self.weight.copy_(folded.to(self.weight.dtype))
         norm.weight.fill_(1.0)
@@ -98,6 +166,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
         self.out_sizes = out_sizes
+        self.shard_ids = tuple(range(len(out_sizes)))
         super().__init__(in_features, sum(out_sizes), bias)
 
     def _slot(self, shard_id: ShardId) -> tuple[int, int]:
@@ -126,42 +195,49 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         super().__init__(hidden_size, [q_size * tp_size, kv_size * tp_size, kv_size * tp_size],
                          bias)
+        self.shard_ids = ("q", "k", "v")
+        self._unloaded = {(n, s) for n in self._method_params for s in self.shard_ids}
 
     def _slot(self, shard_id: ShardId) -> tuple[int, int]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
             shard_id]
 
-    def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        size = self._slot(shard_id)[1]
-        index = self.tp.rank
+    def _shard_index(self, shard_id: ShardId) -> int:
         if shard_id != "q" and self.total_kv_heads < self.tp.size:
-            index = self.tp.rank * self.total_kv_heads // self.tp.size
-        return Narrow(0, index * size, size)
+            return self.tp.rank * self.total_kv_heads // self.tp.size
+        return self.tp.rank
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.tp = get_tp_group()
         self.in_per_rank = divide(in_features, self.tp.size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
-                                   requires_grad=False)
+        self._create(in_features, self.in_per_rank, out_features, row_parallel=True)
         self.bias = None  # no supported architecture biases a row-parallel projection
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        size = param.shape[1]
-        return Narrow(1, self.tp.rank * size, size)
+        dim = param.input_dim
+        if dim is None:  # replicated on every rank
+            return None
+        size = getattr(param, "logical_shape", param.shape)[dim]
+        return self._narrow(param, dim, self.tp.rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ShardId = None) -> None:
-        param.data.copy_(loaded)
+        self._load(param, loaded, shard_id, None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The all-reduced product; with ``residual``, ``residual`` plus it."""
-        if self.tp.size == 1:
+        if self.packed is not None:
+            if self.tp.size == 1:
+                return quantized_linear(x, self.packed, residual=residual)
+            out = self.tp.all_reduce(quantized_linear(x, self.packed))
+        elif self.tp.size == 1:
             return linear(x, self.weight, self.bias, residual=residual)
-        out = self.tp.all_reduce(linear(x, self.weight, self.bias))
+        else:
+            out = self.tp.all_reduce(linear(x, self.weight, self.bias))
         return out if residual is None else residual + out

@@ -2,6 +2,8 @@
 and weights, streamed one tensor at a time with the ``gguf`` package."""
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import os
 import re
@@ -102,6 +104,13 @@ def _resolve_gguf_file(path: str | os.PathLike) -> Path:
 
 
 def _open_reader(file: Path) -> gguf.GGUFReader:
+    """A parsed GGUF file (its metadata takes seconds to parse: EOS ids and weights share it)."""
+    stat = file.stat()
+    return _cached_reader(file.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(file: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
     import gguf  # lazily: the package is only needed for GGUF files
     try:
         return gguf.GGUFReader(file)
@@ -120,8 +129,17 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
 
 
 def _from_gguf(auto_class: type, path: str | os.PathLike, what: str) -> Any:
-    """``auto_class.from_pretrained`` on a GGUF file; unreadable files raise ValueError."""
+    """``auto_class.from_pretrained`` on a GGUF file; unreadable files raise ValueError. Parsing
+    takes seconds: a copy of the last result per file (path, size and mtime) is returned."""
     file = _resolve_gguf_file(path)
+    stat = file.stat()
+    return copy.deepcopy(_parsed(auto_class, file.resolve(), file, what, stat.st_size,
+                                 stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(auto_class: type, key: Path, file: Path, what: str, size: int, mtime_ns: int
+            ) -> Any:
     try:
         return auto_class.from_pretrained(file.parent, gguf_file=file.name)
     except _PARSE_ERRORS as e:
@@ -155,10 +173,37 @@ def _unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def iter_gguf_weights(path: str | os.PathLike,
-                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream a GGUF file's tensors (llama, qwen2, qwen3), each dequantized to ``dtype`` when
-    reached, under Hugging Face names; ``lm_head.weight`` only where the file has one."""
+class GGUFTensor:
+    """One GGUF tensor under its Hugging Face name, read when asked: dequantized, or as its
+    blocks (``raw``: uint8 ``[rows, row bytes]``, float types as their values); llama's q/k
+    rows already back in Hugging Face's order."""
+
+    def __init__(self, tensor: Any, n_heads: int | None):
+        self.type_name = tensor.tensor_type.name
+        # GGUF lists dimensions fastest-first, the reverse of PyTorch's order.
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+        self._tensor = tensor
+        self._n_heads = n_heads
+
+    def _rows(self, array: Any) -> torch.Tensor:
+        if not array.flags.writeable:  # a view of the read-only memory map
+            array = array.copy()
+        weight = torch.from_numpy(array)
+        return weight if self._n_heads is None else _unpermute_rows(weight, self._n_heads)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        import gguf
+        array = gguf.quants.dequantize(self._tensor.data, self._tensor.tensor_type)
+        return self._rows(array.reshape(self.shape)).to(dtype)
+
+    def raw(self) -> torch.Tensor:
+        data = self._tensor.data
+        return self._rows(data.reshape(self.shape[0], -1) if len(self.shape) > 1 else data)
+
+
+def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, GGUFTensor]]:
+    """A GGUF file's tensors (llama, qwen2, qwen3) under Hugging Face names, unread;
+    ``lm_head.weight`` only where the file has one."""
     import gguf  # lazily: the package is only needed for GGUF files
     file = _resolve_gguf_file(path)
     reader = _open_reader(file)
@@ -189,12 +234,12 @@ def iter_gguf_weights(path: str | os.PathLike,
                 raise ValueError(
                     f"{file}: unknown tensor {tensor.name!r} for architecture {arch!r}")
             name = f"model.layers.{match.group(1)}.{suffix}"
+        yield name, GGUFTensor(tensor, head_counts.get(suffix))
 
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if not array.flags.writeable:  # F32 comes back as a view of the read-only memory map
-            array = array.copy()
-        # GGUF lists dimensions fastest-first, the reverse of PyTorch's order.
-        weight = torch.from_numpy(array.reshape([int(d) for d in reversed(tensor.shape)]))
-        if suffix in head_counts:
-            weight = _unpermute_rows(weight, head_counts[suffix])
-        yield name, weight.to(dtype)
+
+def iter_gguf_weights(path: str | os.PathLike,
+                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream a GGUF file's tensors, each dequantized to ``dtype`` when reached, under Hugging
+    Face names (see :func:`iter_gguf_tensors`)."""
+    for name, tensor in iter_gguf_tensors(path):
+        yield name, tensor.dequantize(dtype)

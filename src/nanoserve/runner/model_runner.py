@@ -11,7 +11,8 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import get_tp_group
-from nanoserve.models.loader import init_dummy_weights, iter_weights
+from nanoserve.layers.quantization.methods import quantized_linears
+from nanoserve.models.loader import init_dummy_weights, iter_weights, quant_spec_of
 from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -54,7 +55,8 @@ class ModelRunner:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), quantized_linears(
+                    quant_spec_of(path, config.quantization)):
                 self.model = build_model(model_config, self.backend)
         finally:
             torch.set_default_dtype(previous)
