@@ -163,8 +163,11 @@ def test_rejected_proposals_shrink_then_pause_then_come_back():
 
 @pytest.fixture(scope="module")
 def smollm2_spec(smollm2_path):
-    """SmolLM2 with itself as a draft model; tests switch it to n-gram lookup or to none."""
+    """SmolLM2 with itself as a draft model; tests switch it to n-gram lookup or to none.
+    Dequantized to fp32: a verify's rows then round as one-token steps do (the kept-int4
+    kernel computes in bf16, where a row's result may depend on the batch's shape)."""
     return LLM(str(smollm2_path), max_model_len=512, num_kv_blocks=48, block_size=16,
+               quantization="none",
                speculative_config={"method": "draft_model", "model": str(smollm2_path),
                                    "num_speculative_tokens": 3})
 
