@@ -102,6 +102,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts
+    # Per layer, the keys a query sees (its own included) under a sliding window; 0: all of
+    # them. Empty: every layer attends to the whole context.
+    layer_windows: tuple[int, ...] = ()
+
+    def window_of(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
@@ -137,6 +144,7 @@ class ModelConfig:
             moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
             moe_layers=_moe_layers(hf_config, num_experts),
+            layer_windows=_layer_windows(hf_config),
         )
 
 
@@ -149,11 +157,10 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
     def field(name: str) -> Any:
         return getattr(hf_config, name, None)
 
-    window = field("sliding_window")
-    if (window is not None and field("use_sliding_window") is not False
-            and window < getattr(hf_config, "max_position_embeddings", window + 1)):
-        raise ValueError(f"sliding_window={window} is not supported: nanoserve runs full "
-                         f"attention only")
+    kinds = set(field("layer_types") or ()) - set(LAYER_TYPES)
+    if kinds:
+        raise ValueError(f"layer_types {sorted(kinds)} are not supported; supported: "
+                         f"{', '.join(LAYER_TYPES)}")
     quantization = field("quantization_config")
     method = (quantization.get("quant_method", "?") if isinstance(quantization, dict)
               else getattr(quantization, "quant_method", "?")) if quantization else None
@@ -179,6 +186,23 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
     # Qwen2's q/k/v biases are its architecture's; elsewhere attention_bias also biases o_proj.
     if field("attention_bias") and arch != "Qwen2ForCausalLM":
         raise ValueError(f"attention_bias=True is not supported for {arch}")
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_windows(hf_config: Any) -> tuple[int, ...]:
+    """Each layer's window: ``sliding_window`` on the ``layer_types`` marked sliding (every
+    layer when the config lists none, as Mistral's), unless ``use_sliding_window`` is off."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", None) is False:
+        return ()
+    if window >= getattr(hf_config, "max_position_embeddings", window + 1):
+        return ()  # a window as long as the context: full attention
+    types = getattr(hf_config, "layer_types", None) or (
+        ["sliding_attention"] * hf_config.num_hidden_layers)
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 def _moe_layers(hf_config: Any, num_experts: int) -> tuple[int, ...]:

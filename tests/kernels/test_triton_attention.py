@@ -406,3 +406,56 @@ def test_prefill_reads_an_fp8_cache():
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, meta),
                                **FP8_CACHE_TOLERANCE)
+
+
+# Sliding windows shorter than, equal to and past tile boundaries; soft-capping with peaked q.
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (16, 0.0), (23, 0.0), (0, 5.0), (9, 3.0)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_window_and_softcap_match_reference(window, softcap, num_splits):
+    seq_lens = [37, 1, 70, 16, 0]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 5, num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16, seed=window)
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
+                           num_splits=num_splits, window=window, softcap=softcap)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     32 ** -0.5, window, softcap)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+    if window:  # the window changes the result: the kernel did not just attend to everything
+        full = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                         32 ** -0.5, 0, softcap)
+        assert not torch.allclose(want[2], full[2])
+
+
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (20, 0.0), (0, 4.0), (7, 2.5)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_window_and_softcap_match_reference(window, softcap, group):
+    # Plain, chunked (cached prefix) and mixed rows: windows start mid-tile and mid-chunk.
+    seq_lens, q_lens = [45, 23, 50, 9], [13, 23, 1, 9]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=2 * group,
+                                           num_kv_heads=2, head_dim=32, block_size=16,
+                                           seed=window + group)
+    out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, 32 ** -0.5, window=window, softcap=softcap)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     32 ** -0.5, window, softcap)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_window_with_new_tokens_matches_torch_backend(num_splits):
+    """The split kernel finishing the new tokens honours the window and the soft cap too."""
+    seq_lens = [37, 1, 70, 16, 0]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 5, num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16, seed=11)
+    k, v, positions, rotary, _ = new_token_inputs(q, 2, meta, False, seed=2)
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    expected = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
+                                                 *expected_caches, meta, rotary, 32 ** -0.5,
+                                                 window=9, softcap=3.0)
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
+                           num_splits=num_splits, window=9, softcap=3.0,
+                           new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
+                                                rotary.cos_sin))
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])

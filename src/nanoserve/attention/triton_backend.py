@@ -45,8 +45,8 @@ class TritonAttentionBackend:
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
-                  ) -> torch.Tensor:
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         if meta.decode_only:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
@@ -60,21 +60,25 @@ class TritonAttentionBackend:
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_seq_len, scale,
                                         num_splits=splits, seq_order=meta.seq_order,
-                                        new_tokens=new, tuning=tuning)
+                                        new_tokens=new, tuning=tuning, window=window,
+                                        softcap=softcap)
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0
+               ) -> torch.Tensor:
         if meta.decode_only:
             fp8 = k_cache.dtype == torch.float8_e4m3fn
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_seq_len, scale,
                                     seq_order=meta.seq_order,
-                                    tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning())
+                                    tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning(),
+                                    window=window, softcap=softcap)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, scale, work=meta.prefill_work)
+                                 meta.query_start_loc, scale, work=meta.prefill_work,
+                                 window=window, softcap=softcap)
 
 
 def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int

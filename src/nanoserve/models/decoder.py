@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """Self-attention over the paged KV cache: qkv projection, (q/k norm), RoPE, store, attend."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int):
         super().__init__()
+        self.window = cfg.window_of(index)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, bias=cfg.attention_bias)
         self.num_heads = self.qkv_proj.num_heads
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
-                                     self.q_norm, self.k_norm)
+                                     self.q_norm, self.k_norm, window=self.window)
         return self.o_proj(out.reshape(-1, q_size), residual=residual)
 
 
@@ -74,7 +75,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, index)
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                   cfg.moe_intermediate_size, cfg.norm_topk_prob) \
             if index in cfg.moe_layers else MLP(cfg)

