@@ -24,10 +24,13 @@ def _config(arch: str, vocab_size: int, eos_id: int):
     common = dict(SHAPE, vocab_size=vocab_size, eos_token_id=eos_id)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False)
+    if arch == "mixtral":  # 8 experts, top 2, with a window too
+        return tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
+                                sliding_window=WINDOW, tie_word_embeddings=True)
     raise ValueError(arch)
 
 
-ARCHS = ["mistral"]
+ARCHS = ["mistral", "mixtral"]
 WINDOWED = ["mistral"]  # also run under preemption, chunked prefill and prefix hits
 
 

@@ -141,8 +141,11 @@ class ModelConfig:
             eos_token_ids=sorted(set(eos)),
             num_experts=num_experts,
             num_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+            # Mixtral's experts are intermediate_size wide, their top-k weights renormalised.
+            moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", 0) or (
+                hf_config.intermediate_size if num_experts else 0)),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob",
+                                        arch == "MixtralForCausalLM")),
             moe_layers=_moe_layers(hf_config, num_experts),
             layer_windows=_layer_windows(hf_config),
         )
@@ -225,7 +228,7 @@ def arch_from_model_type(hf_config: Any) -> str:
     """The model class for a config that names only its model_type (GGUF configs do)."""
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "mistral": "LlamaForCausalLM"}
+             "mistral": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
     return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
 
 

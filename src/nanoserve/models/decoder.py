@@ -106,8 +106,12 @@ class DecoderModel(nn.Module):
         return self.norm(residual)
 
 
-# One expert's tensor in a Qwen3-MoE checkpoint (here all experts share stacked parameters).
-EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+# One expert's tensor in a Qwen3-MoE checkpoint (here all experts share stacked parameters),
+# or in a Mixtral one (``block_sparse_moe``; w1 the gate, w3 the up and w2 the down projection).
+EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
+                           r"\.weight")
+EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+               "w1": "gate", "w3": "up", "w2": "down"}
 
 # Checkpoint names of the tensors that live packed in one parameter here: (part, our name, slot).
 PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
@@ -129,9 +133,11 @@ def _parts_of(param_name: str, param: torch.Tensor) -> list[Part]:
 
 def _target_of(name: str) -> tuple[str, Part]:
     """The parameter a checkpoint tensor goes into, and which part of it (None: all)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
     expert = EXPERT_TENSOR.fullmatch(name)
     if expert:
         prefix, index, part = expert.groups()
+        part = EXPERT_PART[part]
         return f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}", (int(index), part)
     for part, packed, slot in PACKED:
         if f".{part}." in name:
