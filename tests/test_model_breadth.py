@@ -10,7 +10,7 @@ import torch
 from reference import PROMPTS, greedy_params, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoserve import LLM
+from nanoserve import LLM, SamplingParams
 
 NEW_TOKENS = 32
 WINDOW = 6  # shorter than most prompts, and than every prompt with its continuation
@@ -27,11 +27,19 @@ def _config(arch: str, vocab_size: int, eos_id: int):
     if arch == "mixtral":  # 8 experts, top 2, with a window too
         return tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
                                 sliding_window=WINDOW, tie_word_embeddings=True)
+    gemma = dict(common, layer_types=["sliding_attention", "full_attention"],
+                 sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=5.0)
+    if arch == "gemma2":
+        return tf.Gemma2Config(**gemma, attn_logit_softcapping=2.0)
+    if arch == "gemma3":  # q/k norms; local and global layers rotate by different bases
+        return tf.Gemma3TextConfig(**gemma, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
     raise ValueError(arch)
 
 
-ARCHS = ["mistral", "mixtral"]
-WINDOWED = ["mistral"]  # also run under preemption, chunked prefill and prefix hits
+ARCHS = ["mistral", "mixtral", "gemma2", "gemma3"]
+WINDOWED = ["mistral", "gemma2"]  # also run under preemption, chunked prefill and prefix hits
 
 
 def build(arch: str, out_dir: Path, tokenizer_dir: Path) -> Path:
@@ -86,6 +94,44 @@ def test_sliding_window_under_preemption_chunking_and_prefix_hits(case):
         assert generate(llm, ids) == want
         stats = llm.engine.stats()
         assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0
+        assert generate(llm, ids) == want
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("case", ["gemma2"], indirect=True)
+def test_final_soft_cap_shapes_the_logprobs(case):
+    """Greedy tokens cannot see a monotone cap on the logits; the log-probabilities do."""
+    path, ids, _ = case
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[3]])).logits[0, -1]
+    assert logits.abs().max() < model.config.final_logit_softcapping  # capped
+    want = torch.log_softmax(logits, -1).topk(5)
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+        got = llm.generate([ids[3]], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+    finally:
+        llm.close()
+    assert list(got) == want.indices.tolist()
+    torch.testing.assert_close(torch.tensor(list(got.values())), want.values,
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["gemma2"], indirect=True)
+def test_folded_norm_weights_keep_gemma_outputs(case):
+    """The GPU path folds each pre-norm's (1 + w) into the projection reading it, never a
+    post-norm; run here on the CPU's unfused ops, the model is still transformers'."""
+    path, ids, want = case
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    try:
+        model = llm.engine.executor.model
+        model.fold_norm_weights()
+        layer = model.model.layers[0]
+        assert layer.input_layernorm.folded and layer.pre_feedforward_layernorm.folded
+        assert not (layer.post_attention_layernorm.folded
+                    or layer.post_feedforward_layernorm.folded)
         assert generate(llm, ids) == want
     finally:
         llm.close()

@@ -20,7 +20,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_att
      "layer_types"),
     (LlamaConfig(**SMALL, quantization_config={"quant_method": "awq", "bits": 4}),
      "quantization_config"),
-    (LlamaConfig(**SMALL, hidden_act="gelu"), "hidden_act"),
+    (LlamaConfig(**SMALL, hidden_act="relu"), "hidden_act"),
     (LlamaConfig(**SMALL, partial_rotary_factor=0.5), "partial_rotary_factor"),
     (LlamaConfig(**SMALL, final_logit_softcapping=30.0), "final_logit_softcapping"),
     (LlamaConfig(**SMALL, attn_logit_softcapping=50.0), "attn_logit_softcapping"),
@@ -55,12 +55,14 @@ def test_fields_at_values_the_engine_honours_load(config):
 
 def test_sliding_windows_follow_layer_types():
     """Mistral's window covers every layer; Qwen2's only the layers from max_window_layers."""
-    windows = ModelConfig.from_hf(MistralConfig(**dict(SMALL, num_hidden_layers=2),
-                                                sliding_window=8)).layer_windows
-    assert windows == (8, 8)
+    def windows(config):
+        cfg = ModelConfig.from_hf(config)
+        return [cfg.window_of(i) for i in range(cfg.num_layers)]
+
+    assert windows(MistralConfig(**dict(SMALL, num_hidden_layers=2), sliding_window=8)) == [8, 8]
     qwen2 = Qwen2Config(**dict(SMALL, num_hidden_layers=3), sliding_window=8,
                         use_sliding_window=True, max_window_layers=1)
-    assert ModelConfig.from_hf(qwen2).layer_windows == (0, 8, 8)
+    assert windows(qwen2) == [0, 8, 8]
 
 
 def test_a_model_folder_with_an_unknown_layer_type_is_refused(tiny_llama, tmp_path):

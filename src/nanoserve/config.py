@@ -102,13 +102,33 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts
-    # Per layer, the keys a query sees (its own included) under a sliding window; 0: all of
-    # them. Empty: every layer attends to the whole context.
-    layer_windows: tuple[int, ...] = ()
+    # Each layer's kind, "full_attention" or "sliding_attention" (empty: all full); a sliding
+    # layer's query sees the last ``sliding_window`` positions, its own included (0: all).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    # Sliding layers' own RoPE (theta, scaling), where it differs (Gemma 3's local base).
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
+    # Gemma: a per-layer switch set, see _gemma_fields.
+    hidden_act: str = "silu"
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + weight)
+    sandwich_norms: bool = False  # norms before and after attention and the MLP
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2, not head_dim's
+    attn_softcap: float = 0.0  # attention scores become cap * tanh(s / cap); 0: not capped
+    final_softcap: float = 0.0  # the same on the logits
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def window_of(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: full attention)."""
-        return self.layer_windows[layer] if self.layer_windows else 0
+        return self.sliding_window if self.is_sliding(layer) else 0
+
+    def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """Layer ``layer``'s RoPE (theta, scaling)."""
+        if self.sliding_rope is not None and self.is_sliding(layer):
+            return self.sliding_rope
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
@@ -116,7 +136,7 @@ class ModelConfig:
         refuse_unhonoured_fields(hf_config, arch)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        theta, scaling = _rope_of(hf_config)
+        theta, scaling, sliding_rope = _ropes_of(hf_config)
         eos = as_id_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         num_experts = int(getattr(hf_config, "num_experts", None)
@@ -136,7 +156,7 @@ class ModelConfig:
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=str(dtype).replace("torch.", "") if dtype else "float32",
             eos_token_ids=sorted(set(eos)),
             num_experts=num_experts,
@@ -147,11 +167,13 @@ class ModelConfig:
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob",
                                         arch == "MixtralForCausalLM")),
             moe_layers=_moe_layers(hf_config, num_experts),
-            layer_windows=_layer_windows(hf_config),
+            **_window_fields(hf_config),
+            sliding_rope=sliding_rope,
+            **(_gemma_fields(hf_config) if arch in GEMMA else {}),
         )
 
 
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu")
 
 
 def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
@@ -171,8 +193,8 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
     if method is not None and str(method).lower() != "gguf":
         raise ValueError(f"quantization_config ({method}) is not supported: nanoserve loads "
                          f"16- and 32-bit float weights")
-    act = field("hidden_act")
-    if act is not None and act not in SUPPORTED_ACTIVATIONS:
+    act = _activation(hf_config)
+    if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"hidden_act={act!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")
     rope = field("rope_parameters")
@@ -181,9 +203,14 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor={partial} is not supported: RoPE rotates "
                          f"every dimension")
+    # Gemma 3 carries attention soft-capping in its config, but transformers never applies it.
+    capped = {"Gemma2ForCausalLM": ("attn_logit_softcapping", "final_logit_softcapping"),
+              "Gemma3ForCausalLM": ("final_logit_softcapping",)}.get(arch, ())
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if field(name) is not None:
-            raise ValueError(f"{name}={field(name)} is not supported")
+        if field(name) is not None and name not in capped:
+            raise ValueError(f"{name}={field(name)} is not supported for {arch}")
+    if field("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported: attention is causal")
     if field("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
     # Qwen2's q/k/v biases are its architecture's; elsewhere attention_bias also biases o_proj.
@@ -194,18 +221,35 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _layer_windows(hf_config: Any) -> tuple[int, ...]:
-    """Each layer's window: ``sliding_window`` on the ``layer_types`` marked sliding (every
-    layer when the config lists none, as Mistral's), unless ``use_sliding_window`` is off."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", None) is False:
-        return ()
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _window_fields(hf_config: Any) -> dict[str, Any]:
+    """``layer_types`` as the config lists them (Mistral lists none: every layer slides when
+    it has a window) and the window, 0 where none applies or ``use_sliding_window`` is off."""
+    window = getattr(hf_config, "sliding_window", None) or 0
+    if getattr(hf_config, "use_sliding_window", None) is False:
+        window = 0
     if window >= getattr(hf_config, "max_position_embeddings", window + 1):
-        return ()  # a window as long as the context: full attention
+        window = 0  # a window as long as the context: full attention
     types = getattr(hf_config, "layer_types", None) or (
-        ["sliding_attention"] * hf_config.num_hidden_layers)
-    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
-    return windows if any(windows) else ()
+        ["sliding_attention"] * hf_config.num_hidden_layers if window else [])
+    return dict(layer_types=tuple(types), sliding_window=int(window))
+
+
+def _gemma_fields(hf_config: Any) -> dict[str, Any]:
+    """Gemma 2 and 3's switches: (1 + w) sandwich norms, scaled embeddings, GeGLU, soft caps."""
+    return dict(
+        hidden_act=_activation(hf_config), norm_plus_one=True, sandwich_norms=True,
+        embed_scale=float(hf_config.hidden_size) ** 0.5,
+        query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar),
+        attn_softcap=float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
+        final_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0))
+
+
+def _activation(hf_config: Any) -> str:
+    return (getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None)
+            or "silu")
 
 
 def _moe_layers(hf_config: Any, num_experts: int) -> tuple[int, ...]:
@@ -228,13 +272,25 @@ def arch_from_model_type(hf_config: Any) -> str:
     """The model class for a config that names only its model_type (GGUF configs do)."""
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "mistral": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+             "mistral": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
     return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
 
 
-def _rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+def _ropes_of(hf_config: Any) -> tuple[float, dict[str, Any] | None,
+                                       tuple[float, dict[str, Any] | None] | None]:
+    """(theta, scaling) of the full-attention layers, then the sliding layers' own (theta,
+    scaling) where the config gives them apart (``rope_parameters`` keyed by layer type)."""
     params = dict(getattr(hf_config, "rope_parameters", None)
                   or getattr(hf_config, "rope_scaling", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        full = _rope_of(hf_config, dict(params["full_attention"]))
+        sliding = params.get("sliding_attention")
+        return *full, None if sliding is None else _rope_of(hf_config, dict(sliding))
+    return *_rope_of(hf_config, params), None
+
+
+def _rope_of(hf_config: Any, params: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:

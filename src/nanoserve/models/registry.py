@@ -5,8 +5,9 @@ from nanoserve.attention.backend import AttentionBackend
 from nanoserve.config import ModelConfig
 from nanoserve.models.decoder import DecoderForCausalLM
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-                 "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM",
+                 "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def build_model(cfg: ModelConfig, backend: AttentionBackend) -> DecoderForCausalLM:
