@@ -18,15 +18,28 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+             "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.5, 4.0, 9.0, 17.0]}
+
+
 def _config(arch: str, vocab_size: int, eos_id: int):
     import transformers as tf
 
     common = dict(SHAPE, vocab_size=vocab_size, eos_token_id=eos_id)
-    if arch == "mistral":
-        return tf.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False)
-    if arch == "mixtral":  # 8 experts, top 2, with a window too
+    if arch == "mistral":  # with YaRN scaling
+        return tf.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                 "rope_theta": 1e4,
+                                                 "original_max_position_embeddings": 128})
+    if arch == "mixtral":  # 8 experts, top 2, with a window and dynamic NTK scaling too
         return tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
-                                sliding_window=WINDOW, tie_word_embeddings=True)
+                                sliding_window=WINDOW, tie_word_embeddings=True,
+                                rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                 "rope_theta": 1e4})
+    if arch == "phi3":  # fused qkv / gate_up, half the head rotated, longrope (short factors)
+        return tf.Phi3Config(**common, sliding_window=WINDOW, tie_word_embeddings=False,
+                             original_max_position_embeddings=128, pad_token_id=None,
+                             rope_parameters=PHI3_ROPE)
     gemma = dict(common, layer_types=["sliding_attention", "full_attention"],
                  sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=5.0)
     if arch == "gemma2":
@@ -38,7 +51,7 @@ def _config(arch: str, vocab_size: int, eos_id: int):
     raise ValueError(arch)
 
 
-ARCHS = ["mistral", "mixtral", "gemma2", "gemma3"]
+ARCHS = ["mistral", "mixtral", "gemma2", "gemma3", "phi3"]
 WINDOWED = ["mistral", "gemma2"]  # also run under preemption, chunked prefill and prefix hits
 
 
@@ -135,3 +148,55 @@ def test_folded_norm_weights_keep_gemma_outputs(case):
         assert generate(llm, ids) == want
     finally:
         llm.close()
+
+
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 128,
+            "short_factor": PHI3_ROPE["short_factor"], "long_factor": PHI3_ROPE["long_factor"],
+            "partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize("family,rope,positions", [
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+     (0, 500)),
+    ("llama", {"rope_type": "dynamic", "factor": 2.0}, (0, 500)),
+    ("phi3", LONGROPE, (0, 120)),  # below the original length: the short factors
+    ("phi3", LONGROPE, (128, 500)),  # from it: the long ones
+])
+def test_rope_tables_equal_transformers_rotary_embedding(family, rope, positions):
+    """The cos/sin rows against transformers' own rotary module (Phi-3's rotating half of
+    each 16-wide head), at positions where it uses the factors being tested."""
+    import transformers as tf
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from nanoserve.config import ModelConfig
+    from nanoserve.layers.rotary import RotaryEmbedding
+
+    config_cls, rotary_cls = {"llama": (tf.LlamaConfig, LlamaRotaryEmbedding),
+                              "phi3": (tf.Phi3Config, Phi3RotaryEmbedding)}[family]
+    extra = dict(original_max_position_embeddings=128, pad_token_id=None) \
+        if family == "phi3" else {}
+    hf_config = config_cls(**SHAPE, vocab_size=32, **extra,
+                           rope_parameters={**rope, "rope_theta": 1e4})
+    hf_config.architectures = [f"{config_cls.__name__[:-6]}ForCausalLM"]
+    cfg = ModelConfig.from_hf(hf_config)
+    ours = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, *cfg.rope_of(0),
+                           rotary_dim=cfg.rotary_dim).cos_sin
+    pos = torch.arange(*positions)
+    cos, sin = rotary_cls(hf_config)(torch.zeros(1, dtype=torch.float32), pos[None])
+    half = cos.shape[-1] // 2
+    assert ours.shape == (512, 2 * half) and half == (4 if family == "phi3" else 8)
+    torch.testing.assert_close(ours[pos], torch.cat([cos[0, :, :half], sin[0, :, :half]], -1),
+                               atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "phi3"], indirect=True)
+def test_two_ranks_match_one(case):
+    """Tensor parallelism (gloo) over the new layers: post-norms after the all-reduce, soft caps
+    on the gathered logits, Phi-3's fused tensors sliced per rank; the top-5 rule at a near tie."""
+    from test_tensor_parallel import assert_same_greedy
+    from test_tensor_parallel import generate as tp_generate
+
+    path, ids, _ = case
+    one = tp_generate(path, ids[:4], 16)
+    assert_same_greedy(one, tp_generate(path, ids[:4], 16, tensor_parallel_size=2))

@@ -27,8 +27,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_att
     (LlamaConfig(**SMALL, mlp_bias=True), "mlp_bias"),
     (LlamaConfig(**SMALL, attention_bias=True), "attention_bias"),
     (Qwen3Config(**SMALL, attention_bias=True), "attention_bias"),
-    (LlamaConfig(**SMALL, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                        "original_max_position_embeddings": 64}), "yarn"),
+    (LlamaConfig(**SMALL, rope_scaling={"rope_type": "proportional", "factor": 4.0}),
+     "proportional"),
 ])
 def test_an_unhonoured_field_is_refused_by_name(config, field):
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]

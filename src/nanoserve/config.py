@@ -71,7 +71,7 @@ class EngineConfig:
             raise ValueError(f"model must be a path or None, got {self.model!r}")
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 @dataclass
@@ -116,6 +116,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2, not head_dim's
     attn_softcap: float = 0.0  # attention scores become cap * tanh(s / cap); 0: not capped
     final_softcap: float = 0.0  # the same on the logits
+    rotary_dim: int = 0  # RoPE rotates each head's first rotary_dim features (0: all)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -170,6 +171,8 @@ class ModelConfig:
             **_window_fields(hf_config),
             sliding_rope=sliding_rope,
             **(_gemma_fields(hf_config) if arch in GEMMA else {}),
+            rotary_dim=int(head_dim * _partial_rotary(hf_config)) if arch in PARTIAL_ROTARY
+            else 0,
         )
 
 
@@ -197,12 +200,10 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
     if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"hidden_act={act!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")
-    rope = field("rope_parameters")
-    partial = field("partial_rotary_factor") or (
-        rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported: RoPE rotates "
-                         f"every dimension")
+    partial = _partial_rotary(hf_config)
+    if partial != 1.0 and arch not in PARTIAL_ROTARY:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported for {arch}: RoPE "
+                         f"rotates every dimension")
     # Gemma 3 carries attention soft-capping in its config, but transformers never applies it.
     capped = {"Gemma2ForCausalLM": ("attn_logit_softcapping", "final_logit_softcapping"),
               "Gemma3ForCausalLM": ("final_logit_softcapping",)}.get(arch, ())
@@ -222,6 +223,15 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The architectures whose RoPE honours partial_rotary_factor in transformers.
+PARTIAL_ROTARY = ("Phi3ForCausalLM",)
+
+
+def _partial_rotary(hf_config: Any) -> float:
+    rope = getattr(hf_config, "rope_parameters", None)
+    partial = getattr(hf_config, "partial_rotary_factor", None) or (
+        rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
+    return float(partial or 1.0)
 
 
 def _window_fields(hf_config: Any) -> dict[str, Any]:
@@ -273,7 +283,8 @@ def arch_from_model_type(hf_config: Any) -> str:
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "mistral": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+             "phi3": "Phi3ForCausalLM"}
     return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
 
 

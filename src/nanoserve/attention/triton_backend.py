@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.attention.torch_backend import TorchAttentionBackend
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
                                                 decode_attention, num_decode_splits)
@@ -38,6 +39,9 @@ class TritonAttentionBackend:
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> torch.Tensor:
+        if rotary.partial:  # the fused kernels rotate whole heads: the unfused reference
+            return TorchAttentionBackend().rope_and_store(positions, q, k, v, k_cache, v_cache,
+                                                          slot_mapping, rotary, q_norm, k_norm)
         # One fused launch instead of q norm, k norm, RoPE and the store.
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
                                   slot_mapping, *_norm_args(q_norm, k_norm))
@@ -47,7 +51,7 @@ class TritonAttentionBackend:
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                   window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        if meta.decode_only:
+        if meta.decode_only and not rotary.partial:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                        num_sms)

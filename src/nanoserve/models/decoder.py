@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                      *cfg.rope_of(index))
+                                      *cfg.rope_of(index), rotary_dim=cfg.rotary_dim)
         self.backend = backend
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
@@ -191,6 +191,29 @@ def _target_of(name: str) -> tuple[str, Part]:
     return name, None
 
 
+def _split_fused(weights: Iterable[tuple[str, CheckpointTensor]], cfg: ModelConfig
+                 ) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Checkpoint tensors with fused ones (Phi-3's ``qkv_proj`` and ``gate_up_proj``) split
+    into the q/k/v and gate/up tensors other checkpoints hold, each read on demand."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused = {".self_attn.qkv_proj.weight": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+             ".mlp.gate_up_proj.weight": (("gate_proj", cfg.intermediate_size),
+                                          ("up_proj", cfg.intermediate_size))}
+    for name, tensor in weights:
+        suffix = next((f for f in fused if name.endswith(f)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        if tensor.shape[0] != sum(size for _, size in fused[suffix]):
+            raise ValueError(f"checkpoint tensor {name!r} of shape {list(tensor.shape)} does "
+                             f"not split into {fused[suffix]}")
+        prefix, start = name[:-len(suffix)], 0
+        for part, size in fused[suffix]:
+            part_name = f"{prefix}{suffix.replace(suffix.split('.')[2], part)}"
+            yield part_name, tensor.rows(part_name, start, size)
+            start += size
+
+
 class DecoderForCausalLM(nn.Module):
     """Token ids -> hidden states -> logits, with a loader for Hugging Face parameter names."""
 
@@ -229,7 +252,7 @@ class DecoderForCausalLM(nn.Module):
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""
         params = dict(self.named_parameters(remove_duplicate=False))
         missing = {(n, slot) for n, p in self.named_parameters() for slot in _parts_of(n, p)}
-        for name, tensor in weights:
+        for name, tensor in _split_fused(weights, self.config):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
                                                  and self.config.tie_word_embeddings):
                 continue

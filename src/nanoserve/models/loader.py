@@ -72,6 +72,16 @@ class CheckpointTensor:
                              f"[{start}:{start + length}] along dim {dim}")
         return self._read((slice(None),) * dim + (slice(start, start + length),)).to(self.dtype)
 
+    def rows(self, name: str, start: int, length: int) -> CheckpointTensor:
+        """Rows ``start : start + length`` as a tensor of their own, read on demand (one part
+        of a fused checkpoint tensor, e.g. Phi-3's qkv_proj)."""
+        def read(index: tuple[slice, ...]) -> torch.Tensor:
+            first = index[0] if index else slice(None)
+            lo, hi = first.start or 0, length if first.stop is None else first.stop
+            return self._read((slice(start + lo, start + hi), *index[1:]))
+
+        return CheckpointTensor(name, (length, *self.shape[1:]), self.dtype, read)
+
 
 def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every checkpoint tensor under its Hugging Face name, one at a time, read on demand."""

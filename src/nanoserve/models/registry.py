@@ -6,7 +6,7 @@ from nanoserve.config import ModelConfig
 from nanoserve.models.decoder import DecoderForCausalLM
 
 ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM",
-                 "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                 "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
