@@ -80,6 +80,41 @@ SHAPES["qwen3-30b-a3b"] = {**_QWEN3, **dict(
 # Its layers, 4 of them: routes like the real model, saves and loads within a device call.
 SHAPES["qwen3-moe-small"] = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 4}
 
+# Newer families (issue 43), from their config.json on the Hub.
+SHAPES["gemma-2-2b"] = dict(  # sandwich (1 + w) norms, GeGLU, soft caps, alternating windows
+    architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=2304,
+    intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+    sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=256000,
+    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    torch_dtype="bfloat16")
+SHAPES["gemma-3-1b"] = dict(  # q/k norms, 5 local (512) : 1 global, two RoPE bases, MQA
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+    sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
+    rope_local_base_freq=10000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    vocab_size=262144, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    pad_token_id=0, torch_dtype="bfloat16")
+SHAPES["phi-3-mini-4k"] = dict(  # fused qkv / gate_up checkpoints, MHA, a 2047-key window
+    architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072,
+    intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=32, hidden_act="silu", max_position_embeddings=4096,
+    original_max_position_embeddings=4096, sliding_window=2047, rms_norm_eps=1e-5,
+    rope_theta=10000.0, rope_scaling=None, vocab_size=32064, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=32000, pad_token_id=32000, torch_dtype="bfloat16")
+SHAPES["mixtral-8x7b"] = dict(  # 8 experts of 14336 features, top 2
+    architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, hidden_act="silu",
+    max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+    sliding_window=None, vocab_size=32000, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, torch_dtype="bfloat16")
+# Its layers, 4 of them (~12 GB in bf16).
+SHAPES["mixtral-small"] = {**SHAPES["mixtral-8x7b"], "num_hidden_layers": 4}
+FAMILIES = ["gemma-2-2b", "gemma-3-1b", "phi-3-mini-4k", "mixtral-small"]
+
 # The dense shapes, smallest first: what latency.py and throughput.py run by default.
 DENSE = ["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b", "qwen3-8b",
          "qwen2.5-14b"]
