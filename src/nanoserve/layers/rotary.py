@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanoserve.config import SUPPORTED_ROPE_TYPES
+from nanoserve.hf_fields import SUPPORTED_ROPE_TYPES
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
