@@ -39,27 +39,31 @@ class TorchAttentionBackend:
         return q
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0
-               ) -> torch.Tensor:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap)
+               meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap,
+                                         sinks)
 
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """The unfused sequence."""
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
-        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, window: int = 0,
-                              softcap: float = 0.0) -> torch.Tensor:
+                              softcap: float = 0.0, sinks: torch.Tensor | None = None
+                              ) -> torch.Tensor:
     """Causal attention of packed queries over paged keys, computed on padded dense tensors.
     ``window`` > 0: a query sees only the last ``window`` positions (itself included);
-    ``softcap`` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask."""
+    ``softcap`` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask;
+    ``sinks`` ([H], GPT-OSS): one more logit per head in each softmax, attached to no value."""
     device = q.device
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
@@ -96,6 +100,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length sequence has no keys
+    if sinks is not None:
+        sink = sinks.to(acc).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length sequence has no keys
     out = torch.matmul(probs, vh).permute(0, 2, 1, 3)  # [B, max_q, H, D]
     return out[q_valid].to(q.dtype)

@@ -50,7 +50,8 @@ class TritonAttentionBackend:
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         if meta.decode_only and not rotary.partial:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
@@ -65,24 +66,24 @@ class TritonAttentionBackend:
                                         meta.query_start_loc, meta.max_seq_len, scale,
                                         num_splits=splits, seq_order=meta.seq_order,
                                         new_tokens=new, tuning=tuning, window=window,
-                                        softcap=softcap)
+                                        softcap=softcap, sinks=sinks)
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
-        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0
-               ) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         if meta.decode_only:
             fp8 = k_cache.dtype == torch.float8_e4m3fn
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_seq_len, scale,
                                     seq_order=meta.seq_order,
                                     tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning(),
-                                    window=window, softcap=softcap)
+                                    window=window, softcap=softcap, sinks=sinks)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, scale, work=meta.prefill_work,
-                                 window=window, softcap=softcap)
+                                 window=window, softcap=softcap, sinks=sinks)
 
 
 def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int

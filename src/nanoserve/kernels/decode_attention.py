@@ -68,7 +68,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tuning: DecodeTuning = DecodeTuning(),
                      seq_order: torch.Tensor | None = None,
                      new_tokens: NewTokens | None = None, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     Sequence ``i``'s token is row ``query_start_loc[i]`` of ``q [T, H, D]``, its keys the first
@@ -78,7 +78,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     With ``new_tokens``, ``q`` is the projection's raw q (left unmodified) and the kernel
     finishes and stores each new k/v itself, at ``seq_lens[i] - 1``. ``window`` > 0: only the
     last ``window`` keys are read; ``softcap`` > 0: scores are soft-capped (``softcap *
-    tanh(s / softcap)``), as ``paged_attention_reference``. CUDA-graph capturable.
+    tanh(s / softcap)``); ``sinks`` ([H]): one more logit per head's softmax, all as
+    ``paged_attention_reference``. CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -113,7 +114,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,  # an int32 placeholder when unordered
-        out, part_lse, part_o, *new_pointers,
+        out, part_lse, part_o, q if sinks is None else sinks, *new_pointers,
         scale * LOG2E, 0.0 if new_tokens is None else new_tokens.eps, window,
         softcap * LOG2E, num_heads,
         q.stride(0), q.stride(1),
@@ -132,6 +133,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         and k_cache.numel() < 2 ** 31),
         FP16_PRODUCTS=fp16_products(q, k_cache),
         PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None, SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -13,7 +13,7 @@ from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr,
+    seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr, sinks_ptr,
     k_new_ptr, v_new_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
     scale_log2, eps, window, softcap_log2,
     num_heads,
@@ -30,6 +30,7 @@ def _decode_split_kernel(
     ORDERED: tl.constexpr, PDL: tl.constexpr,
     NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
     FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -117,6 +118,11 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS and split == 0:
+        # A head's sink is one more logit of its softmax, with no value: the first split's
+        # running max and sum start from it (exp2(sink - sink) = 1).
+        m_i = tl.load(sinks_ptr + head, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(g_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     loop_start = start
     if PREFETCH_KV:

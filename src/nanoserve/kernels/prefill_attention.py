@@ -66,7 +66,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt", "num_work"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    work_ptr, num_work,
+    sinks_ptr, work_ptr, num_work,
     scale_log2, window, softcap_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -78,6 +78,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP16_PRODUCTS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     item = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
@@ -105,6 +106,9 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    if SINKS:  # each head's sink: one more logit with no value, where the softmax starts
+        m_i = tl.load(sinks_ptr + head, mask=g < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(g < GROUP, 1.0, 0.0)
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     first_q_pos = ctx_len + tile * BLOCK_Q
@@ -154,14 +158,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float,
                       work: torch.Tensor | None = None, window: int = 0,
-                      softcap: float = 0.0) -> torch.Tensor:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged keys; ``[T, H, D]``.
 
     Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` (later rows
     stay unwritten), its keys the first ``seq_lens[i]`` cache entries, new tokens stored. ``work``:
     :func:`prefill_work` for :func:`query_tile`'s tile (default: from lengths read back).
     ``window`` > 0: a token sees the last ``window`` positions only; ``softcap`` > 0: scores
-    soft-capped, as ``paged_attention_reference``."""
+    soft-capped; ``sinks`` ([H]): one more logit per head's softmax, as
+    ``paged_attention_reference``."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_attention_inputs(q, k_cache, v_cache)
@@ -177,7 +182,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     _prefill_kernel[(num_work * num_kv_heads,)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        work, num_work,
+        q if sinks is None else sinks, work, num_work,
         scale * LOG2E, window, softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -190,7 +195,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_SIZE=block_size,
         BLOCK_N=INTERPRETER_BLOCK_N if interpreted(q.device) else BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype), FP16_PRODUCTS=fp16_products(q, k_cache),
-        WINDOW=window > 0, SOFTCAP=softcap > 0,
+        WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
