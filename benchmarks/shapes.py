@@ -113,7 +113,21 @@ SHAPES["mixtral-8x7b"] = dict(  # 8 experts of 14336 features, top 2
     eos_token_id=2, torch_dtype="bfloat16")
 # Its layers, 4 of them (~12 GB in bf16).
 SHAPES["mixtral-small"] = {**SHAPES["mixtral-8x7b"], "num_hidden_layers": 4}
-FAMILIES = ["gemma-2-2b", "gemma-3-1b", "phi-3-mini-4k", "mixtral-small"]
+# GPT-OSS-20B in bf16 (the Hub's checkpoint is MXFP4, not loaded yet): sinks, biases, 128-key
+# windows on every other layer, 32 experts top 4 with the clamped SwiGLU, YaRN.
+SHAPES["gpt-oss-20b"] = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880,
+    intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
+    swiglu_limit=7.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": False, "original_max_position_embeddings": 4096},
+    rope_theta=150000.0, vocab_size=201088, tie_word_embeddings=False, eos_token_id=200002,
+    pad_token_id=199999, hidden_act="silu", torch_dtype="bfloat16")
+SHAPES["gpt-oss-small"] = {**SHAPES["gpt-oss-20b"], "num_hidden_layers": 4,
+                           "layer_types": ["sliding_attention", "full_attention"] * 2}
+FAMILIES = ["gemma-2-2b", "gemma-3-1b", "phi-3-mini-4k", "mixtral-small", "gpt-oss-small"]
 
 # The dense shapes, smallest first: what latency.py and throughput.py run by default.
 DENSE = ["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b", "qwen3-8b",

@@ -1,6 +1,7 @@
-"""Model breadth: each newer architecture, built tiny by transformers' own config class with its
-features on (a sliding window shorter than the prompts, soft-capping, experts, partial rotary),
-gives transformers' greedy tokens, token for token, on the CPU in fp32."""
+"""Model breadth: each newer architecture (Mistral, Mixtral, Gemma 2/3, Phi-3, GPT-OSS), built
+tiny by transformers' own config class with its features on (a sliding window shorter than the
+prompts, soft-capping, experts, partial rotary, sinks, RoPE scalings), gives transformers'
+greedy tokens, token for token, on the CPU in fp32."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -48,10 +49,17 @@ def _config(arch: str, vocab_size: int, eos_id: int):
         return tf.Gemma3TextConfig(**gemma, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
+    if arch == "gpt-oss":  # sinks, biases, top-k then softmax, clamped SwiGLU, YaRN, windows
+        return tf.GptOssConfig(**dict(common, intermediate_size=48), num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=WINDOW,
+                               tie_word_embeddings=False, rope_parameters={
+                                   "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                   "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False})
     raise ValueError(arch)
 
 
-ARCHS = ["mistral", "mixtral", "gemma2", "gemma3", "phi3"]
+ARCHS = ["mistral", "mixtral", "gemma2", "gemma3", "phi3", "gpt-oss"]
 WINDOWED = ["mistral", "gemma2"]  # also run under preemption, chunked prefill and prefix hits
 
 
@@ -190,10 +198,10 @@ def test_rope_tables_equal_transformers_rotary_embedding(family, rope, positions
                                atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["gemma2", "phi3"], indirect=True)
+@pytest.mark.parametrize("case", ["phi3", "gpt-oss"], indirect=True)
 def test_two_ranks_match_one(case):
-    """Tensor parallelism (gloo) over the new layers: post-norms after the all-reduce, soft caps
-    on the gathered logits, Phi-3's fused tensors sliced per rank; the top-5 rule at a near tie."""
+    """Tensor parallelism (gloo) over the new layers: Phi-3's fused tensors sliced per rank,
+    GPT-OSS's sinks split by heads and its biases added once; the top-5 rule at a near tie."""
     from test_tensor_parallel import assert_same_greedy
     from test_tensor_parallel import generate as tp_generate
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanoserve.hf_fields import (GEMMA, PARTIAL_ROTARY, gemma_fields, partial_rotary,
+from nanoserve.hf_fields import (GEMMA, PARTIAL_ROTARY, gemma_fields, gpt_oss_fields,
+                                 partial_rotary,
                                  refuse_unhonoured_fields, ropes_of, sparse_layers,
                                  window_fields)
 from nanoserve.hf_fields import arch_from_model_type  # noqa: F401  (the loader's import)
@@ -119,6 +120,13 @@ class ModelConfig:
     attn_softcap: float = 0.0  # attention scores become cap * tanh(s / cap); 0: not capped
     final_softcap: float = 0.0  # the same on the logits
     rotary_dim: int = 0  # RoPE rotates each head's first rotary_dim features (0: all)
+    # GPT-OSS's switches (hf_fields.gpt_oss_fields).
+    o_proj_bias: bool = False
+    attention_sinks: bool = False  # per head, one more logit in the softmax, with no value
+    moe_bias: bool = False  # router and expert biases
+    moe_topk_first: bool = False  # softmax over the top-k logits, not top-k of the softmax
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0  # > 0: the experts' clamped SwiGLU
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -158,7 +166,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM",
+            attention_bias=arch == "Qwen2ForCausalLM" or (
+                arch == "GptOssForCausalLM" and bool(getattr(hf_config, "attention_bias", True))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=str(dtype).replace("torch.", "") if dtype else "float32",
             eos_token_ids=sorted(set(eos)),
@@ -173,6 +182,7 @@ class ModelConfig:
             **window_fields(hf_config),
             sliding_rope=sliding_rope,
             **(gemma_fields(hf_config) if arch in GEMMA else {}),
+            **(gpt_oss_fields(hf_config) if arch == "GptOssForCausalLM" else {}),
             rotary_dim=int(head_dim * partial_rotary(hf_config)) if arch in PARTIAL_ROTARY
             else 0,
         )

@@ -46,7 +46,7 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
     if field("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
     # Qwen2's q/k/v biases are its architecture's; elsewhere attention_bias also biases o_proj.
-    if field("attention_bias") and arch != "Qwen2ForCausalLM":
+    if field("attention_bias") and arch not in ("Qwen2ForCausalLM", "GptOssForCausalLM"):
         raise ValueError(f"attention_bias=True is not supported for {arch}")
 
 
@@ -88,6 +88,15 @@ def gemma_fields(hf_config: Any) -> dict[str, Any]:
         final_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0))
 
 
+def gpt_oss_fields(hf_config: Any) -> dict[str, Any]:
+    """GPT-OSS's switches: attention sinks, biased q/k/v/o, routers and experts, the softmax
+    over the top-k logits, the clamped SwiGLU."""
+    bias = bool(getattr(hf_config, "attention_bias", True))
+    return dict(o_proj_bias=bias, attention_sinks=True, moe_bias=True,
+                moe_topk_first=True, swiglu_alpha=float(hf_config.swiglu_alpha),
+                swiglu_limit=float(hf_config.swiglu_limit))
+
+
 def activation(hf_config: Any) -> str:
     return (getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None)
             or "silu")
@@ -109,7 +118,7 @@ def arch_from_model_type(hf_config: Any) -> str:
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "mistral": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-             "phi3": "Phi3ForCausalLM"}
+             "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
     return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
 
 

@@ -64,6 +64,7 @@ SHAPES.update({
     "phi-3-mini-4k-window256": {**BENCHMARK_SHAPES["phi-3-mini-4k"], "sliding_window": 256,
                                 "num_hidden_layers": 8},
     "mixtral-small": BENCHMARK_SHAPES["mixtral-small"],
+    "gpt-oss-small": BENCHMARK_SHAPES["gpt-oss-small"],  # its real 128-key windows, 4 layers
     # Phi-4-mini's shape (partial rotary 0.75, longrope) in 8 layers; its long/short factor
     # lists are made up here (48 values each, as its 96 rotated features need).
     "phi-4-mini-8l": dict(_COMMON, architectures=["Phi3ForCausalLM"], model_type="phi3",

@@ -143,15 +143,19 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp = get_tp_group()
         self.in_per_rank = divide(in_features, self.tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
                                    requires_grad=False)
-        self.bias = None  # no supported architecture biases a row-parallel projection
+        # Replicated, added once after the reduce (GPT-OSS's o_proj).
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
+            if bias else None
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
+        if param is self.bias:
+            return None
         size = param.shape[1]
         return Narrow(1, self.tp.rank * size, size)
 
@@ -163,5 +167,7 @@ class RowParallelLinear(nn.Module):
         """The all-reduced product; with ``residual``, ``residual`` plus it."""
         if self.tp.size == 1:
             return linear(x, self.weight, self.bias, residual=residual)
-        out = self.tp.all_reduce(linear(x, self.weight, self.bias))
+        out = self.tp.all_reduce(linear(x, self.weight))
+        if self.bias is not None:
+            out = out + self.bias
         return out if residual is None else residual + out

@@ -1,13 +1,13 @@
 """One decoder-only transformer for Llama, Mistral and Qwen2 (q/k/v biases), Qwen3 (per-head q/k
-norms), Qwen3-MoE and Mixtral (experts for some MLPs) and Gemma 2/3 (sandwich (1 + w) norms, GeGLU,
-soft caps). Between layers flows the residual stream: each pre-norm is applied by the next
-projection (``norm=``), each output projection adds into it (``residual=``) or, with a post-norm,
-its normalised output is added. Per-layer differences (windows, RoPE) come from ModelConfig."""
+norms), Qwen3-MoE and Mixtral (experts for some MLPs), Gemma 2/3 (sandwich (1 + w) norms, GeGLU,
+soft caps), Phi-3 and GPT-OSS (sinks, biases, experts everywhere). Between layers flows the
+residual stream: each pre-norm is applied by the next projection (``norm=``), each output
+projection adds into it (``residual=``) or, with a post-norm, its normalised output is added.
+Per-layer differences (windows, RoPE) come from ModelConfig; checkpoint names from weight_map."""
 from __future__ import annotations
 
-import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
-from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -17,11 +17,13 @@ from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear, ShardId)
+                                     RowParallelLinear)
 from nanoserve.layers.activation import GATED_ACTIVATIONS
-from nanoserve.layers.moe import ExpertShard, SparseMoeBlock
+from nanoserve.layers.moe import ExpertActivation, SparseMoeBlock
+from nanoserve.layers.parallel_state import Narrow
 from nanoserve.layers.norm import OffsetRMSNorm, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
+from nanoserve.models.weight_map import gpt_oss_experts, parts_of, split_fused, target_of
 
 if TYPE_CHECKING:
     from nanoserve.models.loader import CheckpointTensor
@@ -48,7 +50,11 @@ class Attention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.o_proj_bias)
+        # GPT-OSS: a learnt logit per head, this rank's heads'.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) \
+            if cfg.attention_sinks else None
         self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
@@ -57,6 +63,14 @@ class Attention(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: object = None) -> Narrow:
+        """The sinks of this rank's heads (the one parameter held here, not in a layer)."""
+        return Narrow(0, self.qkv_proj.tp.rank * self.num_heads, self.num_heads)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        param.data.copy_(loaded)
 
     def forward(self, positions: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                 post_norm: RMSNorm | None = None) -> torch.Tensor:
@@ -68,7 +82,7 @@ class Attention(nn.Module):
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
                                      self.q_norm, self.k_norm, window=self.window,
-                                     softcap=self.softcap)
+                                     softcap=self.softcap, sinks=self.sinks)
         if post_norm is not None:
             return _add_post_normed(residual, self.o_proj(out.reshape(-1, q_size)), post_norm)
         return self.o_proj(out.reshape(-1, q_size), residual=residual)
@@ -107,7 +121,9 @@ class DecoderLayer(nn.Module):
         if index in cfg.moe_layers and GATED_ACTIVATIONS[cfg.hidden_act] is not None:
             raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported in experts")
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                                  cfg.moe_intermediate_size, cfg.norm_topk_prob) \
+                                  cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.moe_bias,
+                                  cfg.moe_topk_first,
+                                  ExpertActivation(cfg.swiglu_alpha, cfg.swiglu_limit)) \
             if index in cfg.moe_layers else MLP(cfg)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
@@ -152,68 +168,6 @@ class DecoderModel(nn.Module):
         return self.norm(residual)
 
 
-# One expert's tensor in a Qwen3-MoE checkpoint (here all experts share stacked parameters),
-# or in a Mixtral one (``block_sparse_moe``; w1 the gate, w3 the up and w2 the down projection).
-EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
-                           r"\.weight")
-EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
-               "w1": "gate", "w3": "up", "w2": "down"}
-
-# Checkpoint names of the tensors that live packed in one parameter here: (part, our name, slot).
-PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
-          ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
-
-# Which part of a parameter one checkpoint tensor fills (None: all of it).
-Part = ShardId | ExpertShard
-
-
-def _parts_of(param_name: str, param: torch.Tensor) -> list[Part]:
-    """The checkpoint parts a parameter is packed from: every one must be loaded."""
-    if param_name.endswith(".experts.gate_up_proj"):
-        return [(e, part) for e in range(param.shape[0]) for part in ("gate", "up")]
-    if param_name.endswith(".experts.down_proj"):
-        return [(e, "down") for e in range(param.shape[0])]
-    slots = [slot for _, packed, slot in PACKED if f".{packed}." in param_name]
-    return slots or [None]
-
-
-def _target_of(name: str) -> tuple[str, Part]:
-    """The parameter a checkpoint tensor goes into, and which part of it (None: all)."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    expert = EXPERT_TENSOR.fullmatch(name)
-    if expert:
-        prefix, index, part = expert.groups()
-        part = EXPERT_PART[part]
-        return f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}", (int(index), part)
-    for part, packed, slot in PACKED:
-        if f".{part}." in name:
-            return name.replace(part, packed), slot
-    return name, None
-
-
-def _split_fused(weights: Iterable[tuple[str, CheckpointTensor]], cfg: ModelConfig
-                 ) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Checkpoint tensors with fused ones (Phi-3's ``qkv_proj`` and ``gate_up_proj``) split
-    into the q/k/v and gate/up tensors other checkpoints hold, each read on demand."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    fused = {".self_attn.qkv_proj.weight": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
-             ".mlp.gate_up_proj.weight": (("gate_proj", cfg.intermediate_size),
-                                          ("up_proj", cfg.intermediate_size))}
-    for name, tensor in weights:
-        suffix = next((f for f in fused if name.endswith(f)), None)
-        if suffix is None:
-            yield name, tensor
-            continue
-        if tensor.shape[0] != sum(size for _, size in fused[suffix]):
-            raise ValueError(f"checkpoint tensor {name!r} of shape {list(tensor.shape)} does "
-                             f"not split into {fused[suffix]}")
-        prefix, start = name[:-len(suffix)], 0
-        for part, size in fused[suffix]:
-            part_name = f"{prefix}{suffix.replace(suffix.split('.')[2], part)}"
-            yield part_name, tensor.rows(part_name, start, size)
-            start += size
-
-
 class DecoderForCausalLM(nn.Module):
     """Token ids -> hidden states -> logits, with a loader for Hugging Face parameter names."""
 
@@ -251,12 +205,14 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        missing = {(n, slot) for n, p in self.named_parameters() for slot in _parts_of(n, p)}
-        for name, tensor in _split_fused(weights, self.config):
+        missing = {(n, slot) for n, p in self.named_parameters() for slot in parts_of(n, p)}
+        if self.config.architecture == "GptOssForCausalLM":
+            weights = gpt_oss_experts(weights)
+        for name, tensor in split_fused(weights, self.config):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
                                                  and self.config.tie_word_embeddings):
                 continue
-            target, shard = _target_of(name)
+            target, shard = target_of(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{self.config.architecture}")
