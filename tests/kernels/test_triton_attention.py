@@ -503,3 +503,43 @@ def test_sink_reference_is_softmax_with_one_more_logit():
         scores = scores.masked_fill(torch.ones(9, 9).triu(1).bool(), float("-inf"))
         probs = torch.softmax(torch.cat([scores, sinks[h].expand(9, 1)], -1), -1)[:, :-1]
         torch.testing.assert_close(out[:, h], probs @ v)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
+def test_partial_rotary_store_matches_torch_backend(qk_norm):
+    """Partial rotary (Phi-4-mini) on the GPU path: RoPE on the first 16 of 32 features
+    unfused, then the fused store with a table that rotates nothing; padding (slot -1) unstored."""
+    q, k_cache, v_cache, meta = make_batch([20, 9, 0], [1, 1, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16, seed=12)
+    k, v, positions, _, norms = new_token_inputs(q, 2, meta, qk_norm, seed=3)
+    rotary = RotaryEmbedding(32, 256, 1e4, None, rotary_dim=16)
+    assert rotary.partial
+    want_caches = (k_cache.clone(), v_cache.clone())
+    want = TorchAttentionBackend().rope_and_store(positions, q.clone(), k.clone(), v.clone(),
+                                                  *want_caches, meta.slot_mapping, rotary,
+                                                  *norms)
+    got = TritonAttentionBackend().rope_and_store(positions, q, k, v, k_cache, v_cache,
+                                                  meta.slot_mapping, rotary, *norms)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(k_cache, want_caches[0], atol=1e-6, rtol=0)
+    assert torch.equal(v_cache, want_caches[1])
+    assert torch.equal(got[..., 16:], (norms[0](q) if qk_norm else q)[..., 16:])  # unrotated
+
+
+def test_gemma_head_dim_256_with_window_and_softcap():
+    """Gemma's 256-wide heads take the smaller key tiles; window and soft cap on."""
+    q, k_cache, v_cache, meta = make_batch([40, 23], [17, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=256, block_size=16, seed=13)
+    out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, 256 ** -0.5, window=9, softcap=5.0)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     256 ** -0.5, 9, 5.0)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+    q, k_cache, v_cache, meta = make_batch([40, 23], [1, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=256, block_size=16, seed=14)
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, 256 ** -0.5, num_splits=2,
+                           window=9, softcap=5.0)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     256 ** -0.5, 9, 5.0)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])

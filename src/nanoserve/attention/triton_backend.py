@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.attention.torch_backend import TorchAttentionBackend
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
                                                 decode_attention, num_decode_splits)
@@ -39,9 +38,14 @@ class TritonAttentionBackend:
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> torch.Tensor:
-        if rotary.partial:  # the fused kernels rotate whole heads: the unfused reference
-            return TorchAttentionBackend().rope_and_store(positions, q, k, v, k_cache, v_cache,
-                                                          slot_mapping, rotary, q_norm, k_norm)
+        if rotary.partial:
+            # The fused kernels rotate whole heads: norms and RoPE unfused, then the kernel
+            # with a table that rotates nothing stores k and v (no host sync: graph-safe).
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k = rotary(positions, q, k)
+            return qk_norm_rope_store(torch.zeros_like(positions), q, k, v, rotary.identity,
+                                      k_cache, v_cache, slot_mapping)
         # One fused launch instead of q norm, k norm, RoPE and the store.
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
                                   slot_mapping, *_norm_args(q_norm, k_norm))

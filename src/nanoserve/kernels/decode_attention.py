@@ -42,6 +42,8 @@ PROGRAMS_PER_SM = 5
 LATENCY_MAX_SEQS = 8
 BALANCE_BELOW = 7.5
 BALANCE_TARGET = 15
+# Heads wider than this (Gemma's 256) take smaller key tiles, decode and prefill alike.
+WIDE_HEAD_DIM = 128
 # Small tiles on CPU: a fast interpreter, and short test sequences span several tiles.
 INTERPRETER_BLOCK_N = 16
 
@@ -90,6 +92,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
     block_n = INTERPRETER_BLOCK_N if interpreted(device) else tuning.block_n
+    if head_dim > WIDE_HEAD_DIM:  # Gemma's 256: half the keys per tile keeps K/V in SRAM
+        block_n = min(block_n, 32)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.attention.prefill_work import prefill_work
+from nanoserve.kernels.decode_attention import WIDE_HEAD_DIM
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision,
                                       fp16_products, interpreted, masked_softmax_step,
                                       online_softmax_step, soft_cap)
@@ -193,9 +194,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_SIZE=block_size,
-        BLOCK_N=INTERPRETER_BLOCK_N if interpreted(q.device) else BLOCK_N,
+        BLOCK_N=INTERPRETER_BLOCK_N if interpreted(q.device) else (
+            BLOCK_N if head_dim <= WIDE_HEAD_DIM else 32),
         DOT_PRECISION=dot_precision(q.dtype), FP16_PRODUCTS=fp16_products(q, k_cache),
         WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES if head_dim <= WIDE_HEAD_DIM else 2,
     )
     return out

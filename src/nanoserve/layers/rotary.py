@@ -91,6 +91,10 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_dim
         self.register_buffer("cos_sin", rope_cos_sin(self.rotary_dim, max_positions, theta,
                                                      scaling), persistent=False)
+        # One [cos | sin] row that rotates nothing: fused kernels then only store (partial).
+        self.register_buffer("identity", torch.cat([torch.ones(1, head_dim // 2),
+                                                    torch.zeros(1, head_dim // 2)], dim=-1),
+                             persistent=False)
 
     @property
     def partial(self) -> bool:

@@ -161,8 +161,8 @@ class DecoderModel(nn.Module):
         if token_table is not None:
             ids = token_table[ids]
         residual = self.embed_tokens(ids)
-        if self.embed_scale != 1.0:  # scaled in the stream's dtype, as transformers does
-            residual = residual * torch.tensor(self.embed_scale, dtype=residual.dtype)
+        if self.embed_scale != 1.0:  # the scale rounded to the stream's dtype, as transformers'
+            residual = residual * float(torch.tensor(self.embed_scale, dtype=residual.dtype))
         for layer in self.layers:
             residual = layer(positions, residual)
         return self.norm(residual)
