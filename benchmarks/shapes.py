@@ -151,6 +151,10 @@ def shrunk(shape: dict, hidden_size: int = 64, head_dim: int = 16, kv_heads: int
         small["max_window_layers"] = layers
     if shape.get("num_experts"):
         small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if shape.get("num_local_experts"):  # Mixtral, GPT-OSS: experts intermediate_size wide
+        small.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+    if "layer_types" in small:
+        small["layer_types"] = small["layer_types"][:layers]
     return small
 
 
@@ -159,7 +163,9 @@ SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **dict(
     hidden_size=64, num_hidden_layers=1, intermediate_size=128, head_dim=32,
     num_attention_heads=2, num_key_value_heads=1, max_window_layers=1)}
 for _name, _like in (("tiny-qwen2", "qwen2.5-0.5b"), ("tiny-llama", "llama-3.2-1b"),
-                     ("tiny-qwen3-moe", "qwen3-30b-a3b")):
+                     ("tiny-qwen3-moe", "qwen3-30b-a3b"), ("tiny-gemma2", "gemma-2-2b"),
+                     ("tiny-phi3", "phi-3-mini-4k"), ("tiny-mixtral", "mixtral-8x7b"),
+                     ("tiny-gpt-oss", "gpt-oss-20b")):
     SHAPES[_name] = shrunk(SHAPES[_like])
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,6 +179,8 @@ def config_of(shape: str | dict, num_hidden_layers: int | None = None) -> dict:
     config = dict(SHAPES[shape] if isinstance(shape, str) else shape)
     if num_hidden_layers is not None:
         config["num_hidden_layers"] = num_hidden_layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:num_hidden_layers]
         if "max_window_layers" in config:
             config["max_window_layers"] = num_hidden_layers
     return config
