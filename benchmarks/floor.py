@@ -60,8 +60,18 @@ def has_qk_norm(shape: dict) -> bool:
     return shape["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
+def qwen_moe_keys(shape: dict) -> dict:
+    """``shape`` with Mixtral's and GPT-OSS's expert fields (``num_local_experts``, experts
+    ``intermediate_size`` wide) under Qwen3-MoE's names, which the floors read."""
+    if not shape.get("num_local_experts") or shape.get("num_experts"):
+        return shape
+    return {**shape, "num_experts": shape["num_local_experts"],
+            "moe_intermediate_size": shape["intermediate_size"]}
+
+
 def moe_layers(shape: dict) -> int:
     """How many layers have a mixture-of-experts MLP (Qwen3-MoE's rule)."""
+    shape = qwen_moe_keys(shape)
     if not shape.get("num_experts"):
         return 0
     step = shape.get("decoder_sparse_step") or 1
@@ -92,6 +102,7 @@ class Sizes:
 
 
 def sizes(shape: dict) -> Sizes:
+    shape = qwen_moe_keys(shape)
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     d = head_dim(shape)
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d

@@ -80,6 +80,55 @@ SHAPES["qwen3-30b-a3b"] = {**_QWEN3, **dict(
 # Its layers, 4 of them: routes like the real model, saves and loads within a device call.
 SHAPES["qwen3-moe-small"] = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 4}
 
+# Newer families (issue 43), from their config.json on the Hub.
+SHAPES["gemma-2-2b"] = dict(  # sandwich (1 + w) norms, GeGLU, soft caps, alternating windows
+    architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=2304,
+    intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+    sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=256000,
+    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    torch_dtype="bfloat16")
+SHAPES["gemma-3-1b"] = dict(  # q/k norms, 5 local (512) : 1 global, two RoPE bases, MQA
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+    sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
+    rope_local_base_freq=10000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    vocab_size=262144, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    pad_token_id=0, torch_dtype="bfloat16")
+SHAPES["phi-3-mini-4k"] = dict(  # fused qkv / gate_up checkpoints, MHA, a 2047-key window
+    architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072,
+    intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=32, hidden_act="silu", max_position_embeddings=4096,
+    original_max_position_embeddings=4096, sliding_window=2047, rms_norm_eps=1e-5,
+    rope_theta=10000.0, rope_scaling=None, vocab_size=32064, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=32000, pad_token_id=32000, torch_dtype="bfloat16")
+SHAPES["mixtral-8x7b"] = dict(  # 8 experts of 14336 features, top 2
+    architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, hidden_act="silu",
+    max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+    sliding_window=None, vocab_size=32000, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, torch_dtype="bfloat16")
+# Its layers, 4 of them (~12 GB in bf16).
+SHAPES["mixtral-small"] = {**SHAPES["mixtral-8x7b"], "num_hidden_layers": 4}
+# GPT-OSS-20B in bf16 (the Hub's checkpoint is MXFP4, not loaded yet): sinks, biases, 128-key
+# windows on every other layer, 32 experts top 4 with the clamped SwiGLU, YaRN.
+SHAPES["gpt-oss-20b"] = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880,
+    intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
+    swiglu_limit=7.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": False, "original_max_position_embeddings": 4096},
+    rope_theta=150000.0, vocab_size=201088, tie_word_embeddings=False, eos_token_id=200002,
+    pad_token_id=199999, hidden_act="silu", torch_dtype="bfloat16")
+SHAPES["gpt-oss-small"] = {**SHAPES["gpt-oss-20b"], "num_hidden_layers": 4,
+                           "layer_types": ["sliding_attention", "full_attention"] * 2}
+FAMILIES = ["gemma-2-2b", "gemma-3-1b", "phi-3-mini-4k", "mixtral-small", "gpt-oss-small"]
+
 # The dense shapes, smallest first: what latency.py and throughput.py run by default.
 DENSE = ["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b", "qwen3-8b",
          "qwen2.5-14b"]
@@ -102,6 +151,10 @@ def shrunk(shape: dict, hidden_size: int = 64, head_dim: int = 16, kv_heads: int
         small["max_window_layers"] = layers
     if shape.get("num_experts"):
         small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if shape.get("num_local_experts"):  # Mixtral, GPT-OSS: experts intermediate_size wide
+        small.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+    if "layer_types" in small:
+        small["layer_types"] = small["layer_types"][:layers]
     return small
 
 
@@ -110,7 +163,9 @@ SHAPES["tiny-qwen3"] = {**SHAPES["qwen3-0.6b"], **dict(
     hidden_size=64, num_hidden_layers=1, intermediate_size=128, head_dim=32,
     num_attention_heads=2, num_key_value_heads=1, max_window_layers=1)}
 for _name, _like in (("tiny-qwen2", "qwen2.5-0.5b"), ("tiny-llama", "llama-3.2-1b"),
-                     ("tiny-qwen3-moe", "qwen3-30b-a3b")):
+                     ("tiny-qwen3-moe", "qwen3-30b-a3b"), ("tiny-gemma2", "gemma-2-2b"),
+                     ("tiny-phi3", "phi-3-mini-4k"), ("tiny-mixtral", "mixtral-8x7b"),
+                     ("tiny-gpt-oss", "gpt-oss-20b")):
     SHAPES[_name] = shrunk(SHAPES[_like])
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +179,8 @@ def config_of(shape: str | dict, num_hidden_layers: int | None = None) -> dict:
     config = dict(SHAPES[shape] if isinstance(shape, str) else shape)
     if num_hidden_layers is not None:
         config["num_hidden_layers"] = num_hidden_layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:num_hidden_layers]
         if "max_window_layers" in config:
             config["max_window_layers"] = num_hidden_layers
     return config

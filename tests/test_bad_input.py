@@ -147,9 +147,9 @@ def test_unsupported_rope_type(tiny_llama, tmp_path):
     config = json.loads((path / "config.json").read_text())
     for key in ("rope_scaling", "rope_parameters"):
         config.pop(key, None)
-    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    config["rope_scaling"] = {"rope_type": "proportional", "factor": 2.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported; supported: "):
+    with pytest.raises(ValueError, match="rope type 'proportional' is not supported; supported: "):
         LLM(str(path), device="cpu")
 
 

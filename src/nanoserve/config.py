@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanoserve.layers.quantization.spec import QUANTIZATION_OPTIONS, parse_quantization_config
+from nanoserve.layers.quantization.spec import QUANTIZATION_OPTIONS
+from nanoserve.hf_fields import (GEMMA, PARTIAL_ROTARY, gemma_fields, gpt_oss_fields,
+                                 partial_rotary,
+                                 refuse_unhonoured_fields, ropes_of, sparse_layers,
+                                 window_fields)
+from nanoserve.hf_fields import arch_from_model_type  # noqa: F401  (the loader's import)
 from nanoserve.sampling_params import MAX_LOGPROBS, check_int
 from nanoserve.spec_config import SpeculativeConfig
 
@@ -80,8 +85,6 @@ class EngineConfig:
             raise ValueError(f"model must be a path or None, got {self.model!r}")
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
 
 @dataclass
 class ModelConfig:
@@ -105,12 +108,47 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str
     eos_token_ids: list[int] = field(default_factory=list)
-    # Mixture of experts (Qwen3-MoE): 0 experts means every layer has a dense MLP.
+    # Mixture of experts (Qwen3-MoE, Mixtral): 0 experts means every layer has a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts
+    # Each layer's kind, "full_attention" or "sliding_attention" (empty: all full); a sliding
+    # layer's query sees the last ``sliding_window`` positions, its own included (0: all).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    # Sliding layers' own RoPE (theta, scaling), where it differs (Gemma 3's local base).
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
+    # Gemma's switches (hf_fields.gemma_fields).
+    hidden_act: str = "silu"
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + weight)
+    sandwich_norms: bool = False  # norms before and after attention and the MLP
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2, not head_dim's
+    attn_softcap: float = 0.0  # attention scores become cap * tanh(s / cap); 0: not capped
+    final_softcap: float = 0.0  # the same on the logits
+    rotary_dim: int = 0  # RoPE rotates each head's first rotary_dim features (0: all)
+    # GPT-OSS's switches (hf_fields.gpt_oss_fields).
+    o_proj_bias: bool = False
+    attention_sinks: bool = False  # per head, one more logit in the softmax, with no value
+    moe_bias: bool = False  # router and expert biases
+    moe_topk_first: bool = False  # softmax over the top-k logits, not top-k of the softmax
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0  # > 0: the experts' clamped SwiGLU
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def window_of(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: full attention)."""
+        return self.sliding_window if self.is_sliding(layer) else 0
+
+    def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """Layer ``layer``'s RoPE (theta, scaling)."""
+        if self.sliding_rope is not None and self.is_sliding(layer):
+            return self.sliding_rope
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_hf(cls, hf_config: Any, extra_eos_ids: list[int] | None = None) -> ModelConfig:
@@ -118,7 +156,7 @@ class ModelConfig:
         refuse_unhonoured_fields(hf_config, arch)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        theta, scaling = _rope_of(hf_config)
+        theta, scaling, sliding_rope = ropes_of(hf_config)
         eos = as_id_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         num_experts = int(getattr(hf_config, "num_experts", None)
@@ -137,90 +175,32 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            attention_bias=arch == "Qwen2ForCausalLM" or (
+                arch == "GptOssForCausalLM" and bool(getattr(hf_config, "attention_bias", True))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=str(dtype).replace("torch.", "") if dtype else "float32",
             eos_token_ids=sorted(set(eos)),
             num_experts=num_experts,
             num_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
-            moe_layers=_moe_layers(hf_config, num_experts),
+            # Mixtral's experts are intermediate_size wide, their top-k weights renormalised.
+            moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", 0) or (
+                hf_config.intermediate_size if num_experts else 0)),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob",
+                                        arch == "MixtralForCausalLM")),
+            moe_layers=sparse_layers(hf_config, num_experts),
+            **window_fields(hf_config),
+            sliding_rope=sliding_rope,
+            **(gemma_fields(hf_config) if arch in GEMMA else {}),
+            **(gpt_oss_fields(hf_config) if arch == "GptOssForCausalLM" else {}),
+            rotary_dim=int(head_dim * partial_rotary(hf_config)) if arch in PARTIAL_ROTARY
+            else 0,
         )
-
-
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
-
-
-def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
-    """Raise ValueError naming the first config field this engine would not honour: a model
-    that loads must be the model its config describes, never a silently different one."""
-    def field(name: str) -> Any:
-        return getattr(hf_config, name, None)
-
-    window = field("sliding_window")
-    if (window is not None and field("use_sliding_window") is not False
-            and window < getattr(hf_config, "max_position_embeddings", window + 1)):
-        raise ValueError(f"sliding_window={window} is not supported: nanoserve runs full "
-                         f"attention only")
-    if field("quantization_config"):  # a method or layout the linears do not hold: refused
-        method = parse_quantization_config(field("quantization_config")).method
-        if method != "gguf" and arch == "Qwen3MoeForCausalLM":
-            raise ValueError(f"quantization_config ({method}) is not supported for {arch}: "
-                             "experts load 16- and 32-bit float weights only")
-    act = field("hidden_act")
-    if act is not None and act not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"hidden_act={act!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_ACTIVATIONS)}")
-    rope = field("rope_parameters")
-    partial = field("partial_rotary_factor") or (
-        rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported: RoPE rotates "
-                         f"every dimension")
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if field(name) is not None:
-            raise ValueError(f"{name}={field(name)} is not supported")
-    if field("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    # Qwen2's q/k/v biases are its architecture's; elsewhere attention_bias also biases o_proj.
-    if field("attention_bias") and arch != "Qwen2ForCausalLM":
-        raise ValueError(f"attention_bias=True is not supported for {arch}")
-
-
-def _moe_layers(hf_config: Any, num_experts: int) -> tuple[int, ...]:
-    """Qwen3-MoE's rule: every ``decoder_sparse_step``-th layer, less ``mlp_only_layers``."""
-    if num_experts == 0:
-        return ()
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    return tuple(i for i in range(hf_config.num_hidden_layers)
-                 if i not in dense and (i + 1) % step == 0)
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     """The longest sequence served: the user's limit, never past the model's positions."""
     return min(config.max_model_len or model_config.max_position_embeddings,
                model_config.max_position_embeddings)
-
-
-def arch_from_model_type(hf_config: Any) -> str:
-    """The model class for a config that names only its model_type (GGUF configs do)."""
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "mistral": "LlamaForCausalLM"}
-    return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
-
-
-def _rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    params = dict(getattr(hf_config, "rope_parameters", None)
-                  or getattr(hf_config, "rope_scaling", None) or {})
-    theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
 
 
 def as_id_list(value: Any) -> list[int]:

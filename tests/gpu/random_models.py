@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -48,6 +49,36 @@ SHAPES = {
                             decoder_sparse_step=1, mlp_only_layers=[],
                             tie_word_embeddings=False),
 }
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from shapes import SHAPES as BENCHMARK_SHAPES  # noqa: E402
+
+# Newer families (issue 43) at their real sizes; windows shortened and layers cut where said, so
+# that prompts of a few hundred tokens cross the windows and a parity run stays short.
+SHAPES.update({
+    "gemma-2-2b": BENCHMARK_SHAPES["gemma-2-2b"],
+    "gemma-2-2b-window256": {**BENCHMARK_SHAPES["gemma-2-2b"], "sliding_window": 256,
+                             "num_hidden_layers": 8},
+    "gemma-3-1b": BENCHMARK_SHAPES["gemma-3-1b"],  # its real 512-key window
+    "phi-3-mini-4k-window256": {**BENCHMARK_SHAPES["phi-3-mini-4k"], "sliding_window": 256,
+                                "num_hidden_layers": 8},
+    "mixtral-small": BENCHMARK_SHAPES["mixtral-small"],
+    "gpt-oss-small": BENCHMARK_SHAPES["gpt-oss-small"],  # its real 128-key windows, 4 layers
+    # Phi-4-mini's shape (partial rotary 0.75, longrope) in 8 layers; its long/short factor
+    # lists are made up here (48 values each, as its 96 rotated features need).
+    "phi-4-mini-8l": dict(_COMMON, architectures=["Phi3ForCausalLM"], model_type="phi3",
+                          hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+                          num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                          partial_rotary_factor=0.75, vocab_size=200064,
+                          max_position_embeddings=131072,
+                          original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+                          rope_scaling={"rope_type": "longrope",
+                                        "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                                        "long_factor": [1.0 + 0.5 * i for i in range(48)]},
+                          rope_theta=10000.0, tie_word_embeddings=True, sliding_window=None,
+                          bos_token_id=199999, eos_token_id=199999, pad_token_id=199999),
+})
 
 
 def save_random_hf_model(shape: str, out: Path, seed: int = 0) -> Path:

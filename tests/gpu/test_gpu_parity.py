@@ -101,6 +101,26 @@ def test_bf16_greedy_close_to_transformers(shape, enforce_eager, tmp_path_factor
                                         enforce_eager=enforce_eager)
 
 
+# Prompts longer than the shortened windows (256, Gemma 3's 512) as well as shorter ones.
+LONG_PROMPTS = [5, 40, 200, 300, 520, 700, 1000, 1500]
+
+
+@pytest.mark.parametrize("shape,prompt_lens,enforce_eager", [
+    ("gemma-2-2b", None, False), ("gemma-2-2b-window256", LONG_PROMPTS, False),
+    ("gemma-2-2b-window256", LONG_PROMPTS, True), ("gemma-3-1b", LONG_PROMPTS, False),
+    ("phi-3-mini-4k-window256", LONG_PROMPTS, False), ("phi-4-mini-8l", None, False),
+    ("mixtral-small", None, False), ("gpt-oss-small", LONG_PROMPTS, False),
+    ("gpt-oss-small", LONG_PROMPTS, True)])
+def test_bf16_newer_families_close_to_transformers(shape, prompt_lens, enforce_eager,
+                                                   tmp_path_factory):
+    """Gemma 2/3 (soft caps, sandwich norms folded where they are pre-norms, windows), Phi-3
+    (fused checkpoints, windows; Phi-4-mini's partial rotary and longrope), Mixtral, GPT-OSS
+    (sinks in the kernels, biases, its experts run densely on the GPU)."""
+    assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
+                                        f"{shape} eager={enforce_eager}",
+                                        prompt_lens=prompt_lens, enforce_eager=enforce_eager)
+
+
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen2.5-0.5b"])
 def test_bf16_greedy_one_sequence_at_a_time(shape, tmp_path_factory):
     """``max_num_seqs=1``: every decode step is batch 1, latency.py's path (split decode that

@@ -406,3 +406,140 @@ def test_prefill_reads_an_fp8_cache():
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, meta),
                                **FP8_CACHE_TOLERANCE)
+
+
+# Sliding windows shorter than, equal to and past tile boundaries; soft-capping with peaked q.
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (16, 0.0), (23, 0.0), (0, 5.0), (9, 3.0)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_window_and_softcap_match_reference(window, softcap, num_splits):
+    seq_lens = [37, 1, 70, 16, 0]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 5, num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16, seed=window)
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
+                           num_splits=num_splits, window=window, softcap=softcap)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     32 ** -0.5, window, softcap)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+    if window:  # the window changes the result: the kernel did not just attend to everything
+        full = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                         32 ** -0.5, 0, softcap)
+        assert not torch.allclose(want[2], full[2])
+
+
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (20, 0.0), (0, 4.0), (7, 2.5)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_window_and_softcap_match_reference(window, softcap, group):
+    # Plain, chunked (cached prefix) and mixed rows: windows start mid-tile and mid-chunk.
+    seq_lens, q_lens = [45, 23, 50, 9], [13, 23, 1, 9]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=2 * group,
+                                           num_kv_heads=2, head_dim=32, block_size=16,
+                                           seed=window + group)
+    out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, 32 ** -0.5, window=window, softcap=softcap)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     32 ** -0.5, window, softcap)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_window_with_new_tokens_matches_torch_backend(num_splits):
+    """The split kernel finishing the new tokens honours the window, the soft cap and the
+    sinks too."""
+    sinks = torch.tensor([0.3, -2.0, 1.5, 4.0])
+    seq_lens = [37, 1, 70, 16, 0]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 5, num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16, seed=11)
+    k, v, positions, rotary, _ = new_token_inputs(q, 2, meta, False, seed=2)
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    expected = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
+                                                 *expected_caches, meta, rotary, 32 ** -0.5,
+                                                 window=9, softcap=3.0, sinks=sinks)
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
+                           num_splits=num_splits, window=9, softcap=3.0, sinks=sinks,
+                           new_tokens=NewTokens(k, v, positions, meta.slot_mapping,
+                                                rotary.cos_sin))
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_and_prefill_with_attention_sinks_match_reference(window, num_splits):
+    """GPT-OSS's sinks (one more logit per head, no value), alone and with a window; an empty
+    sequence stays zero; the reference is checked against softmax over [scores, sink]."""
+    gen = torch.Generator().manual_seed(5)
+    sinks = 2 * torch.randn(4, generator=gen)
+    q, k_cache, v_cache, meta = make_batch([37, 1, 70, 16, 0], [1] * 5, num_heads=4,
+                                           num_kv_heads=2, head_dim=32, block_size=16, seed=7)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     32 ** -0.5, window, 0.0, sinks.double())
+    assert not torch.allclose(want, reference(q, k_cache, v_cache, meta))
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
+                           num_splits=num_splits, window=window, sinks=sinks)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+
+    q, k_cache, v_cache, meta = make_batch([45, 23, 50], [13, 23, 1], num_heads=4,
+                                           num_kv_heads=2, head_dim=32, block_size=16, seed=8)
+    out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, 32 ** -0.5, window=window, sinks=sinks)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     32 ** -0.5, window, 0.0, sinks.double())
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+
+
+def test_sink_reference_is_softmax_with_one_more_logit():
+    q, k_cache, v_cache, meta = make_batch([9], [9], num_heads=2, num_kv_heads=1, head_dim=16,
+                                           block_size=16, seed=9)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    out = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                    0.25, sinks=sinks)
+    block = meta.block_tables[0, 0]
+    k, v = k_cache[block, :9, 0].double(), v_cache[block, :9, 0].double()
+    for h in range(2):
+        scores = q[:, h].double() @ k.T * 0.25
+        scores = scores.masked_fill(torch.ones(9, 9).triu(1).bool(), float("-inf"))
+        probs = torch.softmax(torch.cat([scores, sinks[h].expand(9, 1)], -1), -1)[:, :-1]
+        torch.testing.assert_close(out[:, h], probs @ v)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
+def test_partial_rotary_store_matches_torch_backend(qk_norm):
+    """Partial rotary (Phi-4-mini) on the GPU path: RoPE on the first 16 of 32 features
+    unfused, then the fused store with a table that rotates nothing; padding (slot -1) unstored."""
+    q, k_cache, v_cache, meta = make_batch([20, 9, 0], [1, 1, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=32, block_size=16, seed=12)
+    k, v, positions, _, norms = new_token_inputs(q, 2, meta, qk_norm, seed=3)
+    rotary = RotaryEmbedding(32, 256, 1e4, None, rotary_dim=16)
+    assert rotary.partial
+    want_caches = (k_cache.clone(), v_cache.clone())
+    want = TorchAttentionBackend().rope_and_store(positions, q.clone(), k.clone(), v.clone(),
+                                                  *want_caches, meta.slot_mapping, rotary,
+                                                  *norms)
+    got = TritonAttentionBackend().rope_and_store(positions, q, k, v, k_cache, v_cache,
+                                                  meta.slot_mapping, rotary, *norms)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(k_cache, want_caches[0], atol=1e-6, rtol=0)
+    assert torch.equal(v_cache, want_caches[1])
+    assert torch.equal(got[..., 16:], (norms[0](q) if qk_norm else q)[..., 16:])  # unrotated
+
+
+def test_gemma_head_dim_256_with_window_and_softcap():
+    """Gemma's 256-wide heads take the smaller key tiles; window and soft cap on."""
+    q, k_cache, v_cache, meta = make_batch([40, 23], [17, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=256, block_size=16, seed=13)
+    out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, 256 ** -0.5, window=9, softcap=5.0)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     256 ** -0.5, 9, 5.0)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+    q, k_cache, v_cache, meta = make_batch([40, 23], [1, 1], num_heads=4, num_kv_heads=2,
+                                           head_dim=256, block_size=16, seed=14)
+    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, 256 ** -0.5, num_splits=2,
+                           window=9, softcap=5.0)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                     256 ** -0.5, 9, 5.0)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])

@@ -22,11 +22,15 @@ class AttentionBackend(Protocol):
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
         """Per-head q/k norms (when given) and RoPE on q and k; k and v into the caches at
-        ``meta.slot_mapping``; then causal attention of q over the cache. ``q``, ``k`` and
-        ``v`` may be modified in place: do not use them afterwards."""
+        ``meta.slot_mapping``; then causal attention of q over the cache, each query seeing only
+        the last ``window`` positions when ``window`` > 0, scores soft-capped to
+        ``softcap * tanh(s / softcap)`` when ``softcap`` > 0, each head's softmax taking one
+        more logit, ``sinks[head]``, attached to no value, when ``sinks`` is given. ``q``,
+        ``k`` and ``v`` may be modified in place: do not use them afterwards."""
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         """Tokens of a sequence per prefill program, for the runner to list the programs of a

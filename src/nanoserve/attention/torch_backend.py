@@ -39,23 +39,31 @@ class TorchAttentionBackend:
         return q
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+               meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap,
+                                         sinks)
 
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
         """The unfused sequence."""
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of packed queries over paged keys, computed on padded dense tensors."""
+                              meta: AttentionMetadata, scale: float, window: int = 0,
+                              softcap: float = 0.0, sinks: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+    """Causal attention of packed queries over paged keys, computed on padded dense tensors.
+    ``window`` > 0: a query sees only the last ``window`` positions (itself included);
+    ``softcap`` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask;
+    ``sinks`` ([H], GPT-OSS): one more logit per head in each softmax, attached to no value."""
     device = q.device
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
@@ -81,13 +89,21 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     # Query j of sequence i sits at absolute position (seq_len - q_len + j).
     q_abs = (seq_lens - q_lens)[:, None] + q_pos[None, :]
     mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
+    if window > 0:
+        mask &= kv_pos[None, None, :] > q_abs[:, :, None] - window
 
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
     qh = q_pad.permute(0, 2, 1, 3).to(acc)  # [B, H, max_q, D]
     kh = k_pad.permute(0, 2, 1, 3).to(acc).repeat_interleave(group, dim=1)
     vh = v_pad.permute(0, 2, 1, 3).to(acc).repeat_interleave(group, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length sequence has no keys
+    if sinks is not None:
+        sink = sinks.to(acc).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length sequence has no keys
     out = torch.matmul(probs, vh).permute(0, 2, 1, 3)  # [B, max_q, H, D]
     return out[q_valid].to(q.dtype)

@@ -38,6 +38,14 @@ class TritonAttentionBackend:
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> torch.Tensor:
+        if rotary.partial:
+            # The fused kernels rotate whole heads: norms and RoPE unfused, then the kernel
+            # with a table that rotates nothing stores k and v (no host sync: graph-safe).
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k = rotary(positions, q, k)
+            return qk_norm_rope_store(torch.zeros_like(positions), q, k, v, rotary.identity,
+                                      k_cache, v_cache, slot_mapping)
         # One fused launch instead of q norm, k norm, RoPE and the store.
         return qk_norm_rope_store(positions, q, k, v, rotary.cos_sin, k_cache, v_cache,
                                   slot_mapping, *_norm_args(q_norm, k_norm))
@@ -45,9 +53,10 @@ class TritonAttentionBackend:
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, rotary: RotaryEmbedding, scale: float,
-                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
-        if meta.decode_only:
+        if meta.decode_only and not rotary.partial:
             num_sms = device_sm_count(q.device)
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                        num_sms)
@@ -60,21 +69,25 @@ class TritonAttentionBackend:
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_seq_len, scale,
                                         num_splits=splits, seq_order=meta.seq_order,
-                                        new_tokens=new, tuning=tuning)
+                                        new_tokens=new, tuning=tuning, window=window,
+                                        softcap=softcap, sinks=sinks)
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         if meta.decode_only:
             fp8 = k_cache.dtype == torch.float8_e4m3fn
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_seq_len, scale,
                                     seq_order=meta.seq_order,
-                                    tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning())
+                                    tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning(),
+                                    window=window, softcap=softcap, sinks=sinks)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, scale, work=meta.prefill_work)
+                                 meta.query_start_loc, scale, work=meta.prefill_work,
+                                 window=window, softcap=softcap, sinks=sinks)
 
 
 def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int

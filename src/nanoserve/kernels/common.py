@@ -71,3 +71,24 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def masked_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """:func:`online_softmax_step` for tiles where a row may have no valid key yet (a sliding
+    window's rows start at different keys): such rows keep m = -inf and add nothing."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)`` (attention logit soft-capping), tanh through exp2 on |s|."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(s) / cap)  # exp(-2|s|/cap), in (0, 1]
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(s < 0, -t, t)

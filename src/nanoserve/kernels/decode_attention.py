@@ -42,6 +42,8 @@ PROGRAMS_PER_SM = 5
 LATENCY_MAX_SEQS = 8
 BALANCE_BELOW = 7.5
 BALANCE_TARGET = 15
+# Heads wider than this (Gemma's 256) take smaller key tiles, decode and prefill alike.
+WIDE_HEAD_DIM = 128
 # Small tiles on CPU: a fast interpreter, and short test sequences span several tiles.
 INTERPRETER_BLOCK_N = 16
 
@@ -67,7 +69,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int | None = None,
                      tuning: DecodeTuning = DecodeTuning(),
                      seq_order: torch.Tensor | None = None,
-                     new_tokens: NewTokens | None = None) -> torch.Tensor:
+                     new_tokens: NewTokens | None = None, window: int = 0,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[T, H, D]``.
 
     Sequence ``i``'s token is row ``query_start_loc[i]`` of ``q [T, H, D]``, its keys the first
@@ -75,7 +78,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     only sizes the split count (``num_splits`` overrides it). ``seq_order`` (``[B]`` int32,
     longest context first) is the order programs take sequences in (default: batch order).
     With ``new_tokens``, ``q`` is the projection's raw q (left unmodified) and the kernel
-    finishes and stores each new k/v itself, at ``seq_lens[i] - 1``. CUDA-graph capturable.
+    finishes and stores each new k/v itself, at ``seq_lens[i] - 1``. ``window`` > 0: only the
+    last ``window`` keys are read; ``softcap`` > 0: scores are soft-capped (``softcap *
+    tanh(s / softcap)``); ``sinks`` ([H]): one more logit per head's softmax, all as
+    ``paged_attention_reference``. CUDA-graph capturable.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -86,6 +92,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
     block_n = INTERPRETER_BLOCK_N if interpreted(device) else tuning.block_n
+    if head_dim > WIDE_HEAD_DIM:  # Gemma's 256: half the keys per tile keeps K/V in SRAM
+        block_n = min(block_n, 32)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:
@@ -110,8 +118,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,  # an int32 placeholder when unordered
-        out, part_lse, part_o, *new_pointers,
-        scale * LOG2E, 0.0 if new_tokens is None else new_tokens.eps, num_heads,
+        out, part_lse, part_o, q if sinks is None else sinks, *new_pointers,
+        scale * LOG2E, 0.0 if new_tokens is None else new_tokens.eps, window,
+        softcap * LOG2E, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -127,7 +136,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NARROW_OFFSETS=(tuning.narrow_offsets and k_cache.stride() == v_cache.stride()
                         and k_cache.numel() < 2 ** 31),
         FP16_PRODUCTS=fp16_products(q, k_cache),
-        PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None,
+        PREFETCH_KV=tuning.prefetch_kv and new_tokens is not None, SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

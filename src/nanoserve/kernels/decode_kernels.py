@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanoserve.kernels.common import online_softmax_step
+from nanoserve.kernels.common import online_softmax_step, soft_cap
 from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 
 
@@ -13,9 +13,9 @@ from nanoserve.kernels.qk_norm_rope import norm_rope_rows
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr,
+    seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr, sinks_ptr,
     k_new_ptr, v_new_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
-    scale_log2, eps,
+    scale_log2, eps, window, softcap_log2,
     num_heads,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -29,7 +29,8 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
     NEW_TOKENS: tl.constexpr, HAS_QK_NORM: tl.constexpr, NARROW_OFFSETS: tl.constexpr,
-    FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr, PREFETCH_KV: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     if PDL:  # with one split, o_proj's batch-1 GEMV may start fetching its weights
         gdc_launch_dependents()
@@ -50,8 +51,10 @@ def _decode_split_kernel(
     # The slice comes from the on-device length, so a captured graph suits any context length.
     # Lengths and query rows are step inputs (written before the forward): read before waiting.
     seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    # A sliding window (window > 0) sees the last `window` keys: the splits share only those.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, BLOCK_N), NUM_SPLITS)
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -115,22 +118,30 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS and split == 0:
+        # A head's sink is one more logit of its softmax, with no value: the first split's
+        # running max and sum start from it (exp2(sink - sink) = 1).
+        m_i = tl.load(sinks_ptr + head, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(g_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     loop_start = start
     if PREFETCH_KV:
         if start < end:  # an all-masked tile would give exp2(-inf - -inf)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2,
-                                         DOT_PRECISION)
+                                         softcap_log2, DOT_PRECISION, SOFTCAP)
         loop_start = start + BLOCK_N
     for tile_start in range(loop_start, end, BLOCK_N):
         k, v, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end,
                                     kv_head, d, d_mask, stride_btc, stride_kb, stride_ks,
                                     stride_kh, stride_vb, stride_vs, stride_vh,
                                     BLOCK_SIZE, BLOCK_N, NARROW_OFFSETS)
-        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, softcap_log2,
+                                     DOT_PRECISION, SOFTCAP)
     if NEW_TOKENS:
         # The new key as one more step of the online softmax (zero weight outside its owner).
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+        if SOFTCAP:
+            s_new = soft_cap(s_new, softcap_log2)
         s_new = tl.where(owns_new, s_new, float("-inf"))
         m_new = tl.maximum(m_i, s_new)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a program with no keys at all
@@ -183,11 +194,14 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, tile_start, end, kv_head,
 
 
 @triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, softcap_log2,
+                 DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One step of the online softmax: the q group against a tile of keys and values."""
     # An fp8 cache is widened to q's dtype for the products (a no-op when they match).
     k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if SOFTCAP:  # cap * tanh(s / cap) in base-2 units: both sides scaled by log2(e)
+        s = soft_cap(s, softcap_log2)
     s = tl.where(valid[None, :], s, float("-inf"))  # every tile holds at least one valid key
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 

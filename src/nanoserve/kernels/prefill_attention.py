@@ -11,8 +11,10 @@ import triton
 import triton.language as tl
 
 from nanoserve.attention.prefill_work import prefill_work
+from nanoserve.kernels.decode_attention import WIDE_HEAD_DIM
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision,
-                                      fp16_products, interpreted, online_softmax_step)
+                                      fp16_products, interpreted, masked_softmax_step,
+                                      online_softmax_step, soft_cap)
 
 # Tuning (see docs/kernels.md): query rows (tokens x group heads) and keys per tile.
 BLOCK_M = 64
@@ -29,9 +31,10 @@ def _attend_tile(
     q, m_i, l_i, acc, q_pos, tile_start, kv_end,
     block_row, k_cache_ptr, v_cache_ptr, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    scale_log2, d, d_mask,
+    scale_log2, window, softcap_log2, d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step of a query tile against keys ``tile_start : tile_start+BLOCK_N``."""
     pos = tile_start + tl.arange(0, BLOCK_N)
@@ -49,9 +52,14 @@ def _attend_tile(
                 + d[None, :], mask=kv_mask, other=0.0)
     k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache, widened for the products
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if SOFTCAP:  # cap * tanh(s / cap) in base-2 units: both sides scaled by log2(e)
+        s = soft_cap(s, softcap_log2)
     if CAUSAL_MASK:
         # Keys past kv_end sit past every valid row's position, so this also hides them.
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    if WINDOW:  # a row sees keys after q_pos - window only: some rows may see none of a tile
+        s = tl.where(pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
+        return masked_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
@@ -59,8 +67,8 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt", "num_work"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    work_ptr, num_work,
-    scale_log2,
+    sinks_ptr, work_ptr, num_work,
+    scale_log2, window, softcap_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -70,7 +78,8 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP16_PRODUCTS: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     item = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
@@ -98,22 +107,34 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    if SINKS:  # each head's sink: one more logit with no value, where the softmax starts
+        m_i = tl.load(sinks_ptr + head, mask=g < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(g < GROUP, 1.0, 0.0)
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     first_q_pos = ctx_len + tile * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)  # causal: nothing past the last row
-    unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
+    if WINDOW:
+        # Every tile masked, from the first one holding a key of the first row's window:
+        # the keys before it are never read.
+        masked_start = (tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        unmasked_end = 0
+    else:
+        masked_start = (first_q_pos // BLOCK_N) * BLOCK_N
+        unmasked_end = masked_start
     # Key 0 is visible to every row, so m_i is finite after the first tile: no exp2(-inf - -inf).
     for tile_start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, q_pos, tile_start, kv_end, block_row, k_cache_ptr, v_cache_ptr,
             kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            scale_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-    for tile_start in range(unmasked_end, kv_end, BLOCK_N):
+            scale_log2, window, softcap_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, False,
+            DOT_PRECISION, False, SOFTCAP)
+    for tile_start in range(masked_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, q_pos, tile_start, kv_end, block_row, k_cache_ptr, v_cache_ptr,
             kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            scale_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+            scale_log2, window, softcap_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, True,
+            DOT_PRECISION, WINDOW, SOFTCAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -137,12 +158,16 @@ def work_on_device(query_lens: list[int], seq_lens: list[int], num_heads: int,
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float,
-                      work: torch.Tensor | None = None) -> torch.Tensor:
+                      work: torch.Tensor | None = None, window: int = 0,
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged keys; ``[T, H, D]``.
 
     Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` (later rows
     stay unwritten), its keys the first ``seq_lens[i]`` cache entries, new tokens stored. ``work``:
-    :func:`prefill_work` for :func:`query_tile`'s tile (default: from lengths read back)."""
+    :func:`prefill_work` for :func:`query_tile`'s tile (default: from lengths read back).
+    ``window`` > 0: a token sees the last ``window`` positions only; ``softcap`` > 0: scores
+    soft-capped; ``sinks`` ([H]): one more logit per head's softmax, as
+    ``paged_attention_reference``."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_attention_inputs(q, k_cache, v_cache)
@@ -158,8 +183,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     _prefill_kernel[(num_work * num_kv_heads,)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        work, num_work,
-        scale * LOG2E,
+        q if sinks is None else sinks, work, num_work,
+        scale * LOG2E, window, softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -169,8 +194,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_SIZE=block_size,
-        BLOCK_N=INTERPRETER_BLOCK_N if interpreted(q.device) else BLOCK_N,
+        BLOCK_N=INTERPRETER_BLOCK_N if interpreted(q.device) else (
+            BLOCK_N if head_dim <= WIDE_HEAD_DIM else 32),
         DOT_PRECISION=dot_precision(q.dtype), FP16_PRODUCTS=fp16_products(q, k_cache),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not None,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES if head_dim <= WIDE_HEAD_DIM else 2,
     )
     return out

@@ -87,7 +87,7 @@ class _Linear(nn.Module):
               dim: int | None, offset: int = 0, size: int = 0) -> None:
         name = self._name_of(param)
         if name not in self._method_params:  # a bias
-            param.data.narrow(dim, offset, size).copy_(loaded)
+            (param.data if dim is None else param.data.narrow(dim, offset, size)).copy_(loaded)
             return
         self.method.load(self, param, loaded, dim, offset, size)
         self._unloaded.discard((name, shard))
@@ -212,15 +212,17 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(_Linear):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp = get_tp_group()
         self.in_per_rank = divide(in_features, self.tp.size, "input features")
         self._create(in_features, self.in_per_rank, out_features, row_parallel=True)
-        self.bias = None  # no supported architecture biases a row-parallel projection
+        # Replicated, added once after the reduce (GPT-OSS's o_proj).
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
+            if bias else None
 
     def checkpoint_slice(self, param: nn.Parameter, shard_id: ShardId = None) -> Narrow | None:
-        dim = param.input_dim
+        dim = None if param is self.bias else param.input_dim
         if dim is None:  # replicated on every rank
             return None
         size = getattr(param, "logical_shape", param.shape)[dim]
@@ -234,10 +236,12 @@ class RowParallelLinear(_Linear):
         """The all-reduced product; with ``residual``, ``residual`` plus it."""
         if self.packed is not None:
             if self.tp.size == 1:
-                return quantized_linear(x, self.packed, residual=residual)
+                return quantized_linear(x, self.packed, self.bias, residual=residual)
             out = self.tp.all_reduce(quantized_linear(x, self.packed))
         elif self.tp.size == 1:
             return linear(x, self.weight, self.bias, residual=residual)
         else:
-            out = self.tp.all_reduce(linear(x, self.weight, self.bias))
+            out = self.tp.all_reduce(linear(x, self.weight))
+        if self.bias is not None:
+            out = out + self.bias
         return out if residual is None else residual + out

@@ -33,3 +33,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, None if self.folded else self.weight, self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x / rms(x) * (1 + w): it holds 1 + w, added (in float32) as the
+    checkpoint's w loads, so every kernel and weight fold that reads an RMSNorm reads it."""
+
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: object = None) -> None:
+        return None  # replicated on every rank
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        param.data.copy_(loaded.float() + 1.0)

@@ -1,11 +1,13 @@
-"""One decoder-only transformer for Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and
-Qwen3-MoE (experts for some MLPs). Between layers flows the residual stream: each pre-norm is
-applied by the next projection (``norm=``), each output projection adds into it (``residual=``)."""
+"""One decoder-only transformer for Llama, Mistral and Qwen2 (q/k/v biases), Qwen3 (per-head q/k
+norms), Qwen3-MoE and Mixtral (experts for some MLPs), Gemma 2/3 (sandwich (1 + w) norms, GeGLU,
+soft caps), Phi-3 and GPT-OSS (sinks, biases, experts everywhere). Between layers flows the
+residual stream: each pre-norm is applied by the next projection (``norm=``), each output
+projection adds into it (``residual=``) or, with a post-norm, its normalised output is added.
+Per-layer differences (windows, RoPE) come from ModelConfig; checkpoint names from weight_map."""
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,84 +17,143 @@ from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear, ShardId)
-from nanoserve.layers.moe import ExpertShard, SparseMoeBlock
-from nanoserve.layers.norm import RMSNorm
+                                     RowParallelLinear)
+from nanoserve.layers.activation import GATED_ACTIVATIONS
+from nanoserve.layers.moe import ExpertActivation, SparseMoeBlock
+from nanoserve.layers.parallel_state import Narrow
+from nanoserve.layers.norm import OffsetRMSNorm, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
+from nanoserve.models.weight_map import gpt_oss_experts, parts_of, split_fused, target_of
 
 if TYPE_CHECKING:
     from nanoserve.models.loader import CheckpointTensor
 
 
+def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """The model's RMSNorm: Gemma's scales by (1 + w)."""
+    return (OffsetRMSNorm if cfg.norm_plus_one else RMSNorm)(dim, cfg.rms_norm_eps)
+
+
+def _add_post_normed(residual: torch.Tensor, out: torch.Tensor, post_norm: RMSNorm
+                     ) -> torch.Tensor:
+    return residual + post_norm(out)
+
+
 class Attention(nn.Module):
     """Self-attention over the paged KV cache: qkv projection, (q/k norm), RoPE, store, attend."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int):
         super().__init__()
+        self.window = cfg.window_of(index)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, bias=cfg.attention_bias)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.o_proj_bias)
+        # GPT-OSS: a learnt logit per head, this rank's heads'.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) \
+            if cfg.attention_sinks else None
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                      cfg.rope_theta, cfg.rope_scaling)
+                                      *cfg.rope_of(index), rotary_dim=cfg.rotary_dim)
         self.backend = backend
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_softcap
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                ) -> torch.Tensor:
-        """``residual + o_proj(attention(norm(residual)))``."""
+    def checkpoint_slice(self, param: nn.Parameter, shard_id: object = None) -> Narrow:
+        """The sinks of this rank's heads (the one parameter held here, not in a layer)."""
+        return Narrow(0, self.qkv_proj.tp.rank * self.num_heads, self.num_heads)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, positions: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                post_norm: RMSNorm | None = None) -> torch.Tensor:
+        """``residual + o_proj(attention(norm(residual)))``, ``post_norm`` on the o_proj."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(residual, norm=norm).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))
         out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
                                      get_attention_metadata(), self.rotary, self.scale,
-                                     self.q_norm, self.k_norm)
+                                     self.q_norm, self.k_norm, window=self.window,
+                                     softcap=self.softcap, sinks=self.sinks)
+        if post_norm is not None:
+            return _add_post_normed(residual, self.o_proj(out.reshape(-1, q_size)), post_norm)
         return self.o_proj(out.reshape(-1, q_size), residual=residual)
 
 
 class MLP(nn.Module):
-    """SiLU-gated feed-forward: merged gate/up (column parallel), then down (row parallel)."""
+    """Gated feed-forward (SiLU, or GELU for GeGLU): merged gate/up (column parallel), then
+    down (row parallel)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = GATED_ACTIVATIONS[cfg.hidden_act]  # None: SiLU, fused into the projection
 
-    def forward(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """``residual + mlp(norm(residual))``."""
-        act = self.gate_up_proj(residual, norm=norm, activate=True)
+    def forward(self, residual: torch.Tensor, norm: RMSNorm,
+                post_norm: RMSNorm | None = None) -> torch.Tensor:
+        """``residual + mlp(norm(residual))``, ``post_norm`` on the MLP's output."""
+        if self.act is None:
+            act = self.gate_up_proj(residual, norm=norm, activate=True)
+        else:
+            act = self.act(self.gate_up_proj(residual, norm=norm))
+        if post_norm is not None:
+            return _add_post_normed(residual, self.down_proj(act), post_norm)
         return self.down_proj(act, residual=residual)
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each behind a pre-norm; with ``sandwich_norms`` (Gemma) each also
+    has a post-norm, ``post_attention_layernorm`` then being attention's post-norm."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, index)
+        if index in cfg.moe_layers and GATED_ACTIVATIONS[cfg.hidden_act] is not None:
+            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported in experts")
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                                  cfg.moe_intermediate_size, cfg.norm_topk_prob) \
+                                  cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.moe_bias,
+                                  cfg.moe_topk_first,
+                                  ExpertActivation(cfg.swiglu_alpha, cfg.swiglu_limit)) \
             if index in cfg.moe_layers else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The MLP's pre-norm."""
+        return self.pre_feedforward_layernorm or self.post_attention_layernorm
 
     def forward(self, positions: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        residual = self.self_attn(positions, residual, self.input_layernorm)
-        return self.mlp(residual, self.post_attention_layernorm)
+        if self.pre_feedforward_layernorm is None:
+            residual = self.self_attn(positions, residual, self.input_layernorm)
+            return self.mlp(residual, self.post_attention_layernorm)
+        residual = self.self_attn(positions, residual, self.input_layernorm,
+                                  self.post_attention_layernorm)
+        return self.mlp(residual, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.embed_scale
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,42 +161,11 @@ class DecoderModel(nn.Module):
         if token_table is not None:
             ids = token_table[ids]
         residual = self.embed_tokens(ids)
+        if self.embed_scale != 1.0:  # the scale rounded to the stream's dtype, as transformers'
+            residual = residual * float(torch.tensor(self.embed_scale, dtype=residual.dtype))
         for layer in self.layers:
             residual = layer(positions, residual)
         return self.norm(residual)
-
-
-# One expert's tensor in a Qwen3-MoE checkpoint (here all experts share stacked parameters).
-EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
-
-# Checkpoint names of the tensors that live packed in one parameter here: (part, our name, slot).
-PACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
-          ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
-
-# Which part of a parameter one checkpoint tensor fills (None: all of it).
-Part = ShardId | ExpertShard
-
-
-def _parts_of(param_name: str, param: torch.Tensor) -> list[Part]:
-    """The checkpoint parts a parameter is packed from: every one must be loaded."""
-    if param_name.endswith(".experts.gate_up_proj"):
-        return [(e, part) for e in range(param.shape[0]) for part in ("gate", "up")]
-    if param_name.endswith(".experts.down_proj"):
-        return [(e, "down") for e in range(param.shape[0])]
-    slots = [slot for _, packed, slot in PACKED if f".{packed}." in param_name]
-    return slots or [None]
-
-
-def _target_of(name: str) -> tuple[str, Part]:
-    """The parameter a checkpoint tensor goes into, and which part of it (None: all)."""
-    expert = EXPERT_TENSOR.fullmatch(name)
-    if expert:
-        prefix, index, part = expert.groups()
-        return f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}", (int(index), part)
-    for part, packed, slot in PACKED:
-        if f".{part}." in name:
-            return name.replace(part, packed), slot
-    return name, None
 
 
 class DecoderForCausalLM(nn.Module):
@@ -155,26 +185,34 @@ class DecoderForCausalLM(nn.Module):
 
     def fold_norm_weights(self) -> None:
         """Fold each layer's pre-norm weights into qkv and a dense MLP's gate/up (GPU path; a
-        router reads the normalised row, the LM head may share the embedding's weights)."""
+        router reads the normalised row, the LM head may share the embedding's weights; a
+        post-norm reads no projection's input, and Gemma's hold 1 + w already)."""
         for layer in self.model.layers:
             layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
             if isinstance(layer.mlp, MLP):
-                layer.mlp.gate_up_proj.fold_norm(layer.post_attention_layernorm)
+                layer.mlp.gate_up_proj.fold_norm(layer.mlp_norm)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor | None:
-        """Logits of ``hidden``'s rows (None on ranks but 0); ``out``: see ParallelLMHead."""
-        return self.lm_head(hidden, out)
+        """Logits of ``hidden``'s rows (None on ranks but 0); ``out``: see ParallelLMHead.
+        With ``final_softcap`` (Gemma 2) they are ``cap * tanh(logits / cap)``."""
+        logits = self.lm_head(hidden, out)
+        cap = self.config.final_softcap
+        if cap and logits is not None:  # in place: ``out`` stays the logits' buffer
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors; a sharded parameter reads only its rank's slice of each."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        missing = {(n, slot) for n, p in self.named_parameters() for slot in _parts_of(n, p)}
-        for name, tensor in weights:
+        missing = {(n, slot) for n, p in self.named_parameters() for slot in parts_of(n, p)}
+        if self.config.architecture == "GptOssForCausalLM":
+            weights = gpt_oss_experts(weights)
+        for name, tensor in split_fused(weights, self.config):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
                                                  and self.config.tie_word_embeddings):
                 continue
-            target, shard = _target_of(name)
+            target, shard = target_of(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{self.config.architecture}")

@@ -104,6 +104,16 @@ class CheckpointTensor:
                              f"split at input feature {start}: not a block boundary")
         return RawBlocks(data[:, int(begin):int(end)], self._type_name, length)
 
+    def rows(self, name: str, start: int, length: int) -> CheckpointTensor:
+        """Rows ``start : start + length`` as a tensor of their own, read on demand (one part
+        of a fused checkpoint tensor, e.g. Phi-3's qkv_proj)."""
+        def read(index: tuple[slice, ...]) -> torch.Tensor:
+            first = index[0] if index else slice(None)
+            lo, hi = first.start or 0, length if first.stop is None else first.stop
+            return self._read((slice(start + lo, start + hi), *index[1:]))
+
+        return CheckpointTensor(name, (length, *self.shape[1:]), self.dtype, read)
+
 
 def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every checkpoint tensor under its Hugging Face name, one at a time, read on demand."""
