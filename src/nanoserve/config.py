@@ -111,7 +111,9 @@ class ModelConfig:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         theta, scaling = _rope_of(hf_config)
         eos = as_id_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        # transformers >= 4.56 names it dtype and warns on every read of torch_dtype.
+        dtype = (hf_config.dtype if hasattr(hf_config, "dtype")
+                 else getattr(hf_config, "torch_dtype", None))
         num_experts = int(getattr(hf_config, "num_experts", None)
                           or getattr(hf_config, "num_local_experts", None) or 0)
         return cls(

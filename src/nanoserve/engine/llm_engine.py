@@ -12,6 +12,7 @@ from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.fault_hunt import FaultHunt
 from nanoserve.gc_tuning import freeze_startup_heap
+from nanoserve.startup_log import phase
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -101,13 +102,19 @@ class LLMEngine:
         from nanoserve.models.loader import load_model_assets
         from nanoserve.runner.executor import make_executor
 
+        start = time.perf_counter()
         path = resolve_model_path(config.model)
-        hf_config, tokenizer, extra_eos = load_model_assets(
-            path, require_weights=config.load_format != "dummy")
-        model_config = ModelConfig.from_hf(hf_config, extra_eos)
+        with phase("read the config and tokenizer", logger):
+            hf_config, tokenizer, extra_eos = load_model_assets(
+                path, require_weights=config.load_format != "dummy")
+            model_config = ModelConfig.from_hf(hf_config, extra_eos)
         executor = make_executor(config, model_config, path)
         engine = cls(config, model_config, tokenizer, executor, str(path))
         freeze_startup_heap()
+        logger.info("engine ready in %.2f s: %s (%s, %d layers), %d KV blocks of %d tokens, "
+                    "max_model_len %d", time.perf_counter() - start, path,
+                    model_config.architecture, model_config.num_layers, executor.num_kv_blocks,
+                    config.block_size, engine.max_model_len)
         return engine
 
     def add_request(self, request_id: str, prompt: str | list[int],

@@ -25,6 +25,8 @@ def nanoserve_version() -> str:
         return "unknown"
 
 
+logger = logging.getLogger(__name__)
+
 # Seconds a client refused for load (or a drain) is told to wait before it tries again.
 RETRY_AFTER_S = 1
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -33,11 +35,13 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
               api_key: str | None = None, reasoning_parser: str | None = None,
               request_timeout: float | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> "FastAPI":
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              allowed_origins: list[str] | None = None) -> "FastAPI":
     """The FastAPI app serving ``engine`` (already started) under ``served_model_name``. With
     ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
     ``Authorization: Bearer KEY``. ``request_timeout``: seconds after which a request is
-    aborted (504); ``max_body_bytes``: larger request bodies get a 413 (default 16 MiB)."""
+    aborted (504); ``max_body_bytes``: larger request bodies get a 413 (default 16 MiB);
+    ``allowed_origins``: the browser origins CORS lets call the API (default: none)."""
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, Response
@@ -71,6 +75,11 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     app = FastAPI(title="nanoserve", version=nanoserve_version())
     app.add_middleware(CatchAllErrors)  # any other exception: a 500 in OpenAI's shape
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     api = APIRouter(dependencies=[Depends(require_key)])
 
     def answer(error: APIError, headers: dict[str, str] | None = None) -> Response:
@@ -176,14 +185,18 @@ def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                        help="local HF folder or .gguf file (same as --model)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                        help="require this bearer token on the API (default: $NANOSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients use (default: the model path)")
+                       help="the model name clients use (default: MODEL as given; "
+                            "SmolLM2-135M-Instruct for the packaged model)")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="split chat answers' <think> blocks into reasoning_content")
-    serve.add_argument("--log-level", default="info",
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="browser origins allowed to call the API (CORS), e.g. "
+                            "http://localhost:3000 or '*' (default: none)")
+    serve.add_argument("--log-level", default="info", help="(default: %(default)s)",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--request-timeout", type=float, default=None, metavar="S",
                        help="abort a request S seconds after it arrived (504 / an error event)")
@@ -195,6 +208,16 @@ def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                             "a second signal aborts them at once")
     add_engine_args(serve)
     serve.set_defaults(func=run_server)
+
+
+def served_name(model: str | None) -> str:
+    """The name clients use by default: the model as the user gave it (vLLM's rule), or the
+    packaged default model's short name."""
+    if model is not None:
+        return str(model)
+    from nanoserve.models.gguf import DEFAULT_MODEL_FILE
+
+    return DEFAULT_MODEL_FILE.split(".")[0]
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -210,16 +233,20 @@ def run_server(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"MODEL ({args.model_tag}) and --model ({args.model}) disagree")
         args.model = args.model_tag
+    config = engine_config_from_args(args)  # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.from_config(engine_config_from_args(args))
+    engine = AsyncLLMEngine.from_config(config)
     engine.start()
     try:
-        app = build_app(engine, args.served_model_name, args.api_key, args.reasoning_parser,
-                        args.request_timeout, args.max_request_body_bytes)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+        name = args.served_model_name or served_name(args.model)
+        logger.info("serving %s as %r: max_model_len %d", engine.model_name, name,
+                    engine.max_model_len)
+        app = build_app(engine, name, args.api_key, args.reasoning_parser,
+                        args.request_timeout, args.max_request_body_bytes, args.allowed_origins)
+        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
-        server = DrainingServer(config, engine, args.shutdown_timeout)
+        server = DrainingServer(uv_config, engine, args.shutdown_timeout)
         server.run()
     finally:
         engine.shutdown()

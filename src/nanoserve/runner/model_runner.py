@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from nanoserve.attention.backend import select_backend
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
@@ -25,8 +27,10 @@ from nanoserve.runner.sampler import Sampler, SamplerOutput, mark_failed_rows, w
 from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed, max_logprobs,
                                                temperatures_only)
 from nanoserve.runner.step_inputs import prepare_inputs
+from nanoserve.startup_log import phase
 
 CPU_KV_CACHE_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -56,10 +60,13 @@ class ModelRunner:
                 self.model = build_model(model_config, self.backend)
         finally:
             torch.set_default_dtype(previous)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model)
-        else:
-            self.model.load_weights(iter_weights(path, self.dtype))
+        with phase(f"loaded the weights ({config.load_format})", logger):
+            if config.load_format == "dummy":
+                init_dummy_weights(self.model)
+            else:
+                self.model.load_weights(tqdm(iter_weights(path, self.dtype), unit=" tensors",
+                                             desc="Loading weights", leave=False,
+                                             disable=get_tp_group().rank != 0))
         if self.device.type == "cuda":  # the skinny GEMVs then apply the pre-norms themselves
             self.model.fold_norm_weights()
         self.model.eval()
@@ -74,23 +81,35 @@ class ModelRunner:
         attn = self.attention[0]
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
                                                       self.device)
-        self.num_kv_blocks = self._decide_num_blocks()
-        self._allocate_kv_cache()
+        with phase("sized the KV cache", logger):
+            self.num_kv_blocks = self._decide_num_blocks()
+            self._allocate_kv_cache()
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s)", self.num_kv_blocks,
+                    self.block_size, self.num_kv_blocks * self._bytes_per_block() / 2**20,
+                    str(self.kv_cache_dtype).replace("torch.", ""))
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             # On one GPU the LM head and sampler join the graphs (TP gathers logits outside).
-            self.graphs = DecodeGraphs(self.model, self.graph_batch, self.blocks_per_seq,
-                                       self.max_model_len, self.device, sample=tp.size == 1,
-                                       max_samples=config.max_num_seqs)
+            with phase(f"captured the decode CUDA graphs (batches up to {self.graph_batch})",
+                       logger):
+                self.graphs = DecodeGraphs(self.model, self.graph_batch, self.blocks_per_seq,
+                                           self.max_model_len, self.device, sample=tp.size == 1,
+                                           max_samples=config.max_num_seqs)
         if self.device.type == "cuda":
-            # cuBLAS loads a kernel at a GEMM shape's first use: meet the shapes here, not mid-run.
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """cuBLAS loads a kernel at a GEMM shape's first use: meet the shapes here, not mid-run;
+        compile the sampling kernels for every batch size."""
+        config = self.config
+        with phase("warmed up the GPU kernels", logger):
             if config.max_num_batched_tokens > 1:
                 self.profile_run(num_tokens=config.max_num_batched_tokens - 1)
             self.model.lm_head.warm_row_counts(config.max_num_seqs)
             if self.sampling_rank:
                 from nanoserve.kernels.sampling import compile_for_batches
-                compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
-                                    self.device)
+                compile_for_batches(config.max_num_seqs, self.model_config.vocab_size,
+                                    self.dtype, self.device)
 
     def _bytes_per_block(self) -> int:
         attn = self.attention[0]
