@@ -99,13 +99,13 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from nanoserve.config import resolve_model_path
-        from nanoserve.models.loader import load_model_assets
+        from nanoserve.models.asset_cache import cached_model_assets
         from nanoserve.runner.executor import make_executor
 
         start = time.perf_counter()
         path = resolve_model_path(config.model)
         with phase("read the config and tokenizer", logger):
-            hf_config, tokenizer, extra_eos = load_model_assets(
+            hf_config, tokenizer, extra_eos = cached_model_assets(
                 path, require_weights=config.load_format != "dummy")
             model_config = ModelConfig.from_hf(hf_config, extra_eos)
         executor = make_executor(config, model_config, path)

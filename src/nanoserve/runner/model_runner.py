@@ -164,8 +164,15 @@ class ModelRunner:
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         for layer in self.attention:
-            layer.k_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.k_cache = self._zeros(shape)
+            layer.v_cache = self._zeros(shape)
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        # calloc'd: the OS maps zero pages as they are first written, not all up front.
+        nbytes = int(np.prod(shape)) * self.kv_cache_dtype.itemsize
+        return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(self.kv_cache_dtype).view(shape)
 
     @torch.inference_mode()
     def profile_run(self, decode: bool = False, num_tokens: int | None = None) -> None:
