@@ -12,7 +12,7 @@ from nanoserve.entrypoints.constraints import requested_constraint
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.protocol import (
     ChatCompletionRequest, CompletionRequest, value_error_to_api)
-from nanoserve.entrypoints.responses import (
+from nanoserve.entrypoints.bodies import (
     ChatChunkChoice, ChatCompletionChunk, DeltaMessage, UsageInfo)
 from nanoserve.outputs import CompletionOutput, RequestOutput
 

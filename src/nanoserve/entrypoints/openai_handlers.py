@@ -22,7 +22,7 @@ from nanoserve.entrypoints.logprobs import choice_logprobs, prompt_logprobs_out
 from nanoserve.entrypoints.protocol import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
     check_template_kwargs, value_error_to_api)
-from nanoserve.entrypoints.responses import UsageInfo, full_response
+from nanoserve.entrypoints.bodies import UsageInfo, full_response
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
 from nanoserve.entrypoints.tool_calls import ForcedToolCalls
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import secrets
+import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -56,10 +57,13 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     from nanoserve.entrypoints.openai_handlers import OpenAIServing
     from nanoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
-    from nanoserve.entrypoints.responses import ModelCard, ModelList
+    from nanoserve.entrypoints.bodies import ModelCard, ModelList
+    from nanoserve.entrypoints.responses_api import ResponsesServing
+    from nanoserve.entrypoints.responses_protocol import ResponsesRequest
 
     name = served_model_name or engine.model_name
     serving = OpenAIServing(engine, name, reasoning_parser, request_timeout)
+    responses = ResponsesServing(serving)
     metrics = ServerMetrics(name, lambda: engine.stats)
     engine.add_output_listener(metrics.observe)
 
@@ -138,6 +142,14 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     async def chat(request: Request) -> Response:
         return await serving.chat(parse_json(await request.body()), request)
 
+    @api.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(parse_json(await request.body()), request)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         return await serving.tokenize(parse_json(await request.body()))
@@ -148,6 +160,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
 
     app.include_router(api)
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/v1/responses": ResponsesRequest,
               "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
     def openapi() -> dict[str, Any]:
@@ -233,6 +246,7 @@ def run_server(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"MODEL ({args.model_tag}) and --model ({args.model}) disagree")
         args.model = args.model_tag
+    start = time.perf_counter()
     config = engine_config_from_args(args)  # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -246,7 +260,12 @@ def run_server(args: argparse.Namespace) -> int:
                         args.request_timeout, args.max_request_body_bytes, args.allowed_origins)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
-        server = DrainingServer(uv_config, engine, args.shutdown_timeout)
+
+        def ready(url: str) -> None:
+            print(f"nanoserve: serving {name!r} at {url}/v1 (OpenAI API), started in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+
+        server = DrainingServer(uv_config, engine, args.shutdown_timeout, ready)
         server.run()
     finally:
         engine.shutdown()
