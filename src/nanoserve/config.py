@@ -38,6 +38,10 @@ class EngineConfig:
     # Admission control: add_request refuses a request (EngineOverloadedError; the server's
     # 503) while this many wait beyond the batch's free seats. None: no bound.
     max_waiting_requests: int | None = None
+    # "embed": the model makes embeddings (prefill only, pooled); "auto": embed when the
+    # folder is a sentence-transformers model (modules.json with a Pooling module).
+    task: str = "auto"
+    pooling_type: str | None = None  # "last" | "mean" | "cls"; None: the model's own
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -52,9 +56,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),
                               ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("load_format", ("auto", "dummy"))):
+                              ("load_format", ("auto", "dummy")),
+                              ("task", ("auto", "generate", "embed")),
+                              ("pooling_type", (None, "last", "mean", "cls"))):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
+                raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, "
                                  f"got {getattr(self, name)!r}")
         gpu_util = self.gpu_memory_utilization
         if isinstance(gpu_util, bool) or not isinstance(gpu_util, (int, float)) or not (

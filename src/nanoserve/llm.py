@@ -41,6 +41,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt, in order; a prompt whose params ask for ``n`` samples comes
         back as one output holding ``n``."""
+        if self.engine.config.task == "embed":
+            raise ValueError("this model makes embeddings (task='embed'): use LLM.embed")
         prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -63,6 +65,32 @@ class LLM:
             raise
         done = self._run([rid for group in ids for rid in group], use_tqdm)
         return [_samples_as_one([done[rid] for rid in group]) for group in ids]
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]], *,
+              dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each prompt's embedding (``out.embedding``), in order, batched through the
+        scheduler; needs an embedding model (``task="embed"``, or a sentence-transformers
+        folder). ``dimensions``: a Matryoshka truncation the model declares."""
+        pooler = self.engine.pooler
+        if pooler is None:
+            raise ValueError("embed needs an embedding model: LLM(model, task='embed')")
+        pooler.check_dimensions(dimensions)
+        params = SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        ids = []
+        try:
+            for prompt in as_prompt_list(prompts):
+                ids.append(str(next(self._ids)))
+                self.engine.add_request(ids[-1], prompt, params, stream=False)
+        except Exception:
+            self.engine.abort_request(ids)
+            self._drain()
+            raise
+        done = self._run(ids, use_tqdm)
+        outputs = [done[rid] for rid in ids]
+        for out in outputs:
+            out.embedding = pooler.finish(out.embedding, dimensions)
+        return outputs
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -1,6 +1,7 @@
 """LLMEngine: validates and tokenizes requests, runs scheduler steps, turns tokens into outputs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 from nanoserve.outputs import RequestOutput
+from nanoserve.pooling import Pooler, resolve_pooler
 from nanoserve.prompts import check_context_length, truncate_prompt
 from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, InFlightStep, SequenceChunk,
                                      StepInput)
@@ -95,6 +97,7 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.pooler: Pooler | None = None  # set for an embedding model (task "embed")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -108,8 +111,17 @@ class LLMEngine:
             hf_config, tokenizer, extra_eos = cached_model_assets(
                 path, require_weights=config.load_format != "dummy")
             model_config = ModelConfig.from_hf(hf_config, extra_eos)
+        pooler = resolve_pooler(path, config.task, config.pooling_type, hf_config)
+        if pooler is not None:  # pooling reads every prompt position: no cached prefixes
+            config = dataclasses.replace(config, task="embed", enable_prefix_caching=False,
+                                         pooling_type=pooler.pooling_type)
+            logger.info("embedding model: %s pooling%s", pooler.pooling_type,
+                        ", normalised" if pooler.normalize else "")
+        else:
+            config = dataclasses.replace(config, task="generate")
         executor = make_executor(config, model_config, path)
         engine = cls(config, model_config, tokenizer, executor, str(path))
+        engine.pooler = pooler
         freeze_startup_heap()
         logger.info("engine ready in %.2f s: %s (%s, %d layers), %d KV blocks of %d tokens, "
                     "max_model_len %d", time.perf_counter() - start, path,
@@ -127,6 +139,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if self.config.task == "embed":  # a prefill whose pooled state ends the request
+            params = SamplingParams(max_tokens=1, temperature=0.0,
+                                    truncate_prompt_tokens=params.truncate_prompt_tokens)
         for name, option in (("n", "max_n"), ("logprobs", "max_logprobs"),
                              ("prompt_logprobs", "max_logprobs")):
             value, limit = getattr(params, name), getattr(self.config, option)
@@ -327,6 +342,14 @@ class LLMEngine:
                 outputs.append(self._finalize(req))
             elif req.stream:
                 outputs.append(self.output_processor.output(req))
+        for rid, pooled in step_out.embeddings.items():  # embed requests end here
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                self.prompt_tokens += req.num_prompt_tokens
+                req.finish(FinishReason.STOP)
+                self.scheduler.finish(req)
+                outputs.append(self._finalize(req))
+                outputs[-1].embedding = pooled
         if self.fault_hunt.groups:  # these ran without failing: no longer suspects
             self.fault_hunt.discard([c.request.request_id for c in chunks])
         return outputs

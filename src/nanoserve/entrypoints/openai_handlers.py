@@ -57,15 +57,19 @@ class OpenAIServing:
         return None if self.request_timeout is None else \
             self.request_timeout - (time.time() - arrival)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, generates: bool = False) -> None:
+        """A 404 for another model's name; with ``generates``, a 400 from an embedding model."""
         if model is not None and model != self.served_model_name:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
                            code="model_not_found")
+        if generates and self.engine.config.task == "embed":
+            raise APIError("this model makes embeddings (--task embed): use /v1/embeddings",
+                           param="model")
 
     async def completions(self, body: Any, request: Request) -> Response:
         arrival = time.time()
         req: CompletionRequest = parse_request(CompletionRequest, body)
-        self.check_model(req.model)
+        self.check_model(req.model, generates=True)
         req.check_supported(self.engine.config)
         given = as_prompt_list(req.prompt)
         if not given:
@@ -84,7 +88,7 @@ class OpenAIServing:
     async def chat(self, body: Any, request: Request) -> Response:
         arrival = time.time()
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
-        self.check_model(req.model)
+        self.check_model(req.model, generates=True)
         req.check_supported(self.engine.config)
         prompt = await self._off_loop(self._render_chat, req.messages,
                                       bool(req.add_generation_prompt), req.tools_offered(),

@@ -45,7 +45,7 @@ class ResponsesServing:
     async def create(self, body: Any, request: Request) -> Response:
         serving = self.serving
         req: ResponsesRequest = parse_request(ResponsesRequest, body)
-        serving.check_model(req.model)
+        serving.check_model(req.model, generates=True)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             if req.previous_response_id not in self.store:

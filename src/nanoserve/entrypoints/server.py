@@ -58,6 +58,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     from nanoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
     from nanoserve.entrypoints.bodies import ModelCard, ModelList
+    from nanoserve.entrypoints.embeddings import EmbeddingRequest, create_embeddings
     from nanoserve.entrypoints.responses_api import ResponsesServing
     from nanoserve.entrypoints.responses_protocol import ResponsesRequest
 
@@ -150,6 +151,10 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     async def get_response(response_id: str) -> dict[str, Any]:
         return responses.retrieve(response_id)
 
+    @api.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embeddings(serving, parse_json(await request.body()), request)
+
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         return await serving.tokenize(parse_json(await request.body()))
@@ -160,7 +165,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
 
     app.include_router(api)
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-              "/v1/responses": ResponsesRequest,
+              "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
               "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
     def openapi() -> dict[str, Any]:

@@ -55,6 +55,8 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # An embedding model's (task "embed"): per request whose prompt ended, its pooled state.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 class InFlightStep(Protocol):

@@ -21,6 +21,7 @@ from nanoserve.runner.graph_inputs import decode_rows
 from nanoserve.runner.inputs import (CompletedStep, DeferredSample, InFlightStep, SequenceChunk,
                                      StepInput, StepOutput)
 from nanoserve.runner.packed_copy import packed_to_device
+from nanoserve.runner.pooling import HiddenStatePooler
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler, SamplerOutput, mark_failed_rows, with_fused_logprobs
@@ -87,8 +88,11 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s)", self.num_kv_blocks,
                     self.block_size, self.num_kv_blocks * self._bytes_per_block() / 2**20,
                     str(self.kv_cache_dtype).replace("torch.", ""))
+        # An embedding model pools its prompts' hidden states and never samples.
+        self.pooler = HiddenStatePooler(config.pooling_type or "last") \
+            if config.task == "embed" else None
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.pooler is None:
             # On one GPU the LM head and sampler join the graphs (TP gathers logits outside).
             with phase(f"captured the decode CUDA graphs (batches up to {self.graph_batch})",
                        logger):
@@ -210,6 +214,13 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device; return without waiting."""
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.pooler is not None:
+            self.pooler.forget(step.finished_request_ids)
+            ids, positions, meta, _ = self._prepare(step.chunks)
+            with attention_metadata(meta):
+                hidden = self.model(ids, positions)
+            embeddings = self.pooler(step.chunks, hidden) if self.sampling_rank else {}
+            return CompletedStep(StepOutput([], embeddings=embeddings))
         sampling = [c for c in step.chunks if c.sample]
         params = [c.params for c in sampling]
         tensors = logits = token_ids = last = None
