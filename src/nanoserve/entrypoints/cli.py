@@ -178,9 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tune the projections one rank holds at this TP size")
     tune.set_defaults(func=cmd_tune)
 
+    bench = sub.add_parser("bench", help="benchmarks as vLLM's `vllm bench`: throughput "
+                                         "(offline), latency (batch 1), serve (a running "
+                                         "server); one JSON line each, --plot OUT.png",
+                           add_help=False)
+    bench.add_argument("benchmark", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER,
+                       help="the benchmark's own flags (nanoserve bench NAME --help)")
+    bench.set_defaults(func=cmd_bench)
+
     from nanoserve.entrypoints.server import add_serve_parser
     add_serve_parser(sub)
     return parser
+
+
+BENCHMARKS = ("throughput", "latency", "serve")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"nanoserve.bench.{args.benchmark}")
+    module.main(args.args, prog=f"nanoserve bench {args.benchmark}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
