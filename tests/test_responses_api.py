@@ -46,7 +46,7 @@ def _chat(client, model, messages, max_tokens):
 def test_serve_shows_its_name_for_the_model_a_ready_line_and_cors(server, client, model):
     assert [m.id for m in client.models.list().data] == [model]
     log = server.log.read_text()
-    assert f"nanoserve: serving {model!r} at {server.url}/v1" in log
+    assert f"nanoserve: serving {model!r}: chat page {server.url}/, OpenAI API {server.url}/v1" in log
     assert "KV blocks of 16 tokens, max_model_len 512" in log
     preflight = {"Access-Control-Request-Method": "POST"}
     allowed = httpx.options(server.url + "/v1/responses", headers={"Origin": ORIGIN,

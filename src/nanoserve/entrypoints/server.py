@@ -37,12 +37,13 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
               api_key: str | None = None, reasoning_parser: str | None = None,
               request_timeout: float | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              allowed_origins: list[str] | None = None) -> "FastAPI":
+              allowed_origins: list[str] | None = None, ui: bool = True) -> "FastAPI":
     """The FastAPI app serving ``engine`` (already started) under ``served_model_name``. With
     ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
     ``Authorization: Bearer KEY``. ``request_timeout``: seconds after which a request is
     aborted (504); ``max_body_bytes``: larger request bodies get a 413 (default 16 MiB);
-    ``allowed_origins``: the browser origins CORS lets call the API (default: none)."""
+    ``allowed_origins``: the browser origins CORS lets call the API (default: none);
+    ``ui``: serve the chat page at ``/`` (it asks for the API key, if any)."""
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, Response
@@ -130,6 +131,11 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    if ui:
+        from nanoserve.entrypoints.ui import add_chat_page
+
+        add_chat_page(app)
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
@@ -214,6 +220,8 @@ def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                        help="browser origins allowed to call the API (CORS), e.g. "
                             "http://localhost:3000 or '*' (default: none)")
+    serve.add_argument("--no-ui", dest="ui", action="store_false",
+                       help="do not serve the chat page at /")
     serve.add_argument("--log-level", default="info", help="(default: %(default)s)",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--request-timeout", type=float, default=None, metavar="S",
@@ -262,13 +270,15 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("serving %s as %r: max_model_len %d", engine.model_name, name,
                     engine.max_model_len)
         app = build_app(engine, name, args.api_key, args.reasoning_parser,
-                        args.request_timeout, args.max_request_body_bytes, args.allowed_origins)
+                        args.request_timeout, args.max_request_body_bytes, args.allowed_origins,
+                        args.ui)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
 
         def ready(url: str) -> None:
-            print(f"nanoserve: serving {name!r} at {url}/v1 (OpenAI API), started in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            page = f"chat page {url}/, " if args.ui else ""
+            print(f"nanoserve: serving {name!r}: {page}OpenAI API {url}/v1 (started in "
+                  f"{time.perf_counter() - start:.1f} s)", flush=True)
 
         server = DrainingServer(uv_config, engine, args.shutdown_timeout, ready)
         server.run()
