@@ -61,7 +61,8 @@ class ModelRunner:
                 self.model = build_model(model_config, self.backend)
         finally:
             torch.set_default_dtype(previous)
-        with phase(f"loaded the weights ({config.load_format})", logger):
+        with phase("loaded the weights" if config.load_format == "auto"
+                   else "made random weights (load_format=dummy)", logger):
             if config.load_format == "dummy":
                 init_dummy_weights(self.model)
             else:
