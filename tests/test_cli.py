@@ -109,7 +109,7 @@ def test_bad_sampling_flag_fails_before_the_model_loads(tmp_path, capsys):
 
 
 def test_default_served_model_name_is_short():
-    from nanoserve.entrypoints.server import served_name
+    from nanoserve.entrypoints.serve_command import served_name
 
     assert served_name(None) == "SmolLM2-135M-Instruct"
     assert served_name("models/my-model") == "models/my-model"  # as given, as vLLM's

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the benchmark's own flags (nanoserve bench NAME --help)")
     bench.set_defaults(func=cmd_bench)
 
-    from nanoserve.entrypoints.server import add_serve_parser
+    from nanoserve.entrypoints.serve_command import add_serve_parser
     add_serve_parser(sub)
     return parser
 
