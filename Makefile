@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench-cpu clean
+.PHONY: install demo test bench-cpu clean chromium
 
 install: $(STAMP)
 
@@ -27,8 +27,15 @@ QWEN3_TOKENIZER := .cache/qwen3-tokenizer/tokenizer.json
 $(QWEN3_TOKENIZER):
 	bash scripts/fetch_qwen3_tokenizer.sh || echo "warning: Qwen3's tokenizer not fetched"
 
+# Debian's chromium, for the chat page's browser tests (tests/test_ui.py, driven through the
+# playwright package with this system browser); without it (no root, no apt) they skip.
+chromium:
+	command -v chromium >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || \
+		echo "warning: chromium not installed; the chat page's browser tests will skip"
+
 # One worker per core, whole files to a worker (module fixtures build once).
-test: install $(QWEN3_TOKENIZER)
+test: install $(QWEN3_TOKENIZER) chromium
 	$(VENV)/bin/pytest -q -n auto --dist loadfile --durations=20
 
 clean:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import copy_bandwidth_gbs, emit, environment, graph_us
+from nanoserve.bench.common import copy_bandwidth_gbs, emit, environment, graph_us
 
 from nanoserve.kernels.fused_moe import MoeTiles, fused_experts, group_by_expert, moe_tiles
 from nanoserve.layers.moe import experts_loop

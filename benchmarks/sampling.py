@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from common import replay_ms
+from nanoserve.bench.common import replay_ms
 
 from nanoserve.kernels import sampling
 from nanoserve.kernels.sampling import sample_tokens

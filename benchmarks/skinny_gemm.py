@@ -13,7 +13,7 @@ import argparse
 import json
 
 import torch
-from shapes import SHAPES, config_of
+from nanoserve.bench.shapes import SHAPES, config_of
 from transformers import AutoConfig
 
 from nanoserve.config import ModelConfig

@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import (add_deadline_argument, emit, environment, free_device_memory, run_shapes,
+from nanoserve.bench.common import (add_deadline_argument, emit, environment, free_device_memory, run_shapes,
                     sync)
-from shapes import SHAPES, make_model_dir
-from throughput import host_profile, workload
+from nanoserve.bench.shapes import SHAPES, make_model_dir
+from nanoserve.bench.throughput import host_profile, workload
 
 from nanoserve import LLM, SamplingParams, StructuredOutputsParams
 

@@ -12,7 +12,7 @@ from nanoserve.entrypoints.constraints import requested_constraint
 from nanoserve.entrypoints.errors import APIError, parse_request
 from nanoserve.entrypoints.protocol import (
     ChatCompletionRequest, CompletionRequest, value_error_to_api)
-from nanoserve.entrypoints.responses import (
+from nanoserve.entrypoints.bodies import (
     ChatChunkChoice, ChatCompletionChunk, DeltaMessage, UsageInfo)
 from nanoserve.outputs import CompletionOutput, RequestOutput
 
@@ -233,7 +233,7 @@ def test_serve_command_and_async_engine_need_no_web_packages():
         "    sys.modules[name] = None  # any import of them now fails\n"
         "import argparse\n"
         "import nanoserve.engine.async_engine\n"
-        "from nanoserve.entrypoints.server import add_serve_parser\n"
+        "from nanoserve.entrypoints.serve_command import add_serve_parser\n"
         "parser = argparse.ArgumentParser()\n"
         "add_serve_parser(parser.add_subparsers())\n"
         "args = parser.parse_args(['serve', 'some/model', '--port', '9000'])\n"

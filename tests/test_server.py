@@ -385,12 +385,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: Path, log: Path, *extra: str) -> Server:
+def start_server(model: Path, log: Path, *extra: str,
+                 served_model_name: str | None = MODEL) -> Server:
     port = _free_port()
+    name = ["--served-model-name", served_model_name] if served_model_name else []
     cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", str(model),
            "--port", str(port), "--device", "cpu", "--dtype", "float32",
-           "--num-kv-blocks", "256", "--served-model-name", MODEL, "--log-level", "warning",
-           *extra]
+           "--num-kv-blocks", "256", *name, "--log-level", "warning", *extra]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", proc, log)

@@ -50,6 +50,10 @@ class EngineConfig:
     # "auto": a quantized checkpoint's linear weights stay quantized (GGUF blocks, AWQ, GPTQ);
     # "none": they are dequantized at load into dtype.
     quantization: str = "auto"
+    # "embed": the model makes embeddings (prefill only, pooled); "auto": embed when the
+    # folder is a sentence-transformers model (modules.json with a Pooling module).
+    task: str = "auto"
+    pooling_type: str | None = None  # "last" | "mean" | "cls"; None: the model's own
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -66,9 +70,11 @@ class EngineConfig:
         for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),
                               ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("load_format", ("auto", "dummy")),
-                              ("quantization", QUANTIZATION_OPTIONS)):
+                              ("quantization", QUANTIZATION_OPTIONS),
+                              ("task", ("auto", "generate", "embed")),
+                              ("pooling_type", (None, "last", "mean", "cls"))):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
+                raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, "
                                  f"got {getattr(self, name)!r}")
         gpu_util = self.gpu_memory_utilization
         if isinstance(gpu_util, bool) or not isinstance(gpu_util, (int, float)) or not (
@@ -158,7 +164,9 @@ class ModelConfig:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         theta, scaling, sliding_rope = ropes_of(hf_config)
         eos = as_id_list(getattr(hf_config, "eos_token_id", None)) + list(extra_eos_ids or [])
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        # transformers >= 4.56 names it dtype and warns on every read of torch_dtype.
+        dtype = (hf_config.dtype if hasattr(hf_config, "dtype")
+                 else getattr(hf_config, "torch_dtype", None))
         num_experts = int(getattr(hf_config, "num_experts", None)
                           or getattr(hf_config, "num_local_experts", None) or 0)
         return cls(

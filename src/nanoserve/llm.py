@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from nanoserve.engine.request import sample_request_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.prompts import as_prompt_list
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.startup_log import configure_logging
 
 Message = dict[str, str]
 
@@ -28,6 +30,7 @@ class LLM:
     """Batch generation over a local model; ``model=None`` loads the packaged SmolLM2-135M."""
 
     def __init__(self, model: str | None = None, **engine_args: object):
+        configure_logging()
         engine_args.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
@@ -38,6 +41,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt, in order; a prompt whose params ask for ``n`` samples comes
         back as one output holding ``n``."""
+        if self.engine.config.task == "embed":
+            raise ValueError("this model makes embeddings (task='embed'): use LLM.embed")
         prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -61,6 +66,32 @@ class LLM:
         done = self._run([rid for group in ids for rid in group], use_tqdm)
         return [_samples_as_one([done[rid] for rid in group]) for group in ids]
 
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]], *,
+              dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each prompt's embedding (``out.embedding``), in order, batched through the
+        scheduler; needs an embedding model (``task="embed"``, or a sentence-transformers
+        folder). ``dimensions``: a Matryoshka truncation the model declares."""
+        pooler = self.engine.pooler
+        if pooler is None:
+            raise ValueError("embed needs an embedding model: LLM(model, task='embed')")
+        pooler.check_dimensions(dimensions)
+        params = SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        ids = []
+        try:
+            for prompt in as_prompt_list(prompts):
+                ids.append(str(next(self._ids)))
+                self.engine.add_request(ids[-1], prompt, params, stream=False)
+        except Exception:
+            self.engine.abort_request(ids)
+            self._drain()
+            raise
+        done = self._run(ids, use_tqdm)
+        outputs = [done[rid] for rid in ids]
+        for out in outputs:
+            out.embedding = pooler.finish(out.embedding, dimensions)
+        return outputs
+
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Each prompt's ``params.beam_width`` best continuations, in the order of the prompts."""
@@ -76,7 +107,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out in outputs:  # the rendered conversation, as vLLM's
+            out.prompt = self.tokenizer.decode(out.prompt_token_ids)
+        return outputs
 
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None,
@@ -106,11 +140,19 @@ class LLM:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        engine, start = self.engine, time.perf_counter()
+        tokens_before = engine.prompt_tokens, engine.generation_tokens
         while len(done) < len(ids):
-            for out in self.engine.step():
+            for out in engine.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
+            if use_tqdm:  # vLLM's live rates: prompts' tokens (at their first token), answers'
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(
+                    f"prefill {(engine.prompt_tokens - tokens_before[0]) / elapsed:.1f} tok/s, "
+                    f"decode {(engine.generation_tokens - tokens_before[1]) / elapsed:.1f} tok/s",
+                    refresh=False)
         bar.close()
         return done
 

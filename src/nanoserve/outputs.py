@@ -31,3 +31,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token (the first None), its own and the
     # top logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding model's: the prompt's pooled final hidden state (not yet normalised).
+    embedding: list[float] | None = None

@@ -23,6 +23,7 @@ from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 if TYPE_CHECKING:
     from nanoserve.config import EngineConfig
     from nanoserve.engine.llm_engine import EngineStats, LLMEngine
+    from nanoserve.pooling import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ class AsyncLLMEngine:
     @property
     def eos_token_ids(self) -> list[int]:
         return self._require_engine().model_config.eos_token_ids
+
+    @property
+    def pooler(self) -> Pooler | None:
+        """An embedding model's pooler; None for a generating one."""
+        return self._require_engine().pooler
 
     @property
     def model_name(self) -> str:

@@ -13,12 +13,14 @@ from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.fault_hunt import FaultHunt
 from nanoserve.gc_tuning import freeze_startup_heap
+from nanoserve.startup_log import phase
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import FinishReason, Request, sample_request_ids
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 from nanoserve.engine.spec_decode import SpecDecoder, SpecStats, draft_model_assets
 from nanoserve.engine.spec_draft import DraftProposer
 from nanoserve.outputs import RequestOutput
+from nanoserve.pooling import Pooler, resolve_pooler
 from nanoserve.prompts import check_context_length, truncate_prompt
 from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, InFlightStep, SequenceChunk,
                                      StepInput)
@@ -106,17 +108,30 @@ class LLMEngine:
         self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len, draft)
         if self.spec is not None:
             self.scheduler.proposer = self.spec.propose
+        self.pooler: Pooler | None = None  # set for an embedding model (task "embed")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from nanoserve.config import resolve_model_path
-        from nanoserve.models.loader import load_model_assets
+        from nanoserve.models.asset_cache import cached_model_assets
         from nanoserve.runner.executor import make_executor
 
+        start = time.perf_counter()
         path = resolve_model_path(config.model)
-        hf_config, tokenizer, extra_eos = load_model_assets(
-            path, require_weights=config.load_format != "dummy")
-        model_config = ModelConfig.from_hf(hf_config, extra_eos)
+        with phase("read the config and tokenizer", logger):
+            hf_config, tokenizer, extra_eos = cached_model_assets(
+                path, require_weights=config.load_format != "dummy")
+            model_config = ModelConfig.from_hf(hf_config, extra_eos)
+        pooler = resolve_pooler(path, config.task, config.pooling_type, hf_config)
+        if pooler is not None:  # pooling reads every prompt position: no cached prefixes
+            if config.speculative_config is not None:
+                raise ValueError("speculative_config is not supported for an embedding model")
+            config = dataclasses.replace(config, task="embed", enable_prefix_caching=False,
+                                         pooling_type=pooler.pooling_type)
+            logger.info("embedding model: %s pooling%s", pooler.pooling_type,
+                        ", normalised" if pooler.normalize else "")
+        else:
+            config = dataclasses.replace(config, task="generate")
         draft_assets = draft_model_assets(config, model_config)
         executor = make_executor(config, model_config, path,
                                  draft_assets[1] if draft_assets is not None else None)
@@ -126,9 +141,15 @@ class LLMEngine:
             draft_config = dataclasses.replace(
                 config, model=str(draft_assets[0]), speculative_config=None,
                 num_kv_blocks=executor.num_kv_blocks, kv_cache_memory=None)
-            draft = make_executor(draft_config, draft_assets[1], draft_assets[0])
+            with phase("load the draft model", logger):
+                draft = make_executor(draft_config, draft_assets[1], draft_assets[0])
         engine = cls(config, model_config, tokenizer, executor, str(path), draft)
+        engine.pooler = pooler
         freeze_startup_heap()
+        logger.info("engine ready in %.2f s: %s (%s, %d layers), %d KV blocks of %d tokens, "
+                    "max_model_len %d", time.perf_counter() - start, path,
+                    model_config.architecture, model_config.num_layers, executor.num_kv_blocks,
+                    config.block_size, engine.max_model_len)
         return engine
 
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -141,6 +162,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if self.config.task == "embed":  # a prefill whose pooled state ends the request
+            params = SamplingParams(max_tokens=1, temperature=0.0,
+                                    truncate_prompt_tokens=params.truncate_prompt_tokens)
         for name, option in (("n", "max_n"), ("logprobs", "max_logprobs"),
                              ("prompt_logprobs", "max_logprobs")):
             value, limit = getattr(params, name), getattr(self.config, option)
@@ -353,6 +377,14 @@ class LLMEngine:
                 outputs.append(self._finalize(req))
             elif req.stream:
                 outputs.append(self.output_processor.output(req))
+        for rid, pooled in step_out.embeddings.items():  # embed requests end here
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                self.prompt_tokens += req.num_prompt_tokens
+                req.finish(FinishReason.STOP)
+                self.scheduler.finish(req)
+                outputs.append(self._finalize(req))
+                outputs[-1].embedding = pooled
         if self.fault_hunt.groups:  # these ran without failing: no longer suspects
             self.fault_hunt.discard([c.request.request_id for c in chunks])
         return outputs

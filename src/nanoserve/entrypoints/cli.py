@@ -10,22 +10,55 @@ from nanoserve.config import EngineConfig
 from nanoserve.sampling_params import SamplingParams
 
 
+# Help for each EngineConfig field (vLLM's meanings); a field without one fails test_cli.
+ENGINE_HELP = {
+    "model": "local Hugging Face folder or .gguf file (default: the packaged SmolLM2-135M)",
+    "dtype": "weights' and activations' dtype: auto (the checkpoint's; bfloat16 for fp32 "
+             "checkpoints on a GPU), float32, float16, bfloat16",
+    "device": "auto (CUDA if present), cpu, cuda or cuda:N",
+    "max_model_len": "longest prompt + answer, in tokens (default: the model's positions)",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "most tokens one step computes (prefill chunks + decodes)",
+    "block_size": "tokens per KV-cache block (a power of two)",
+    "num_kv_blocks": "KV-cache blocks to allocate (default: sized from the memory budget)",
+    "kv_cache_memory": "bytes for the KV cache (default: 1 GiB on the CPU; on a GPU what "
+                       "--gpu-memory-utilization leaves)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 (= fp8_e4m3, one byte per value)",
+    "gpu_memory_utilization": "fraction of the GPU's memory the engine may use",
+    "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",
+    "tensor_parallel_size": "split every layer across this many ranks (GPUs or CPU processes)",
+    "enforce_eager": "never capture CUDA graphs",
+    "seed": "the engine's random seed",
+    "load_format": "auto (read the checkpoint) or dummy (random weights of its shape)",
+    "max_n": "most samples (n, best_of) one request may ask for",
+    "max_logprobs": "most top logprobs per token one request may ask for",
+    "max_waiting_requests": "refuse requests (503) while this many wait (default: no bound)",
+    "task": "generate, embed (pooled embeddings, /v1/embeddings) or auto (embed for a "
+            "sentence-transformers folder)",
+    "pooling_type": "embeddings' pooling: last, mean or cls (default: the model's "
+                    "1_Pooling config, else last)",
+}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Every `LLM(...)` argument as a flag, generated from EngineConfig so they never drift."""
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
+        text = ENGINE_HELP.get(f.name, "")
+        if f.default is not None and "default:" not in text:
+            text += " (default: %(default)s)"
         if f.name == "model":
-            group.add_argument("--model", default=None,
-                               help="local HF folder or .gguf file (default: SmolLM2-135M)")
+            group.add_argument("--model", default=None, help=text)
         elif f.type in ("bool",):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=text)
         elif f.type in ("int", "int | None"):
-            group.add_argument(flag, type=int, default=f.default)
+            group.add_argument(flag, type=int, default=f.default, help=text)
         elif f.type == "float":
-            group.add_argument(flag, type=float, default=f.default)
+            group.add_argument(flag, type=float, default=f.default, help=text)
         else:
-            group.add_argument(flag, type=str, default=f.default)
+            group.add_argument(flag, type=str, default=f.default, help=text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -34,18 +67,28 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--temperature", type=float, default=0.7)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--temperature", type=float, default=0.7,
+                       help="0 = greedy (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="nucleus sampling's probability mass (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=0,
+                       help="sample from the k likeliest tokens; 0 = off (default: %(default)s)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens under min_p x the top one's probability "
+                            "(default: %(default)s)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="(default: %(default)s)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="(default: %(default)s)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="(default: %(default)s)")
     group.add_argument("--sampling-seed", type=int, default=None,
                        help="per-request sampling seed (--seed seeds the engine)")
-    group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--stop", action="append", default=None)
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--max-tokens", type=int, default=128,
+                       help="most tokens per answer (default: %(default)s)")
+    group.add_argument("--stop", action="append", default=None,
+                       help="a stop string (repeat for more)")
+    group.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -59,9 +102,9 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanoserve.llm import LLM
 
+    params = sampling_params_from_args(args)  # bad flags fail before the model loads
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     prompts = args.prompt or ["Hello, my name is"]
-    params = sampling_params_from_args(args)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) \
         if args.chat_template else llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
@@ -73,8 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from nanoserve.llm import LLM
 
+    params = sampling_params_from_args(args)  # bad flags fail before the model loads
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
-    params = sampling_params_from_args(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -135,9 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tune the projections one rank holds at this TP size")
     tune.set_defaults(func=cmd_tune)
 
-    from nanoserve.entrypoints.server import add_serve_parser
+    bench = sub.add_parser("bench", help="benchmarks as vLLM's `vllm bench`: throughput "
+                                         "(offline), latency (batch 1), serve (a running "
+                                         "server); one JSON line each, --plot OUT.png",
+                           add_help=False)
+    bench.add_argument("benchmark", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER,
+                       help="the benchmark's own flags (nanoserve bench NAME --help)")
+    bench.set_defaults(func=cmd_bench)
+
+    from nanoserve.entrypoints.serve_command import add_serve_parser
     add_serve_parser(sub)
     return parser
+
+
+BENCHMARKS = ("throughput", "latency", "serve")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"nanoserve.bench.{args.benchmark}")
+    module.main(args.args, prog=f"nanoserve bench {args.benchmark}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from nanoserve.entrypoints.logprobs import choice_logprobs, prompt_logprobs_out
 from nanoserve.entrypoints.protocol import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
     check_template_kwargs, value_error_to_api)
-from nanoserve.entrypoints.responses import UsageInfo, full_response
+from nanoserve.entrypoints.bodies import UsageInfo, full_response
 from nanoserve.entrypoints.streaming import ChunkWriter, ClosingStreamingResponse, cancel_all
 from nanoserve.entrypoints.tool_calls import ForcedToolCalls
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -57,15 +57,19 @@ class OpenAIServing:
         return None if self.request_timeout is None else \
             self.request_timeout - (time.time() - arrival)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, generates: bool = False) -> None:
+        """A 404 for another model's name; with ``generates``, a 400 from an embedding model."""
         if model is not None and model != self.served_model_name:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
                            code="model_not_found")
+        if generates and self.engine.config.task == "embed":
+            raise APIError("this model makes embeddings (--task embed): use /v1/embeddings",
+                           param="model")
 
     async def completions(self, body: Any, request: Request) -> Response:
         arrival = time.time()
         req: CompletionRequest = parse_request(CompletionRequest, body)
-        self.check_model(req.model)
+        self.check_model(req.model, generates=True)
         req.check_supported(self.engine.config)
         given = as_prompt_list(req.prompt)
         if not given:
@@ -84,7 +88,7 @@ class OpenAIServing:
     async def chat(self, body: Any, request: Request) -> Response:
         arrival = time.time()
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
-        self.check_model(req.model)
+        self.check_model(req.model, generates=True)
         req.check_supported(self.engine.config)
         prompt = await self._off_loop(self._render_chat, req.messages,
                                       bool(req.add_generation_prompt), req.tools_offered(),

@@ -1,14 +1,11 @@
-"""The OpenAI-compatible HTTP server: the FastAPI app, the `serve` command, clean shutdown.
+"""The OpenAI-compatible HTTP server: the FastAPI app (the `serve` command: serve_command.py).
 
-Only the standard library is imported at the top: the CLI imports this module to register
-`serve`, and `generate` / `chat` must keep working where fastapi, uvicorn or prometheus_client
-are not installed.
+Only the standard library is imported at the top: the `serve` command imports this module
+when the CLI starts, and `generate` / `chat` must keep working where fastapi, uvicorn or
+prometheus_client are not installed.
 """
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime,
 # and `Request` is imported inside build_app, out of reach of string annotations.
-import argparse
-import logging
-import os
 import secrets
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -33,11 +30,14 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
               api_key: str | None = None, reasoning_parser: str | None = None,
               request_timeout: float | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> "FastAPI":
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              allowed_origins: list[str] | None = None, ui: bool = True) -> "FastAPI":
     """The FastAPI app serving ``engine`` (already started) under ``served_model_name``. With
     ``api_key`` set, all but /health, /version and /metrics (for probes and scrapers) need
     ``Authorization: Bearer KEY``. ``request_timeout``: seconds after which a request is
-    aborted (504); ``max_body_bytes``: larger request bodies get a 413 (default 16 MiB)."""
+    aborted (504); ``max_body_bytes``: larger request bodies get a 413 (default 16 MiB);
+    ``allowed_origins``: the browser origins CORS lets call the API (default: none);
+    ``ui``: serve the chat page at ``/`` (it asks for the API key, if any)."""
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, Response
@@ -52,10 +52,14 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     from nanoserve.entrypoints.openai_handlers import OpenAIServing
     from nanoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
-    from nanoserve.entrypoints.responses import ModelCard, ModelList
+    from nanoserve.entrypoints.bodies import ModelCard, ModelList
+    from nanoserve.entrypoints.embeddings import EmbeddingRequest, create_embeddings
+    from nanoserve.entrypoints.responses_api import ResponsesServing
+    from nanoserve.entrypoints.responses_protocol import ResponsesRequest
 
     name = served_model_name or engine.model_name
     serving = OpenAIServing(engine, name, reasoning_parser, request_timeout)
+    responses = ResponsesServing(serving)
     metrics = ServerMetrics(name, lambda: engine.stats)
     engine.add_output_listener(metrics.observe)
 
@@ -71,6 +75,11 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     app = FastAPI(title="nanoserve", version=nanoserve_version())
     app.add_middleware(CatchAllErrors)  # any other exception: a 500 in OpenAI's shape
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     api = APIRouter(dependencies=[Depends(require_key)])
 
     def answer(error: APIError, headers: dict[str, str] | None = None) -> Response:
@@ -116,6 +125,11 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    if ui:
+        from nanoserve.entrypoints.ui import add_chat_page
+
+        add_chat_page(app)
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
@@ -129,6 +143,18 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
     async def chat(request: Request) -> Response:
         return await serving.chat(parse_json(await request.body()), request)
 
+    @api.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(parse_json(await request.body()), request)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
+    @api.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embeddings(serving, parse_json(await request.body()), request)
+
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         return await serving.tokenize(parse_json(await request.body()))
@@ -139,6 +165,7 @@ def build_app(engine: "AsyncLLMEngine", served_model_name: str | None = None,
 
     app.include_router(api)
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
               "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
     def openapi() -> dict[str, Any]:
@@ -164,63 +191,3 @@ def _declare_request_bodies(schema: dict[str, Any], bodies: dict[str, Any]) -> N
         ref = {"$ref": f"#/components/schemas/{model.__name__}"}
         schema["paths"][path]["post"]["requestBody"] = {
             "required": True, "content": {"application/json": {"schema": ref}}}
-
-
-def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Register `nanoserve serve [MODEL] ...` with the shared engine flags."""
-    from nanoserve.entrypoints.cli import add_engine_args
-    from nanoserve.entrypoints.reasoning import REASONING_PARSERS
-
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="local HF folder or .gguf file (same as --model)")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                       help="require this bearer token on the API (default: $NANOSERVE_API_KEY)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients use (default: the model path)")
-    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                       help="split chat answers' <think> blocks into reasoning_content")
-    serve.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument("--request-timeout", type=float, default=None, metavar="S",
-                       help="abort a request S seconds after it arrived (504 / an error event)")
-    serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help="answer larger request bodies with 413 (default: 16 MiB)")
-    serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
-                       help="on SIGTERM/SIGINT stop admitting (503) and give the requests in "
-                            "flight S seconds to finish before aborting them (default: 10); "
-                            "a second signal aborts them at once")
-    add_engine_args(serve)
-    serve.set_defaults(func=run_server)
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine and serve until a signal (then drain, exit 0) or the engine's death
-    (exit 1, so that a supervisor restarts the server)."""
-    import uvicorn
-
-    from nanoserve.engine.async_engine import AsyncLLMEngine
-    from nanoserve.entrypoints.cli import engine_config_from_args
-    from nanoserve.entrypoints.shutdown import DrainingServer
-
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"MODEL ({args.model_tag}) and --model ({args.model}) disagree")
-        args.model = args.model_tag
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.from_config(engine_config_from_args(args))
-    engine.start()
-    try:
-        app = build_app(engine, args.served_model_name, args.api_key, args.reasoning_parser,
-                        args.request_timeout, args.max_request_body_bytes)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=10)
-        server = DrainingServer(config, engine, args.shutdown_timeout)
-        server.run()
-    finally:
-        engine.shutdown()
-    return 1 if server.engine_died else 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -26,13 +27,22 @@ class DrainingServer(uvicorn.Server):
     restarts it.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_s: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_s: float,
+                 on_ready: Callable[[str], None] | None = None):
         super().__init__(config)
         self.engine, self.drain_s = engine, drain_s
+        self.on_ready = on_ready  # called with the base URL once the socket listens
         self.draining = False
         self.engine_died = False
         threading.Thread(target=self._watch_engine, name="nanoserve-engine-watch",
                          daemon=True).start()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            self.on_ready(f"http://{host}:{port}")
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Runs in the main thread between bytecodes: flags, a queue put and a thread start.

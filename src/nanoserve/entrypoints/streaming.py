@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from nanoserve.engine.request_stream import RequestStream
 from nanoserve.entrypoints.errors import APIError
 from nanoserve.entrypoints.logprobs import Decode, chat_logprobs, completion_logprobs
-from nanoserve.entrypoints.responses import (
+from nanoserve.entrypoints.bodies import (
     ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
     DeltaToolCall, UsageInfo)
 from nanoserve.entrypoints.chat_answer import AnswerParts, AnswerStream

@@ -62,6 +62,8 @@ class StepOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     accepted_token_ids: list[list[int]] | None = None
     accepted_logprobs: list[list[dict[int, float]] | None] | None = None
+    # An embedding model's (task "embed"): per request whose prompt ended, its pooled state.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 class InFlightStep(Protocol):

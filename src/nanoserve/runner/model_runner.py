@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from nanoserve.attention.backend import select_backend
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
@@ -20,6 +22,7 @@ from nanoserve.runner.graph_inputs import decode_rows
 from nanoserve.runner.inputs import (CompletedStep, DeferredSample, InFlightStep, SequenceChunk,
                                      StepInput, StepOutput)
 from nanoserve.runner.packed_copy import packed_to_device
+from nanoserve.runner.pooling import HiddenStatePooler
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
 from nanoserve.runner.sampled_step import SampledStep
 from nanoserve.runner.sampler import Sampler, SamplerOutput, mark_failed_rows, with_fused_logprobs
@@ -27,8 +30,10 @@ from nanoserve.runner.sampling_tensors import (SamplingTensors, draw_noise_seed,
                                                temperatures_only)
 from nanoserve.runner.spec_verify import VerifiedStep, verify
 from nanoserve.runner.step_inputs import prepare_inputs
+from nanoserve.startup_log import phase
 
 CPU_KV_CACHE_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -60,10 +65,14 @@ class ModelRunner:
                 self.model = build_model(model_config, self.backend)
         finally:
             torch.set_default_dtype(previous)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model)
-        else:
-            self.model.load_weights(iter_weights(path, self.dtype))
+        with phase("loaded the weights" if config.load_format == "auto"
+                   else "made random weights (load_format=dummy)", logger):
+            if config.load_format == "dummy":
+                init_dummy_weights(self.model)
+            else:
+                self.model.load_weights(tqdm(iter_weights(path, self.dtype), unit=" tensors",
+                                             desc="Loading weights", leave=False,
+                                             disable=get_tp_group().rank != 0))
         if self.device.type == "cuda":  # the skinny GEMVs then apply the pre-norms themselves
             self.model.fold_norm_weights()
         self.model.eval()
@@ -79,23 +88,38 @@ class ModelRunner:
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
                                                       self.device)
         self.draft_model_config = draft_model_config
-        self.num_kv_blocks = self._decide_num_blocks()
-        self._allocate_kv_cache()
+        with phase("sized the KV cache", logger):
+            self.num_kv_blocks = self._decide_num_blocks()
+            self._allocate_kv_cache()
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s)", self.num_kv_blocks,
+                    self.block_size, self.num_kv_blocks * self._bytes_per_block() / 2**20,
+                    str(self.kv_cache_dtype).replace("torch.", ""))
+        # An embedding model pools its prompts' hidden states and never samples.
+        self.pooler = HiddenStatePooler(config.pooling_type or "last") \
+            if config.task == "embed" else None
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.pooler is None:
             # On one GPU the LM head and sampler join the graphs (TP gathers logits outside).
-            self.graphs = DecodeGraphs(self.model, self.graph_batch, self.blocks_per_seq,
-                                       self.max_model_len, self.device, sample=tp.size == 1,
-                                       max_samples=config.max_num_seqs)
+            with phase(f"captured the decode CUDA graphs (batches up to {self.graph_batch})",
+                       logger):
+                self.graphs = DecodeGraphs(self.model, self.graph_batch, self.blocks_per_seq,
+                                           self.max_model_len, self.device, sample=tp.size == 1,
+                                           max_samples=config.max_num_seqs)
         if self.device.type == "cuda":
-            # cuBLAS loads a kernel at a GEMM shape's first use: meet the shapes here, not mid-run.
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """cuBLAS loads a kernel at a GEMM shape's first use: meet the shapes here, not mid-run;
+        compile the sampling kernels for every batch size."""
+        config = self.config
+        with phase("warmed up the GPU kernels", logger):
             if config.max_num_batched_tokens > 1:
                 self.profile_run(num_tokens=config.max_num_batched_tokens - 1)
             self.model.lm_head.warm_row_counts(config.max_num_seqs)
             if self.sampling_rank:
                 from nanoserve.kernels.sampling import compile_for_batches
-                compile_for_batches(config.max_num_seqs, model_config.vocab_size, self.dtype,
-                                    self.device)
+                compile_for_batches(config.max_num_seqs, self.model_config.vocab_size,
+                                    self.dtype, self.device)
 
     def _bytes_per_block(self) -> int:
         attn = self.attention[0]
@@ -158,8 +182,15 @@ class ModelRunner:
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         for layer in self.attention:
-            layer.k_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.k_cache = self._zeros(shape)
+            layer.v_cache = self._zeros(shape)
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        # calloc'd: the OS maps zero pages as they are first written, not all up front.
+        nbytes = int(np.prod(shape)) * self.kv_cache_dtype.itemsize
+        return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(self.kv_cache_dtype).view(shape)
 
     @torch.inference_mode()
     def profile_run(self, decode: bool = False, num_tokens: int | None = None) -> None:
@@ -197,6 +228,13 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device; return without waiting."""
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.pooler is not None:
+            self.pooler.forget(step.finished_request_ids)
+            ids, positions, meta, _ = self._prepare(step.chunks)
+            with attention_metadata(meta):
+                hidden = self.model(ids, positions)
+            embeddings = self.pooler(step.chunks, hidden) if self.sampling_rank else {}
+            return CompletedStep(StepOutput([], embeddings=embeddings))
         sampling = [c for c in step.chunks if c.sample]
         params = [c.params for c in sampling]
         if any(c.num_draft_tokens for c in sampling):

@@ -35,7 +35,7 @@ class GCTimer:
 
 def copy_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
     """Device memory bandwidth in GB/s, bytes read + written by a large copy (floor.py's)."""
-    from floor import copy_bandwidth
+    from nanoserve.bench.floor import copy_bandwidth
 
     return copy_bandwidth(nbytes, iters) / 1e9
 

@@ -1,0 +1,51 @@
+"""`nanoserve bench`: throughput on the CPU with a tiny model prints one JSON line and draws a
+real PNG; serve against a running server (the in-process fake engine) does too."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from test_server import fake, serve_in_thread  # noqa: F401 (fake is a fixture)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png(path, min_bytes: int = 10_000) -> None:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > min_bytes
+    height, width, _ = matplotlib.image.imread(path).shape  # decodes: a valid image
+    assert width >= 600 and height >= 200
+
+
+def test_bench_throughput_prints_one_json_line_and_plots(tmp_path):
+    out = tmp_path / "throughput.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanoserve.entrypoints.cli", "bench", "throughput",
+         "--device", "cpu", "--shapes", "tiny-qwen3", "--num-prompts", "3",
+         "--max-input-len", "110", "--max-output-len", "104", "--plot", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout
+    record = json.loads(lines[0])
+    assert record["bench"] == "throughput" and record["num_seqs"] == 3
+    assert record["output_tok_s"] > 0 and record["floor_tok_s"] > 0
+    _check_png(out)
+
+
+def test_bench_serve_against_a_server_plots_its_latencies(fake, tmp_path, capsys):  # noqa: F811
+    from nanoserve.bench.serve import main
+    from nanoserve.entrypoints.server import build_app
+
+    _, async_engine = fake
+    out = tmp_path / "serve.png"
+    with serve_in_thread(build_app(async_engine, "fake")) as url:
+        main(["--base-url", url, "--num-prompts", "12", "--random-input-len", "4",
+              "--random-output-len", "6", "--request-rate", "50", "--plot", str(out)])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["completed"] == 12 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 12 * 6 and summary["median_itl_ms"] > 0
+    _check_png(out, min_bytes=20_000)
