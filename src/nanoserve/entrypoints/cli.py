@@ -33,6 +33,10 @@ ENGINE_HELP = {
     "max_n": "most samples (n, best_of) one request may ask for",
     "max_logprobs": "most top logprobs per token one request may ask for",
     "max_waiting_requests": "refuse requests (503) while this many wait (default: no bound)",
+    "quantization": "auto (a quantized checkpoint stays quantized: GGUF, AWQ, GPTQ, FP8), none "
+                    "(dequantize at load) or fp8 (quantize a 16-bit checkpoint at load)",
+    "speculative_config": "speculative decoding as JSON, vLLM's fields: {\"method\": \"ngram\" "
+                          "or \"draft_model\", \"num_speculative_tokens\": k, ...}",
     "task": "generate, embed (pooled embeddings, /v1/embeddings) or auto (embed for a "
             "sentence-transformers folder)",
     "pooling_type": "embeddings' pooling: last, mean or cls (default: the model's "
