@@ -36,6 +36,7 @@ from nanoserve.runner.tp_worker import (backend_for, build_runner, leave_process
 
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 JOIN_TIMEOUT_S = 30.0
+PEER_EXIT_WAIT_S = 1.0  # how long a failed step waits to learn whether a worker died
 T = TypeVar("T")
 
 
@@ -170,9 +171,12 @@ class TensorParallelExecutor:
 
     def _watch(self) -> None:
         """Daemon thread: a worker that exits while the group runs must not hang rank 0."""
-        wait([p.sentinel for p in self.workers])
+        exited = wait([p.sentinel for p in self.workers])
         if self._stopped:
             return
+        for proc in self.workers:
+            if proc.sentinel in exited:
+                proc.join()  # its sentinel closes before its exit status can be read
         self.dead = self._dead_workers()
         self.failed.set()
         for proc in self.workers:  # collectives with dead peers fail (gloo) rather than wait
@@ -202,6 +206,10 @@ class TensorParallelExecutor:
 
     def _fail(self) -> WorkerError | None:
         """Stop everything after a failure; the workers' own errors, if they reported any."""
+        if not self.errors:
+            # A collective can fail on a dead peer's closed socket before the watchdog has
+            # reaped that peer; the watchdog alone reaps, so that two threads never race for it.
+            self.failed.wait(PEER_EXIT_WAIT_S)
         dead = self.dead or self._dead_workers()  # before _stop kills the rest
         self._stop(graceful=False)
         if self.errors:
