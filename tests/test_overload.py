@@ -125,7 +125,9 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
         elapsed = time.perf_counter() - start
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert len(probe.latencies) > elapsed / 0.2  # it answered all along, not at the end
-    assert probe.worst < 0.25, sorted(probe.latencies)[-5:]
+    # Tokenizing on the loop would stall one probe for most of the request; shared cores
+    # (other test workers) slow every probe alike, so the bound is relative to the request.
+    assert probe.worst < elapsed / 3, (elapsed, sorted(probe.latencies)[-5:])
 
 
 @pytest.fixture

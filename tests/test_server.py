@@ -330,6 +330,7 @@ def test_app_fails_only_the_request_at_fault(fake):
     from nanoserve.entrypoints.server import build_app
 
     engine, async_engine = fake
+    engine.step_s = 0.03  # the faulty ones fail at their second step: after all six were added
     app = build_app(async_engine, "fake")
 
     async def main():
