@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from nanoserve.attention.metadata import AttentionMetadata
 
@@ -60,50 +61,91 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               meta: AttentionMetadata, scale: float, window: int = 0,
                               softcap: float = 0.0, sinks: torch.Tensor | None = None
                               ) -> torch.Tensor:
-    """Causal attention of packed queries over paged keys, computed on padded dense tensors.
+    """Causal attention of packed queries over paged keys.
     ``window`` > 0: a query sees only the last ``window`` positions (itself included);
     ``softcap`` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask;
-    ``sinks`` ([H], GPT-OSS): one more logit per head in each softmax, attached to no value."""
+    ``sinks`` ([H], GPT-OSS): one more logit per head in each softmax, attached to no value.
+    Sequences are attended in groups of like query count and context length, each group on
+    padded dense tensors, so that one long prompt does not pad a batch of decodes to its size."""
+    out = torch.empty_like(q)
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for rows in _like_sequences(q_lens, seq_lens):
+        index = torch.tensor(rows, device=q.device)
+        tokens = torch.cat([torch.arange(s, s + n) for s, n in
+                            zip(meta.query_start_loc[index].tolist(), (q_lens[r] for r in rows))])
+        if not len(tokens):
+            continue
+        out[tokens.to(q.device)] = _attend_group(
+            q, k_cache, v_cache, meta.query_start_loc[index].long(),
+            torch.tensor([q_lens[r] for r in rows], device=q.device),
+            meta.seq_lens[index].long(), meta.block_tables[index].long(),
+            scale, window, softcap, sinks)
+    return out
+
+
+def _like_sequences(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Batch rows grouped by query count and by context length within a factor of two."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for row, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        groups.setdefault((q_len, max(seq_len - 1, 0).bit_length()), []).append(row)
+    return list(groups.values())
+
+
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor,
+                  block_tables: torch.Tensor, scale: float, window: int, softcap: float,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """One group's attention on padded tensors; returns its queries' outputs, packed."""
     device = q.device
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
-    starts = meta.query_start_loc[:-1].long()
-    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
-    seq_lens = meta.seq_lens.long()
-    max_q, max_kv = meta.max_query_len, meta.max_seq_len
+    batch, max_q, max_kv = len(starts), int(q_lens.max()), int(seq_lens.max())
 
-    # Padded query view: [B, max_q] indices into the packed tokens.
     q_pos = torch.arange(max_q, device=device)
     q_valid = q_pos[None, :] < q_lens[:, None]
-    q_index = torch.where(q_valid, starts[:, None] + q_pos[None, :], 0)
-    q_pad = q[q_index]  # [B, max_q, H, D]
-
-    # Padded keys gathered through the block tables: [B, max_kv, Hkv, D].
+    q_pad = q[torch.where(q_valid, starts[:, None] + q_pos[None, :], 0)]  # [B, max_q, H, D]
     kv_pos = torch.arange(max_kv, device=device)
-    blocks = meta.block_tables.long()[:, kv_pos // block_size]
-    slots = blocks * block_size + kv_pos % block_size
-    k_pad = k_cache.view(-1, num_kv_heads, head_dim)[slots]
-    v_pad = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    # Whole blocks copied (index_select of rows, not an index per key): [B, Hkv, max_kv, D].
+    blocks = block_tables[:, :-(-max_kv // block_size)].reshape(-1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # Into a given tensor: PyTorch's CPU index_select is several times faster with out=.
+        pages = cache.new_empty((len(blocks),) + cache.shape[1:])
+        torch.index_select(cache, 0, blocks, out=pages)
+        pages = pages.view(batch, -1, num_kv_heads, head_dim)
+        return pages[:, :max_kv].to(acc).transpose(1, 2)
+
+    k_pad, v_pad = gather(k_cache), gather(v_cache)
 
     # Query j of sequence i sits at absolute position (seq_len - q_len + j).
     q_abs = (seq_lens - q_lens)[:, None] + q_pos[None, :]
     mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
     if window > 0:
         mask &= kv_pos[None, None, :] > q_abs[:, :, None] - window
-
-    acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
-    qh = q_pad.permute(0, 2, 1, 3).to(acc)  # [B, H, max_q, D]
-    kh = k_pad.permute(0, 2, 1, 3).to(acc).repeat_interleave(group, dim=1)
-    vh = v_pad.permute(0, 2, 1, 3).to(acc).repeat_interleave(group, dim=1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if softcap > 0:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(acc).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    qh = q_pad.to(acc).transpose(1, 2)  # [B, H, max_q, D]
+    if softcap <= 0 and sinks is None:
+        out = F.scaled_dot_product_attention(qh, k_pad, v_pad, attn_mask=mask[:, None],
+                                             scale=scale, enable_gqa=group > 1)
     else:
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length sequence has no keys
-    out = torch.matmul(probs, vh).permute(0, 2, 1, 3)  # [B, max_q, H, D]
-    return out[q_valid].to(q.dtype)
+        # Heads of one KV head side by side in the query dimension: no copies of K and V.
+        qg = qh.reshape(batch, num_kv_heads, group * max_q, head_dim)
+        scores = torch.matmul(qg, k_pad.transpose(-1, -2)).mul_(scale)
+        scores = scores.view(batch, num_kv_heads, group, max_q, max_kv)
+        if softcap > 0:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        scores.masked_fill_(~mask[:, None, None], float("-inf"))
+        if sinks is not None:
+            sink = sinks.to(acc).view(1, num_kv_heads, group, 1, 1)
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            probs = (scores - top).exp_()
+            probs /= probs.sum(-1, keepdim=True) + (sink - top).exp()
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs.view(batch, num_kv_heads, group * max_q, max_kv), v_pad)
+        out = out.view(batch, num_heads, max_q, head_dim)
+    if int(seq_lens.min()) == 0:  # a zero-length sequence has no keys: its output is zero
+        out = out.nan_to_num(0.0)
+    return out.transpose(1, 2)[q_valid].to(q.dtype)

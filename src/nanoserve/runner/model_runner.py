@@ -19,6 +19,7 @@ from nanoserve.models.registry import build_model
 from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.runner.graph_inputs import decode_rows
+from nanoserve.runner.host_memory import keep_freed_memory
 from nanoserve.runner.inputs import (CompletedStep, DeferredSample, InFlightStep, SequenceChunk,
                                      StepInput, StepOutput)
 from nanoserve.runner.packed_copy import packed_to_device
@@ -56,6 +57,8 @@ class ModelRunner:
         self.blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.graph_batch = min(config.max_num_seqs, 512)  # the largest decode graph's batch
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.backend = select_backend(self.device)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
