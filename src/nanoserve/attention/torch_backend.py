@@ -55,6 +55,17 @@ class TorchAttentionBackend:
                                 q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
+    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                      k_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                      kv_b: torch.Tensor, v_head_dim: int, scale: float) -> torch.Tensor:
+        """Multi-head latent attention (rotated inputs): the latent rows stored, then decode
+        steps in the absorbed form, others over decompressed keys and values."""
+        from nanoserve.attention import mla_reference as mla
+
+        mla.store_latent(latent, k_rope, cache, meta.slot_mapping)
+        run = mla.mla_decode if meta.decode_only else mla.mla_prefill
+        return run(q_nope, q_rope, cache, meta, kv_b, v_head_dim, scale)
+
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, window: int = 0,
@@ -84,7 +95,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     blocks = meta.block_tables.long()[:, kv_pos // block_size]
     slots = blocks * block_size + kv_pos % block_size
     k_pad = k_cache.view(-1, num_kv_heads, head_dim)[slots]
-    v_pad = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    v_pad = v_cache.reshape(-1, num_kv_heads, v_cache.shape[-1])[slots]  # MLA: v narrower
 
     # Query j of sequence i sits at absolute position (seq_len - q_len + j).
     q_abs = (seq_lens - q_lens)[:, None] + q_pos[None, :]
