@@ -192,3 +192,15 @@ def test_triton_backend_refuses_latent_attention():
     cfg = ModelConfig.from_hf(hf_config(num_hidden_layers=1))
     with pytest.raises(ValueError, match="device='cpu'"):
         MLAttention(cfg, TritonAttentionBackend(), 0)
+
+
+@pytest.mark.parametrize("case", ["lora-grouped-yarn"], indirect=True)
+def test_two_ranks_match_one(case):
+    """Tensor parallelism (gloo): heads, kv_b and the experts split, the latent projections,
+    the router and the latent cache whole on each rank; the top-5 rule at a near tie."""
+    from test_tensor_parallel import assert_same_greedy
+    from test_tensor_parallel import generate as tp_generate
+
+    path, ids, _ = case
+    one = tp_generate(path, ids[:4], 16)
+    assert_same_greedy(one, tp_generate(path, ids[:4], 16, tensor_parallel_size=2))
