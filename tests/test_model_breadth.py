@@ -66,8 +66,14 @@ WINDOWED = ["mistral", "gemma2"]  # also run under preemption, chunked prefill a
 def build(arch: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     """A random ``arch`` model (weights wider than the init: less flat logits), saved."""
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return save_random(_config(arch, len(tok), tok.eos_token_id), out_dir, tokenizer_dir)
+
+
+def save_random(config, out_dir: Path, tokenizer_dir: Path) -> Path:
+    """A random model of transformers ``config`` (wide weights, norms near 1), saved with the
+    tokenizer at ``tokenizer_dir``."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    config = _config(arch, len(tok), tok.eos_token_id)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

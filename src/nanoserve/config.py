@@ -1,6 +1,7 @@
 """Engine and model configuration: validated user arguments and a normalised model description."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from nanoserve.hf_fields import (GEMMA, PARTIAL_ROTARY, gemma_fields, gpt_oss_fi
                                  refuse_unhonoured_fields, ropes_of, sparse_layers,
                                  window_fields)
 from nanoserve.hf_fields import arch_from_model_type  # noqa: F401  (the loader's import)
+from nanoserve.hf_deepseek import DEEPSEEK_V2, ExpertRouting, MlaDims, deepseek_fields
 from nanoserve.sampling_params import MAX_LOGPROBS, check_int
 from nanoserve.spec_config import SpeculativeConfig
 
@@ -142,6 +144,9 @@ class ModelConfig:
     moe_topk_first: bool = False  # softmax over the top-k logits, not top-k of the softmax
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0  # > 0: the experts' clamped SwiGLU
+    # DeepSeek-V2's switches (hf_deepseek.deepseek_fields): latent attention, grouped routing.
+    mla: MlaDims | None = None
+    routing: ExpertRouting | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -169,7 +174,7 @@ class ModelConfig:
                  else getattr(hf_config, "torch_dtype", None))
         num_experts = int(getattr(hf_config, "num_experts", None)
                           or getattr(hf_config, "num_local_experts", None) or 0)
-        return cls(
+        cfg = cls(
             architecture=arch,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
@@ -203,6 +208,9 @@ class ModelConfig:
             rotary_dim=int(head_dim * partial_rotary(hf_config)) if arch in PARTIAL_ROTARY
             else 0,
         )
+        if arch == DEEPSEEK_V2:
+            cfg = dataclasses.replace(cfg, **deepseek_fields(hf_config, scaling))
+        return cfg
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

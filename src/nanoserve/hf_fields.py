@@ -119,7 +119,8 @@ def arch_from_model_type(hf_config: Any) -> str:
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "mistral": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-             "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+             "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+             "deepseek_v2": "DeepseekV2ForCausalLM"}
     return names.get(getattr(hf_config, "model_type", ""), str(hf_config.model_type))
 
 
@@ -142,4 +143,8 @@ def _rope_of(hf_config: Any, params: dict[str, Any]) -> tuple[float, dict[str, A
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    for name in ("mscale", "mscale_all_dim"):  # only YaRN (and DeepSeek's scale) reads them
+        if params.get(name) and rope_type != "yarn":
+            raise ValueError(f"rope {name}={params[name]} is not supported with rope type "
+                             f"{rope_type!r}, only with 'yarn'")
     return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}

@@ -56,6 +56,17 @@ class TorchAttentionBackend:
                                 q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
+    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                      k_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                      kv_b: torch.Tensor, v_head_dim: int, scale: float) -> torch.Tensor:
+        """Multi-head latent attention (rotated inputs): the latent rows stored, then decode
+        steps in the absorbed form, others over decompressed keys and values."""
+        from nanoserve.attention import mla_reference as mla
+
+        mla.store_latent(latent, k_rope, cache, meta.slot_mapping)
+        run = mla.mla_decode if meta.decode_only else mla.mla_prefill
+        return run(q_nope, q_rope, cache, meta, kv_b, v_head_dim, scale)
+
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, window: int = 0,
@@ -67,7 +78,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``sinks`` ([H], GPT-OSS): one more logit per head in each softmax, attached to no value.
     Sequences are attended in groups of like query count and context length, each group on
     padded dense tensors, so that one long prompt does not pad a batch of decodes to its size."""
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])  # MLA's values are narrower
     q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
     seq_lens = meta.seq_lens.tolist()
     for rows in _like_sequences(q_lens, seq_lens):
@@ -115,7 +126,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # Into a given tensor: PyTorch's CPU index_select is several times faster with out=.
         pages = cache.new_empty((len(blocks),) + cache.shape[1:])
         torch.index_select(cache, 0, blocks, out=pages)
-        pages = pages.view(batch, -1, num_kv_heads, head_dim)
+        pages = pages.view(batch, -1, num_kv_heads, cache.shape[-1])  # MLA: v narrower
         return pages[:, :max_kv].to(acc).transpose(1, 2)
 
     k_pad, v_pad = gather(k_cache), gather(v_cache)
@@ -145,7 +156,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         else:
             probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs.view(batch, num_kv_heads, group * max_q, max_kv), v_pad)
-        out = out.view(batch, num_heads, max_q, head_dim)
+        out = out.view(batch, num_heads, max_q, v_pad.shape[-1])
     if int(seq_lens.min()) == 0:  # a zero-length sequence has no keys: its output is zero
         out = out.nan_to_num(0.0)
     return out.transpose(1, 2)[q_valid].to(q.dtype)

@@ -1,6 +1,7 @@
 """One decoder-only transformer for Llama, Mistral and Qwen2 (q/k/v biases), Qwen3 (per-head q/k
 norms), Qwen3-MoE and Mixtral (experts for some MLPs), Gemma 2/3 (sandwich (1 + w) norms, GeGLU,
-soft caps), Phi-3 and GPT-OSS (sinks, biases, experts everywhere). Between layers flows the
+soft caps), Phi-3 and GPT-OSS (sinks, biases, experts everywhere), DeepSeek-V2 (latent
+attention, layers/mla.py; shared experts and grouped routing, layers/moe_router.py). Between layers flows the
 residual stream: each pre-norm is applied by the next projection (``norm=``), each output
 projection adds into it (``residual=``) or, with a post-norm, its normalised output is added.
 Per-layer differences (windows, RoPE) come from ModelConfig; checkpoint names from weight_map."""
@@ -13,13 +14,16 @@ import torch
 from torch import nn
 
 from nanoserve.attention.backend import AttentionBackend
+from nanoserve.attention.cache_spec import CacheSpec
 from nanoserve.attention.metadata import get_attention_metadata
 from nanoserve.config import ModelConfig
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear)
 from nanoserve.layers.activation import GATED_ACTIVATIONS
+from nanoserve.layers.mla import MLAttention
 from nanoserve.layers.moe import ExpertActivation, SparseMoeBlock
+from nanoserve.layers.moe_router import SharedExpertsMoeBlock
 from nanoserve.layers.parallel_state import Narrow
 from nanoserve.layers.norm import OffsetRMSNorm, RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
@@ -64,6 +68,11 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
+    @property
+    def cache_spec(self) -> CacheSpec:
+        """This rank's K and V heads, each token's in both tensors."""
+        return CacheSpec(self.num_kv_heads, self.head_dim)
+
     def checkpoint_slice(self, param: nn.Parameter, shard_id: object = None) -> Narrow:
         """The sinks of this rank's heads (the one parameter held here, not in a layer)."""
         return Narrow(0, self.qkv_proj.tp.rank * self.num_heads, self.num_heads)
@@ -92,12 +101,18 @@ class MLP(nn.Module):
     """Gated feed-forward (SiLU, or GELU for GeGLU): merged gate/up (column parallel), then
     down (row parallel)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
-                                                       [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [width] * 2)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size)
         self.act = GATED_ACTIVATIONS[cfg.hidden_act]  # None: SiLU, fused into the projection
+
+    def add_to(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """``out + mlp(normed)``, the input already normalised (DeepSeek's shared experts)."""
+        if self.act is None:
+            return self.down_proj(self.gate_up_proj(normed, activate=True), residual=out)
+        return self.down_proj(self.act(self.gate_up_proj(normed)), residual=out)
 
     def forward(self, residual: torch.Tensor, norm: RMSNorm,
                 post_norm: RMSNorm | None = None) -> torch.Tensor:
@@ -111,20 +126,30 @@ class MLP(nn.Module):
         return self.down_proj(act, residual=residual)
 
 
+def _moe_block(cfg: ModelConfig) -> nn.Module:
+    """A mixture-of-experts MLP: DeepSeek's (grouped router, shared experts) or the others'."""
+    if cfg.routing is not None:
+        shared = cfg.routing.num_shared
+        return SharedExpertsMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                     cfg.moe_intermediate_size, cfg.routing,
+                                     MLP(cfg, cfg.moe_intermediate_size * shared) if shared
+                                     else None)
+    return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                          cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.moe_bias,
+                          cfg.moe_topk_first, ExpertActivation(cfg.swiglu_alpha,
+                                                               cfg.swiglu_limit))
+
+
 class DecoderLayer(nn.Module):
     """Attention then MLP, each behind a pre-norm; with ``sandwich_norms`` (Gemma) each also
     has a post-norm, ``post_attention_layernorm`` then being attention's post-norm."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, index)
+        self.self_attn = (MLAttention if cfg.mla else Attention)(cfg, backend, index)
         if index in cfg.moe_layers and GATED_ACTIVATIONS[cfg.hidden_act] is not None:
             raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported in experts")
-        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                                  cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.moe_bias,
-                                  cfg.moe_topk_first,
-                                  ExpertActivation(cfg.swiglu_alpha, cfg.swiglu_limit)) \
-            if index in cfg.moe_layers else MLP(cfg)
+        self.mlp = _moe_block(cfg) if index in cfg.moe_layers else MLP(cfg)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
@@ -188,6 +213,8 @@ class DecoderForCausalLM(nn.Module):
         router reads the normalised row, the LM head may share the embedding's weights; a
         post-norm reads no projection's input, and Gemma's hold 1 + w already)."""
         for layer in self.model.layers:
+            if not isinstance(layer.self_attn, Attention):  # MLA: two projections read it
+                continue
             layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
             if isinstance(layer.mlp, MLP):
                 layer.mlp.gate_up_proj.fold_norm(layer.mlp_norm)
@@ -212,7 +239,8 @@ class DecoderForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
                                                  and self.config.tie_word_embeddings):
                 continue
-            target, shard = target_of(name)
+            # A parameter's own name (DeepSeek's q_proj) is no part of a packed one.
+            target, shard = (name, None) if name in params else target_of(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{self.config.architecture}")

@@ -5,8 +5,8 @@ from nanoserve.attention.backend import AttentionBackend
 from nanoserve.config import ModelConfig
 from nanoserve.models.decoder import DecoderForCausalLM
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM",
-                 "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                 "GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 

@@ -125,9 +125,9 @@ class ModelRunner:
                                     self.dtype, self.device)
 
     def _bytes_per_block(self) -> int:
-        attn = self.attention[0]
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        return per_layer * len(self.attention) * self.kv_cache_dtype.itemsize
+        itemsize = self.kv_cache_dtype.itemsize
+        return sum(layer.cache_spec.bytes_per_block(self.block_size, itemsize)
+                   for layer in self.attention)
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks:
@@ -181,12 +181,12 @@ class ModelRunner:
         return arena + torch.cuda.max_memory_allocated(self.device) - before
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
-        attn = self.attention[0]
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
-        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        for layer in self.attention:
-            layer.k_cache = self._zeros(shape)
-            layer.v_cache = self._zeros(shape)
+        for layer in self.attention:  # each layer's own spec: what it stores per token
+            spec = layer.cache_spec
+            layer.k_cache = self._zeros(spec.shape(num_blocks, self.block_size))
+            layer.v_cache = self._zeros(layer.k_cache.shape) if spec.separate_values \
+                else layer.k_cache
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
