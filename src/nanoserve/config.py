@@ -57,6 +57,9 @@ class EngineConfig:
     # folder is a sentence-transformers model (modules.json with a Pooling module).
     task: str = "auto"
     pooling_type: str | None = None  # "last" | "mean" | "cls"; None: the model's own
+    # torch threads on the CPU, split between tensor-parallel ranks; None: the cores free to
+    # this process at start-up (runner/cpu_threads.py).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -64,7 +67,7 @@ class EngineConfig:
                      "tensor_parallel_size", "max_n"):
             check_int(name, getattr(self, name), 1)
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting_requests",
-                     "max_waiting_tokens"):
+                     "max_waiting_tokens", "cpu_threads"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         check_int("seed", self.seed, 0)

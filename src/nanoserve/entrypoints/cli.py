@@ -41,6 +41,9 @@ ENGINE_HELP = {
                           "or \"draft_model\", \"num_speculative_tokens\": k, ...}",
     "task": "generate, embed (pooled embeddings, /v1/embeddings) or auto (embed for a "
             "sentence-transformers folder)",
+    "cpu_threads": "torch threads on the CPU, split between tensor-parallel ranks (default: "
+                   "the cores free to this process at start-up: its affinity and cgroup "
+                   "quota, less those other processes keep busy)",
     "pooling_type": "embeddings' pooling: last, mean or cls (default: the model's "
                     "1_Pooling config, else last)",
 }
