@@ -13,12 +13,14 @@ import json
 
 import httpx
 import pytest
-import requests
 
 schemathesis = pytest.importorskip("schemathesis")
+import requests  # noqa: E402  (schemathesis' transport)
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
+from reference import hf_greedy, hf_model_and_prompts  # noqa: E402
 from test_server import start_server  # noqa: E402
 
 MODEL = "fuzzed"
@@ -106,13 +108,16 @@ def test_an_echoed_prompt_of_bad_token_ids_is_a_400(server, session, prompt):
     assert "token ids must be in" in response.json()["error"]["message"]
 
 
-def test_the_server_answers_normally_after_the_fuzz(server, session):
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True}
-    first = session.post(server.url + "/v1/completions", json=body, timeout=30)
-    assert first.status_code == 200, first.text
-    choice = first.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and first.json()["usage"]["completion_tokens"] == 8
-    again = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
-    assert again.json()["choices"][0]["text"] == choice["text"]  # greedy: the same answer
+def test_the_server_answers_normally_after_the_fuzz(server, session, tiny_llama):
+    model, prompts = hf_model_and_prompts(tiny_llama)
+    want = hf_greedy(model, prompts[:1], 8)[0]
+    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    response = session.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    assert response.json()["usage"]["completion_tokens"] == 8
+    assert choice["text"] == tok.decode(want)  # transformers' greedy tokens
     assert httpx.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
