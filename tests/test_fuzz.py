@@ -85,8 +85,9 @@ def test_fuzzed_requests_get_2xx_or_an_openai_4xx(server, schema, session, route
 def test_a_choice_the_vocabulary_cannot_write_is_a_400(server, session):
     # Found by the fuzz: the byte-level tokenizer holds no token for some bytes of U+40000,
     # so the grammar's first mask was empty, a token was sampled anyway and the request
-    # failed with a 500. Also with a regex.
-    for field, value in (("guided_choice", ["\U00040000"]), ("guided_regex", "\U00040000+")):
+    # failed with a 500. Also with a regex, and a choice that dead-ends after a token.
+    for field, value in (("guided_choice", ["\U00040000"]), ("guided_regex", "\U00040000+"),
+                         ("guided_choice", ["b", "a\U00040000"])):
         body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 4, field: value}
         response = session.post(server.url + "/v1/completions", json=body, timeout=30)
         assert response.status_code == 400, response.text
