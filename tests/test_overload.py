@@ -215,3 +215,41 @@ def test_sigterm_drains_then_aborts_and_exits_0(tiny_llama, tmp_path):
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}") or \
             "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_a_burst_past_the_waiting_token_bound_gets_503s(tiny_llama, tmp_path):
+    long_prompt, bound, burst_size = 40, 41, 8  # one long prompt may wait, not two
+    srv = start_server(tiny_llama, tmp_path / "log", "--max-num-seqs", "1",
+                       "--max-waiting-tokens", str(bound))
+
+    def burst(prompt_len: int) -> list[httpx.Response]:
+        # Token-id prompts: exact lengths. Each prompt differs, so no prefix is shared.
+        bodies = [{**_completion("", 32), "prompt": [i + 1] * prompt_len}
+                  for i in range(burst_size)]
+
+        async def send() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json=b)
+                                              for b in bodies))
+        return asyncio.run(send())
+
+    try:
+        responses = burst(long_prompt)
+        ok = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code == 503]
+        assert len(ok) + len(refused) == burst_size, [r.text for r in responses]
+        # The seated one and one waiting are always admitted; the rest cannot all be.
+        assert refused and len(ok) >= 2
+        for response in refused:
+            assert response.headers["retry-after"] == "1"
+            error = response.json()["error"]
+            assert error["type"] == "service_unavailable"
+            assert "max_waiting_tokens" in error["message"], error
+        for response in ok:
+            assert response.json()["usage"] == {"prompt_tokens": long_prompt,
+                                                "completion_tokens": 32,
+                                                "total_tokens": long_prompt + 32}
+        # As many requests of one token each stay under the bound: it counts tokens.
+        assert {r.status_code for r in burst(1)} == {200}
+    finally:
+        srv.stop()

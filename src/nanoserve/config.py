@@ -47,6 +47,9 @@ class EngineConfig:
     # Admission control: add_request refuses a request (EngineOverloadedError; the server's
     # 503) while this many wait beyond the batch's free seats. None: no bound.
     max_waiting_requests: int | None = None
+    # The same bound on the tokens those waiting requests must compute (their prompts, each
+    # sample counting its own); None: no bound.
+    max_waiting_tokens: int | None = None
     # Speculative decoding (vLLM's): a dict, a JSON object (the CLI's) or a SpeculativeConfig.
     speculative_config: SpeculativeConfig | None = None
     # "auto": a quantized checkpoint's linear weights stay quantized (GGUF blocks, AWQ, GPTQ);
@@ -56,13 +59,17 @@ class EngineConfig:
     # folder is a sentence-transformers model (modules.json with a Pooling module).
     task: str = "auto"
     pooling_type: str | None = None  # "last" | "mean" | "cls"; None: the model's own
+    # torch threads on the CPU, split between tensor-parallel ranks; None: the cores free to
+    # this process at start-up (runner/cpu_threads.py).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size", "max_n"):
             check_int(name, getattr(self, name), 1)
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting_requests"):
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting_requests",
+                     "max_waiting_tokens", "cpu_threads"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         check_int("seed", self.seed, 0)

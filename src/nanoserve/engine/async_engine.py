@@ -97,6 +97,10 @@ class AsyncLLMEngine:
         return self._require_engine().tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        return self._require_engine().model_config.vocab_size
+
+    @property
     def max_model_len(self) -> int:
         return self._require_engine().max_model_len
 

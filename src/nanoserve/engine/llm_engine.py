@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -174,12 +175,7 @@ class LLMEngine:
         for rid in request_ids:
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-        bound, sched = self.config.max_waiting_requests, self.scheduler
-        # Those that the next step can seat do not wait: a burst into an idle engine fills it.
-        seats = max(0, sched.max_num_seqs - len(sched.running))
-        if bound is not None and len(sched.waiting) - seats >= bound:
-            raise EngineOverloadedError(f"{bound} requests are already waiting "
-                                        "(max_waiting_requests); try again later")
+        self._check_load()
         text, ids = self._tokenize(prompt)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if kept is not ids:  # the text no longer matches the ids: drop it
@@ -218,6 +214,24 @@ class LLMEngine:
             self.num_history_requests += params.needs_token_history
             self.output_processor.add(req)
             self.scheduler.add(req)
+
+    def _check_load(self) -> None:
+        """EngineOverloadedError while the requests waiting reach ``max_waiting_requests`` or
+        their tokens ``max_waiting_tokens``. Those that the next step can seat do not count
+        as waiting: a burst into an idle engine fills it."""
+        sched, config = self.scheduler, self.config
+        seats = max(0, sched.max_num_seqs - len(sched.running))
+        bound = config.max_waiting_requests
+        if bound is not None and len(sched.waiting) - seats >= bound:
+            raise EngineOverloadedError(f"{bound} requests are already waiting "
+                                        "(max_waiting_requests); try again later")
+        bound = config.max_waiting_tokens
+        if bound is not None and len(sched.waiting) > seats:
+            queued = sum(req.num_tokens for req in itertools.islice(sched.waiting, seats, None))
+            if queued >= bound:
+                raise EngineOverloadedError(
+                    f"{queued} prompt tokens are already waiting, the bound is {bound} "
+                    "(max_waiting_tokens); try again later")
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler and matchers, made on first use (xgrammar loads then)."""

@@ -42,6 +42,7 @@ class GrammarCompiler:
 
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids)
+        self.xgr, self.tokenizer = xgr, tokenizer
         self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
         self.vocab_size = vocab_size
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="nanoserve-grammar")
@@ -64,6 +65,31 @@ class GrammarCompiler:
         return self.submit(spec).result()
 
     def _compile(self, kind: str, text: str) -> Any:
+        if kind == "choice":
+            self._check_writable(json.loads(text))
+        grammar = self._compile_text(kind, text)
+        if not self._can_start(grammar):
+            raise ValueError(f"structured_outputs.{kind} cannot be written with this model's "
+                             "vocabulary: no token may come first")
+        return grammar
+
+    def _can_start(self, grammar: Any) -> bool:
+        """Whether some token (end-of-sequence included) may come first: a text whose bytes
+        no token holds (a vocabulary without byte fallback) would leave none to sample."""
+        bits = np.zeros((1, -(-self.vocab_size // 32)), dtype=np.int32)
+        self.xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bits, 0)
+        return bool(bits.any())
+
+    def _check_writable(self, choices: list[str]) -> None:
+        """A ValueError naming the first choice that no token sequence spells (its text does
+        not survive encoding): its grammar would lead the sampler to a dead end."""
+        for i, choice in enumerate(choices):
+            if self.tokenizer.decode(self.tokenizer.encode(choice, add_special_tokens=False)) \
+                    != choice:
+                raise ValueError(f"structured_outputs.choice[{i}] cannot be written with this "
+                                 "model's vocabulary")
+
+    def _compile_text(self, kind: str, text: str) -> Any:
         try:
             if kind == "json":
                 check_enforceable(json.loads(text))

@@ -33,12 +33,17 @@ ENGINE_HELP = {
     "max_n": "most samples (n, best_of) one request may ask for",
     "max_logprobs": "most top logprobs per token one request may ask for",
     "max_waiting_requests": "refuse requests (503) while this many wait (default: no bound)",
+    "max_waiting_tokens": "refuse requests (503) while the requests waiting hold this many "
+                          "prompt tokens (default: no bound)",
     "quantization": "auto (a quantized checkpoint stays quantized: GGUF, AWQ, GPTQ, FP8), none "
                     "(dequantize at load) or fp8 (quantize a 16-bit checkpoint at load)",
     "speculative_config": "speculative decoding as JSON, vLLM's fields: {\"method\": \"ngram\" "
                           "or \"draft_model\", \"num_speculative_tokens\": k, ...}",
     "task": "generate, embed (pooled embeddings, /v1/embeddings) or auto (embed for a "
             "sentence-transformers folder)",
+    "cpu_threads": "torch threads on the CPU, split between tensor-parallel ranks (default: "
+                   "the cores free to this process at start-up: its affinity and cgroup "
+                   "quota, less those other processes keep busy)",
     "pooling_type": "embeddings' pooling: last, mean or cls (default: the model's "
                     "1_Pooling config, else last)",
 }

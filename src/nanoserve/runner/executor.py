@@ -1,15 +1,27 @@
 """Chooses how model steps run: in this process, or across tensor-parallel worker processes."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.runner.cpu_threads import default_cpu_threads
+from nanoserve.runner.device import resolve_device
+
+logger = logging.getLogger(__name__)
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig, path: Path,
                   draft_model_config: ModelConfig | None = None):
     """``draft_model_config``: a draft model whose cache will hold as many blocks as this
-    one's, so that this cache leaves it the memory (one rank only)."""
+    one's, so that this cache leaves it the memory (one rank only). On the CPU the thread
+    count is settled here, once, for every rank to take its share of."""
+    if resolve_device(config.device).type == "cpu":
+        if config.cpu_threads is None:
+            config = dataclasses.replace(config, cpu_threads=default_cpu_threads())
+        else:
+            logger.info("CPU threads: %d (cpu_threads)", config.cpu_threads)
     if config.tensor_parallel_size == 1:
         from nanoserve.runner.model_runner import ModelRunner
         return ModelRunner(config, model_config, path, draft_model_config=draft_model_config)

@@ -16,6 +16,7 @@ from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.layers.quantization.methods import quantized_linears
 from nanoserve.models.loader import init_dummy_weights, iter_weights, quant_spec_of
 from nanoserve.models.registry import build_model
+from nanoserve.runner.cpu_threads import per_rank_threads
 from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.runner.graph_inputs import decode_rows
@@ -49,6 +50,9 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = device or resolve_device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            # The ranks share the host's cores: each takes its part of the count.
+            torch.set_num_threads(per_rank_threads(config.cpu_threads, get_tp_group().size))
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
                                                      self.device)

@@ -78,10 +78,7 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_config: ModelC
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), daemon=True).start()
     try:
-        device = rank_device(config.device, rank)
-        if device.type == "cpu":
-            # The ranks share this host's cores: one thread per core each would oversubscribe.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        device = rank_device(config.device, rank)  # its runner takes its share of CPU threads
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False)
         report.send(("up", ""))
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size)
