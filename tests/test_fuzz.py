@@ -100,9 +100,11 @@ def test_a_choice_the_vocabulary_cannot_write_is_a_400(server, session):
 
 
 @pytest.mark.parametrize("prompt", [[-1], [0, 2**40], [[5], [-3]]])
-def test_an_echoed_prompt_of_bad_token_ids_is_a_400(server, session, prompt):
-    # Found by the fuzz: echo decoded the ids before the engine checked them (a 500).
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": True}
+@pytest.mark.parametrize("extra", [{"echo": True}, {"use_beam_search": True}])
+def test_bad_token_ids_are_a_400_on_every_path(server, session, prompt, extra):
+    # Found by the fuzz: echo decoded the ids before the engine checked them, and beam
+    # search's requests met the engine's check outside the route's error handling (500s).
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
     response = session.post(server.url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "prompt"
