@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench-cpu clean chromium
+.PHONY: install demo test clean chromium llama-cpp
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ chromium:
 	command -v chromium >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || \
 		echo "warning: chromium not installed; the chat page's browser tests will skip"
+
+# llama.cpp's llama-server built for the CPU, for benchmarks/cpu_llama_cpp.py (not for tests).
+llama-cpp:
+	bash scripts/build_llama_cpp.sh
 
 # One worker per core, whole files to a worker (module fixtures build once).
 test: install $(QWEN3_TOKENIZER) chromium
