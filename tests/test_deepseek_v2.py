@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import PROMPTS, hf_greedy
-from test_model_breadth import NEW_TOKENS, generate, save_random
+from test_model_breadth import NEW_TOKENS, check_squeezed, generate, save_random
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config
 
 from nanoserve import LLM
@@ -91,19 +91,7 @@ def test_cache_holds_one_latent_row_per_token(case):
 def test_chunked_prefill_preemption_and_prefix_hits(case):
     """Prefills in 7-token chunks (longer prompts than that), preemption (12 blocks of 8),
     then the same prompts again, their full blocks now prefix-cache hits."""
-    path, ids, want = case
-    assert max(len(i) for i in ids) > 7
-    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=7,
-              num_kv_blocks=12, block_size=8)
-    try:
-        assert generate(llm, ids) == want
-        stats = llm.engine.stats()
-        assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0
-        hits = stats.prefix_cache_hits
-        assert generate(llm, ids) == want
-        assert llm.engine.stats().prefix_cache_hits > hits
-    finally:
-        llm.close()
+    check_squeezed(*case)
 
 
 def test_absorbed_decode_equals_decompressed_attention():
