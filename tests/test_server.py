@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import types
 import threading
 import time
 from collections.abc import Iterator
@@ -46,7 +45,6 @@ class FakeEngine:
     tokenizer = None
     executor_alive = True
     config = EngineConfig()
-    model_config = types.SimpleNamespace(vocab_size=32000)  # the routes check prompt ids
 
     def __init__(self, step_s: float = 0.002) -> None:
         self.step_s = step_s

@@ -79,7 +79,6 @@ class OpenAIServing:
             lambda: [self.engine.tokenizer.encode(p) if isinstance(p, str) else p
                      for p in given])
         prompts, params = self._params(req, req.max_tokens, whole, "prompt", "max_tokens")
-        self._check_token_ids(prompts)
         echo = self._echo_texts(given, whole, prompts) if req.echo else None
         return await self._generate(f"cmpl-{uuid.uuid4().hex}", prompts, params, req, arrival,
                                     request, chat=False, echo=echo)
@@ -123,19 +122,17 @@ class OpenAIServing:
             raise APIError(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": self.engine.tokenizer.decode(req.tokens)}
 
-    def _check_token_ids(self, prompts: list[list[int]]) -> None:
-        """Given token ids in range, before anything decodes them (a negative id overflows the
-        tokenizer's) or a path other than the engine's own check (beam search) takes them."""
+    def _echo_texts(self, given: list[Any], whole: list[list[int]],
+                    prompts: list[list[int]]) -> list[str]:
+        """As vLLM's, an echo repeats a text prompt as given, a token or truncated one decoded.
+        Token ids are checked first: the engine would refuse them, but only after the decode
+        here failed on them (a negative id overflows the tokenizer's)."""
         vocab = self.engine.vocab_size
         for ids in prompts:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}",
                                param="prompt")
-
-    def _echo_texts(self, given: list[Any], whole: list[list[int]],
-                    prompts: list[list[int]]) -> list[str]:
-        """As vLLM's, an echo repeats a text prompt as given, a token or truncated one decoded."""
         return [text if isinstance(text, str) and kept is ids else self._decode(kept)
                 for text, ids, kept in zip(given, whole, prompts)]
 
@@ -261,10 +258,13 @@ class OpenAIServing:
         async def run() -> list[BeamSearchOutput]:
             step = 0
             while not search.done:
-                streams = await self.engine.add_requests(
-                    [(f"{request_id}-step{step}-beam{j}", ids, search.step_params)
-                     for j, ids in enumerate(search.requests())], arrival,
-                    self._time_left(arrival))
+                try:
+                    streams = await self.engine.add_requests(
+                        [(f"{request_id}-step{step}-beam{j}", ids, search.step_params)
+                         for j, ids in enumerate(search.requests())], arrival,
+                        self._time_left(arrival))
+                except ValueError as exc:  # as in _generate: the engine's refusal is a 400
+                    raise value_error_to_api(exc, "messages" if chat else "prompt") from None
                 search.advance([f.outputs[0].logprobs[0] for f in await _collect(streams)])
                 step += 1
             return search.results(lambda ids: decode(ids, skip_special_tokens=True))
