@@ -79,15 +79,15 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     Sequences are attended in groups of like query count and context length, each group on
     padded dense tensors, so that one long prompt does not pad a batch of decodes to its size."""
     out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])  # MLA's values are narrower
-    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
-    seq_lens = meta.seq_lens.tolist()
-    for rows in _like_sequences(q_lens, seq_lens):
-        index = torch.tensor(rows, device=q.device)
-        tokens = torch.cat([torch.arange(s, s + n) for s, n in
-                            zip(meta.query_start_loc[index].tolist(), (q_lens[r] for r in rows))])
-        if not len(tokens):
+    starts = meta.query_start_loc.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    for rows in _like_sequences(q_lens, meta.seq_lens.tolist()):
+        if not q_lens[rows[0]]:  # sequences with no new token this step
             continue
-        out[tokens.to(q.device)] = _attend_group(
+        index = torch.tensor(rows, device=q.device)
+        tokens = torch.cat([torch.arange(starts[r], starts[r + 1], device=q.device)
+                            for r in rows])
+        out[tokens] = _attend_group(
             q, k_cache, v_cache, meta.query_start_loc[index].long(),
             torch.tensor([q_lens[r] for r in rows], device=q.device),
             meta.seq_lens[index].long(), meta.block_tables[index].long(),
