@@ -19,9 +19,9 @@ import random
 import time
 from pathlib import Path
 
-from common import emit, environment, free_device_memory, run_shapes, sync
-from latency import time_generate
-from shapes import make_model_dir
+from nanoserve.bench.common import emit, environment, free_device_memory, run_shapes, sync
+from nanoserve.bench.latency import time_generate
+from nanoserve.bench.shapes import make_model_dir
 
 from nanoserve import LLM, SamplingParams
 

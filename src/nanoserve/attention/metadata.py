@@ -23,6 +23,9 @@ class AttentionMetadata:
     seq_order: torch.Tensor | None = None
     # [2, N] int32 in other steps on the GPU: the prefill kernel's programs (prefill_work.py).
     prefill_work: torch.Tensor | None = None
+    # Decode-only rows that are consecutive tokens of one sequence (a verify step's): a row's
+    # keys include the rows' before it, so each row's K/V is stored before any row attends.
+    rows_share_sequences: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -61,7 +61,8 @@ class TritonAttentionBackend:
             splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                        num_sms)
             # Small batches are launch-bound: the split kernel finishes the new tokens itself.
-            if splits > 1 and meta.num_seqs <= LATENCY_MAX_SEQS:
+            fused = meta.num_seqs <= LATENCY_MAX_SEQS and not meta.rows_share_sequences
+            if splits > 1 and fused:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
                 tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,

@@ -57,12 +57,16 @@ class DecodeOutput(NamedTuple):
 class DecodeGraphs:
     """Decode forwards as CUDA graphs per batch size (and context cap, for small batches); a step
     stages its inputs in the arena and replays the smallest that fits. With ``sample`` they also
-    run the LM head and fused sampler; a batch needing more stages seed -1: no draw."""
+    run the LM head and fused sampler; a batch needing more stages seed -1: no draw. With
+    ``rows_share_sequences`` a row may be a later token of the sequence of the rows before it
+    (a verify step's rows, see graph_inputs.verify_rows)."""
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
-                 device: torch.device, sample: bool = False, max_samples: int = 0):
+                 device: torch.device, sample: bool = False, max_samples: int = 0,
+                 rows_share_sequences: bool = False):
         self.model = model
         self.sample = sample
+        self.rows_share_sequences = rows_share_sequences
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.arena = GraphArena(self.sizes, max_blocks, max_samples, device)
@@ -87,7 +91,8 @@ class DecodeGraphs:
         region = self.arena.regions[bs]
         meta = AttentionMetadata(self.query_start[:bs + 1], region.seq_lens, region.slots,
                                  region.tables, max_query_len=1, max_seq_len=cap,
-                                 seq_order=region.order)
+                                 seq_order=region.order,
+                                 rows_share_sequences=self.rows_share_sequences)
         with attention_metadata(meta):
             hidden = self.model(region.sources, region.positions, self.arena.int64)
         if not self.sample:

@@ -57,6 +57,28 @@ def decode_rows(chunks: list[SequenceChunk], block_size: int,
     )
 
 
+def verify_rows(chunks: list[SequenceChunk], block_size: int) -> DecodeRows:
+    """A verify step as decode rows: every token of every chunk (its last known token, then
+    its proposals) a row of its own, whose keys are its sequence's up to and including it, so
+    a row attends to the new tokens before it as causal attention would. Tokens are known."""
+    width = table_width(chunks)
+    tables = np.array(padded_block_tables(chunks, width), dtype=np.int32).reshape(-1, width)
+    seq = np.repeat(np.arange(len(chunks)), [len(c.token_ids) for c in chunks])
+    positions = np.concatenate([np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64)
+                                for c in chunks])
+    seq_lens = (positions + 1).astype(np.int32)
+    return DecodeRows(
+        token_ids=np.concatenate([c.token_ids for c in chunks]).astype(np.int64),
+        sample_rows=np.full(len(seq), -1, dtype=np.int64),
+        positions=positions,
+        slots=tables[seq, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size,
+        seq_lens=seq_lens,
+        order=np.array(longest_first(seq_lens.tolist()), dtype=np.int32),
+        tables=tables[seq],
+    )
+
+
 # A region's per-row arrays in their order: name and numpy dtype.
 _FIELDS = (("token_ids", np.int64), ("sources", np.int64), ("positions", np.int64),
            ("slots", np.int64), ("temperature", np.float32), ("seq_lens", np.int32),

@@ -19,10 +19,10 @@ from nanoserve.models.registry import build_model
 from nanoserve.runner.cpu_threads import per_rank_threads
 from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from nanoserve.runner.graph_inputs import decode_rows
+from nanoserve.runner.graph_inputs import decode_rows, verify_rows
 from nanoserve.runner.host_memory import keep_freed_memory
-from nanoserve.runner.inputs import (CompletedStep, DeferredSample, InFlightStep, SequenceChunk,
-                                     StepInput, StepOutput)
+from nanoserve.runner.inputs import (PENDING_TOKEN, CompletedStep, DeferredSample, InFlightStep,
+                                     SequenceChunk, StepInput, StepOutput)
 from nanoserve.runner.packed_copy import packed_to_device
 from nanoserve.runner.pooling import HiddenStatePooler
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
@@ -59,7 +59,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len(config, model_config)
         self.blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.graph_batch = min(config.max_num_seqs, 512)  # the largest decode graph's batch
+        spec = config.speculative_config
+        # The largest decode graph's batch; a verify step has a row per proposal too.
+        rows_per_seq = 1 if spec is None else 1 + spec.num_speculative_tokens
+        self.graph_batch = min(config.max_num_seqs * rows_per_seq, 512)
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -112,6 +115,16 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, self.graph_batch, self.blocks_per_seq,
                                            self.max_model_len, self.device, sample=tp.size == 1,
                                            max_samples=config.max_num_seqs)
+        self.verify_graphs: DecodeGraphs | None = None
+        if self.graphs is not None and spec is not None:
+            from nanoserve.kernels.decode_attention import LATENCY_MAX_SEQS
+
+            # Up to LATENCY_MAX_SEQS rows the decode graphs' kernel stores each row's new K/V
+            # itself, unseen by the other rows: a verify that small has graphs of its own.
+            self.verify_graphs = DecodeGraphs(
+                self.model, min(LATENCY_MAX_SEQS, self.graph_batch), self.blocks_per_seq,
+                self.max_model_len, self.device, sample=tp.size == 1,
+                rows_share_sequences=True)
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -282,14 +295,20 @@ class ModelRunner:
 
     def _verify(self, step: StepInput, sampling: list[SequenceChunk]) -> InFlightStep:
         """A step that verifies proposals (spec_verify.py): logits at every proposal and the
-        token before it, rejection-sampled; run eagerly, its tokens not fed to the next step
-        (speculation runs unoverlapped steps)."""
-        ids, positions, meta, last = self._prepare(step.chunks)
-        with attention_metadata(meta):
-            hidden = self.model(ids, positions)
+        token before it, rejection-sampled; its tokens not fed to the next step (speculation
+        runs unoverlapped steps). Through the decode graphs where they take it, else eagerly."""
+        graphs = self._verify_graphs(step.chunks)
+        logits = last = None
+        if graphs is not None:
+            hidden, logits, _, _ = graphs.run(verify_rows(step.chunks, self.block_size))
+        else:
+            ids, positions, meta, last = self._prepare(step.chunks)
+            with attention_metadata(meta):
+                hidden = self.model(ids, positions)
         self.last_samples, self.last_sample_rows = None, {}
         prompt = prompt_logprobs(self.model, step.chunks, hidden)
-        logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        if logits is None:
+            logits = self.model.compute_logits(hidden if last is None else hidden[last])
         if not self.sampling_rank:
             return CompletedStep(StepOutput([]))
         # One row per proposal and one after them: each chunk's parameters, repeated.
@@ -308,6 +327,20 @@ class ModelRunner:
         out, accept = verify(logits, tensors, drafts_t, [i for i, t in enumerate(drafts) if t >= 0])
         return VerifiedStep(out, accept, [n - 1 for n in repeats],
                             [c.params.logprobs for c in rows], prompt)
+
+    def _verify_graphs(self, chunks: list[SequenceChunk]) -> DecodeGraphs | None:
+        """The graphs that run a verify of ``chunks`` as rows of one token (verify_rows): where
+        each chunk is a sequence's last known token and its proposals, all known, and the rows
+        fit; larger batches than the verify graphs' the decode graphs take, whose kernel then
+        stores every row's K/V before attention."""
+        if self.verify_graphs is None or not all(
+                c.sample and len(c.token_ids) == c.num_draft_tokens + 1
+                and PENDING_TOKEN not in c.token_ids for c in chunks):
+            return None
+        rows = sum(len(c.token_ids) for c in chunks)
+        if rows <= self.verify_graphs.max_batch:
+            return self.verify_graphs
+        return self.graphs if rows <= self.graphs.max_batch else None
 
     def _sampled(self, out: SamplerOutput, sampling: list[SequenceChunk],
                  prompt: dict[str, list[dict[int, float]]], logits: torch.Tensor,
