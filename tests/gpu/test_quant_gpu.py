@@ -50,26 +50,31 @@ def test_int4_checkpoint_on_gpu_matches_dequantized(method, act_order, tmp_path,
     assert_close_greedy(*outs, atol=0.3)  # bf16 activations on both sides
 
 
-@pytest.mark.parametrize("m", [1, 5, 64])
-def test_scaled_mm_fp8_matches_dequantized_product(m):
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 64])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 4096), (4096, 12288)])
+def test_fp8_channel_matmul_matches_dequantized_product(m, n, k):
+    """Up to 8 rows the skinny GEMV with x unquantized (W8A16), beyond ``torch._scaled_mm``
+    with x quantized a token (W8A8)."""
     from nanoserve.layers.quantization.fp8 import Fp8Matrix, quantize_rows
 
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    w = torch.randn(4096, 4096, generator=gen, device="cuda") * 0.02
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.02
     q, scale = quantize_rows(w)
     matrix = Fp8Matrix(q, scale, None)
-    x = torch.randn(m, 4096, generator=gen, device="cuda").bfloat16()
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
     xq, sx = quantize_rows(x)
-    want = (xq.double() * sx.double()) @ matrix.dequantize().double().t()
-    got = matrix.matmul(x)  # torch._scaled_mm
+    xd = x.double() if m <= 8 else xq.double() * sx.double()
+    want = xd @ matrix.dequantize().double().t()
+    got = matrix.matmul(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
 
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b"])
 def test_online_fp8_close_to_bf16_transformers(shape, tmp_path_factory):
-    """quantization="fp8" (per-channel weights, per-token activations, torch._scaled_mm)
-    against transformers' bf16 model on the same random weights, by the top-5 rule."""
+    """quantization="fp8" (per-channel weights; activations per token in prefill's
+    torch._scaled_mm, unquantized in the decode GEMV) against transformers' bf16 model on the
+    same random weights, by the top-5 rule."""
     from test_gpu_parity import assert_greedy_close_to_transformers, random_model_dir
 
     assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),

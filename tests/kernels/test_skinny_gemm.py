@@ -181,3 +181,20 @@ def test_folded_projection_applies_its_norm_in_the_kernel():
     torch.testing.assert_close(proj(residual, norm=norm), expected, **TOLERANCE[torch.float32])
     torch.testing.assert_close(skinny_linear(residual, proj.weight, norm_eps=1e-6), expected,
                                **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 100)])
+def test_fp8_weight_with_channel_scales_matches_float64(m, n, k):
+    """e4m3 codes times a float32 scale an output feature, as the FP8 decode path feeds it."""
+    from nanoserve.layers.quantization.fp8 import quantize_weight_per_channel
+
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(torch.float16)
+    b = torch.randn(n, generator=gen).to(torch.float16)
+    q, scale = quantize_weight_per_channel(torch.randn(n, k, generator=gen) / k ** 0.5)
+    want = reference(x, q.double() * scale.double(), b)
+    got = skinny_linear(x, q, b, weight_scale=scale[:, 0].contiguous())
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float16])
+    with pytest.raises(ValueError, match="weight_scale"):
+        skinny_linear(x, q, b, weight_scale=scale)  # [N, 1]: not the [N] it takes

@@ -4,6 +4,7 @@ At small batches a projection is a weight stream, where cuBLAS's tiles reach a f
 bandwidth: each program streams ``BLOCK_N`` output features' rows of W along K on the CUDA cores.
 Fusions (docs/kernels.md): ``norm_eps`` (x un-normalised, the norm's weight folded into W),
 ``activate`` (W = [gate; up]: writes ``silu(gate) * up``) and ``residual`` (added into in place).
+W may be e4m3 with a float32 scale an output feature (``weight_scale``: FP8 weights, 16-bit x).
 Which shapes take the kernel, with which tiles, is data (:func:`select`).
 """
 from __future__ import annotations
@@ -48,10 +49,10 @@ def shape_key(n: int, k: int) -> str:
     return f"{n}x{k}"
 
 
-def heuristic_config(rows: int, n: int, k: int) -> SkinnyConfig:
+def heuristic_config(rows: int, n: int, k: int, weight_bytes: int = 2) -> SkinnyConfig:
     """Tiles for a shape nobody tuned: K chunks as long as possible (up to 4096) with 16 KB of
-    16-bit W per chunk, less per row as rows grow, so the broadcast product stays in registers."""
-    elements = max(1024, 8192 // row_bucket(rows))
+    W per chunk, less per row as rows grow, so the broadcast product stays in registers."""
+    elements = max(1024, 8192 // row_bucket(rows)) * 2 // weight_bytes
     block_k = min(triton.next_power_of_2(k), 4096, elements)
     return SkinnyConfig(max(1, elements // block_k), block_k, 4, 4)
 
@@ -76,13 +77,13 @@ def from_table(table: dict, rows: int, n: int, k: int) -> SkinnyConfig | None:
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
     M, N, K, eps,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
     DEFER_SUM: tl.constexpr, RMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    ACTIVATE: tl.constexpr,
+    ACTIVATE: tl.constexpr, W_SCALE: tl.constexpr,
 ):
     if PDL:  # the next projection (down after gate/up) may start fetching its weights
         gdc_launch_dependents()
@@ -137,6 +138,8 @@ def _skinny_gemm_kernel(
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if DEFER_SUM:
         acc = tl.sum(acc3, axis=2)
+    if W_SCALE:  # x (q s)^T = (x q^T) s, a scale an output feature
+        acc = acc * tl.load(ws_ptr + n, mask=n_mask, other=0.0)[None, :]
     if RMS:  # norm(x) W^T = rsqrt(mean(x^2) + eps) (x W^T), the norm's weight being in W
         acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
     if HAS_BIAS:
@@ -156,12 +159,14 @@ def _skinny_gemm_kernel(
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None, *, norm_eps: float | None = None,
-                  activate: bool = False, residual: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+                  activate: bool = False, residual: torch.Tensor | None = None,
+                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x [M, K], weight [N, K], bias)`` for at most ``MAX_ROWS`` rows, with the
     module docstring's fusions, in float32. ``norm_eps`` scales the float32 product; ``activate``
     returns ``[M, N / 2]``; ``residual`` (``[M, N]`` in x's dtype) is added to IN PLACE and
-    returned. ``config``: the tiles (default: :func:`select`'s, else the heuristic's)."""
+    returned; ``weight_scale`` (``[N]`` float32) multiplies each output feature's product
+    (``weight * weight_scale[:, None]`` is the weight). ``config``: the tiles (default:
+    :func:`select`'s, else the heuristic's)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:
@@ -176,24 +181,30 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activate and (n % 2 or residual is not None):
         raise ValueError(f"activate needs weight = [gate; up] (an even number of rows, got {n}) "
                          f"and no residual")
+    if weight_scale is not None and (weight_scale.shape != (n,) or not weight_scale.is_contiguous()
+                                     or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be [{n}] contiguous float32, got "
+                         f"{tuple(weight_scale.shape)} in {weight_scale.dtype}")
     width = n // 2 if activate else n
     y = residual if residual is not None else torch.empty((m, width), dtype=x.dtype,
                                                           device=x.device)
     if m == 0:
         return y
-    cfg = config or select(m, n, k, x.device) or heuristic_config(m, n, k)
+    cfg = config or select(m, n, k, x.device) or heuristic_config(m, n, k,
+                                                                  weight.element_size())
     # With activate a program's rows are half gate, half up: an even count of them.
     block_n = max(2, cfg.block_n + cfg.block_n % 2) if activate else cfg.block_n
     pdl = programmatic_launch(x.device)
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y,
+        weight_scale if weight_scale is not None else y,
         m, n, k, norm_eps or 0.0,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl,
         DEFER_SUM=cfg.defer_sum, RMS=norm_eps is not None, ADD_RESIDUAL=residual is not None,
-        ACTIVATE=activate,
+        ACTIVATE=activate, W_SCALE=weight_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y

@@ -2,7 +2,9 @@
 to e4m3 per token (per token and block of input features, for block-scaled weights) as they
 arrive. On CUDA (compute capability 8.9+) per-channel products run in ``torch._scaled_mm``,
 block-scaled ones in a Triton kernel (``kernels/fp8_block_gemm.py``); on the CPU, the
-reference: both sides dequantized, then a matmul."""
+reference: both sides dequantized, then a matmul. A decode step's few rows of 16-bit
+activations stream per-channel weights through the skinny GEMV instead, unquantized (W8A16:
+the weight's bytes are the step, and quantizing x would cost launches of its own)."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +39,7 @@ class Fp8Matrix:
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None):
         self.weight, self.scale, self.block = weight, scale.float(), block
         self.out_features, self.in_features = weight.shape
+        self.channel_scale = self.scale.reshape(-1).contiguous() if block is None else None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the codes and scales stand for."""
@@ -51,6 +54,10 @@ class Fp8Matrix:
         return w * s[:, :self.in_features]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.block is None and x.dtype in (torch.bfloat16, torch.float16):
+            from nanoserve.kernels import skinny_gemm
+            if 0 < x.shape[0] <= skinny_gemm.MAX_ROWS:
+                return skinny_gemm.skinny_linear(x, self.weight, weight_scale=self.channel_scale)
         group = self.block[1] if self.block is not None else 0
         q, sx = quantize_rows(x, group)
         if x.is_cuda and self.block is None:
