@@ -39,12 +39,14 @@ _ELEMENT_TYPES = {
 @dataclass(frozen=True)
 class IndexedTensor:
     """One tensor of the index: ``shape`` in GGUF's order (fastest dimension first), ``data``
-    a read-only view of the mapped file (``[rows, row bytes]`` of uint8 for block types)."""
+    a read-only view of the mapped file (``[rows, row bytes]`` of uint8 for block types)
+    starting at byte ``data_offset``."""
 
     name: str
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    data_offset: int
 
 
 class GGUFIndex:
@@ -139,4 +141,4 @@ class GGUFIndex:
         if start + count * dtype.itemsize > len(self.data):
             raise ValueError(f"tensor {name!r} runs past the end of the file")
         data = self.data[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
-        return IndexedTensor(name, kind, dims, data)
+        return IndexedTensor(name, kind, dims, data, start)

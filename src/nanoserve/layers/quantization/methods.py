@@ -131,6 +131,23 @@ class GGUFMethod(LinearMethod):
             return self.become_dense(layer, w.dequantize(), ("weight",))
         self.become_packed(layer, w, ("weight",))
 
+    def finished_state(self, layer: nn.Module) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """A finished layer's packed matrix as tensors and metadata (None: it became dense,
+        its ``weight`` a plain parameter), for the weight cache."""
+        return None if layer.packed is None else layer.packed.state()
+
+    def restore(self, layer: nn.Module, state: tuple[dict[str, torch.Tensor], dict] | None,
+                dense: torch.Tensor | None) -> None:
+        """Finish the layer from what :meth:`finished_state` (or a dense weight) saved,
+        instead of from its blocks."""
+        from nanoserve.layers.quantization.packed import packed_from_state
+
+        del layer.gguf_parts
+        if state is None:
+            return self.become_dense(layer, dense, ("weight",))
+        delattr(layer, "weight")
+        layer.packed = packed_from_state(*state)
+
     def init_dummy(self, layer, gen):
         raise ValueError("load_format='dummy' has no GGUF blocks to make: give the dummy "
                          "model an awq or gptq quantization_config")
