@@ -6,10 +6,13 @@ import dataclasses
 import os
 import shutil
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.layers.quantization.packed import GroupedMatrix, Int4Matrix
 from nanoserve.layers.quantization.spec import QuantSpec
 from nanoserve.models.asset_cache import cached_model_assets
 from nanoserve.models.gguf_index import GGUFIndex
@@ -164,3 +167,52 @@ def test_a_file_keeps_at_most_two_entries(gguf_copy, model_config, monkeypatch):
         entry(dtype).save(runner.model)
     kept = sorted(entry(torch.float32).path.parent.iterdir())
     assert kept == sorted([entry(torch.bfloat16).path, entry(torch.float16).path])
+
+
+def _tiny_mixed_gguf(path):
+    """A one-layer llama whose linears end in each finished form: q/k/v Q4_0 (int4 kernel),
+    o/down Q8_0 (grouped codes), gate/up F32 (dense)."""
+    rng = np.random.default_rng(0)
+    q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
+    shapes = {"token_embd.weight": ((256, 64), None), "output.weight": ((256, 64), None),
+              "output_norm.weight": ((64,), None), "blk.0.attn_norm.weight": ((64,), None),
+              "blk.0.ffn_norm.weight": ((64,), None), "blk.0.attn_q.weight": ((64, 64), q4),
+              "blk.0.attn_k.weight": ((32, 64), q4), "blk.0.attn_v.weight": ((32, 64), q4),
+              "blk.0.attn_output.weight": ((64, 64), q8),
+              "blk.0.ffn_down.weight": ((64, 128), q8),
+              "blk.0.ffn_gate.weight": ((128, 64), None), "blk.0.ffn_up.weight": ((128, 64), None)}
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    for name, (shape, kind) in shapes.items():
+        w = rng.standard_normal(shape, dtype=np.float32)
+        if kind is None:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from transformers import LlamaConfig
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         vocab_size=256, tie_word_embeddings=False)
+    config.architectures = ["LlamaForCausalLM"]
+    return ModelConfig.from_hf(config, [])
+
+
+def test_every_finished_form_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "mixed.gguf"
+    config = _tiny_mixed_gguf(path)
+    conversions = Conversions(monkeypatch)
+    converted, cached = _load(path, config), _load(path, config)
+    assert conversions.count == 1
+    layers = cached.model.model.layers[0]
+    assert isinstance(layers.self_attn.qkv_proj.packed, Int4Matrix)
+    assert isinstance(layers.self_attn.o_proj.packed, GroupedMatrix)
+    assert layers.mlp.gate_up_proj.packed is None and layers.mlp.gate_up_proj.weight.shape == (
+        256, 64)
+    _assert_same(_state(converted), _state(cached))
