@@ -3,6 +3,8 @@ and rebuilt, and other settings get entries of their own."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import shutil
 
@@ -16,7 +18,7 @@ from nanoserve.layers.quantization.packed import GroupedMatrix, Int4Matrix
 from nanoserve.layers.quantization.spec import QuantSpec
 from nanoserve.models.asset_cache import cached_model_assets
 from nanoserve.models.gguf_index import GGUFIndex
-from nanoserve.models.weight_cache import weight_cache_entry
+from nanoserve.models.weight_cache import _tensors_hash, weight_cache_entry
 from nanoserve.runner import model_runner
 from nanoserve.runner.model_runner import ModelRunner
 
@@ -123,22 +125,41 @@ def test_changed_file_is_converted_again(gguf_copy, model_config, monkeypatch):
     assert conversions.count == 3
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip a tensor byte", "garbage"])
-def test_damaged_entry_is_rebuilt(gguf_copy, model_config, monkeypatch, damage):
+def _drop_a_tensor(path) -> None:
+    """Rewrite the entry without one tensor, its hash redone: only the layout check tells."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        header = json.loads(f.metadata()["nanoserve"])
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "model.norm.weight"}
+    header["tensors_xxh3_128"] = _tensors_hash(tensors)
+    save_file(tensors, str(path), metadata={"nanoserve": json.dumps(header)})
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a tensor byte", "garbage",
+                                    "a tensor missing"])
+def test_damaged_entry_is_rebuilt(gguf_copy, model_config, monkeypatch, caplog, damage):
     conversions = Conversions(monkeypatch)
     reference = _state(_load(gguf_copy, model_config))
     entry = weight_cache_entry(gguf_copy, QuantSpec("gguf"), torch.device("cpu"),
                                torch.float32, 1)
+    if damage == "a tensor missing":
+        _drop_a_tensor(entry.path)
     data = bytearray(entry.path.read_bytes())
     if damage == "truncate":
         data = data[:len(data) // 2]
     elif damage == "flip a tensor byte":  # the header stays valid: only the hash tells
         data[-1000] ^= 0xFF
-    else:
+    elif damage == "garbage":
         data = bytearray(b"not a safetensors file")
     entry.path.write_bytes(bytes(data))
-    _assert_same(_state(_load(gguf_copy, model_config)), reference)
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        _assert_same(_state(_load(gguf_copy, model_config)), reference)
     assert conversions.count == 2  # refused, converted, saved again
+    reason = {"flip a tensor byte": "its tensors are damaged",
+              "a tensor missing": "model.norm.weight"}.get(damage, "not using the cached")
+    assert reason in caplog.text and str(entry.path) in caplog.text
     _assert_same(_state(_load(gguf_copy, model_config)), reference)
     assert conversions.count == 2
 

@@ -94,10 +94,9 @@ class _Linear(nn.Module):
         if not self._unloaded:
             self.method.finish(self)
 
-    def restore_finished(self, state: tuple[dict[str, torch.Tensor], dict] | None,
-                         dense: torch.Tensor | None) -> None:
+    def restore_finished(self, packed, dense: torch.Tensor | None) -> None:
         """Take the finished form the weight cache kept (see ``GGUFMethod.restore``)."""
-        self.method.restore(self, state, dense)
+        self.method.restore(self, packed, dense)
         self._unloaded.clear()
 
     def _narrow(self, param: nn.Parameter, dim: int, start: int, length: int) -> Narrow:

@@ -1,5 +1,5 @@
 """GGUF files: the packaged default model, config and tokenizer (transformers' GGUF support),
-and weights, streamed one tensor at a time with the ``gguf`` package."""
+and weights, streamed one tensor at a time from the header index of ``gguf_index``."""
 from __future__ import annotations
 
 import copy

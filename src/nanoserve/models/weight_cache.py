@@ -14,6 +14,7 @@ is refused (logged), converted again and overwritten.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,6 +29,7 @@ import xxhash
 from torch import nn
 
 from nanoserve.layers.quantization.methods import GGUFMethod
+from nanoserve.layers.quantization.packed import packed_from_state
 from nanoserve.layers.quantization.spec import QuantSpec
 from nanoserve.models import gguf
 from nanoserve.models.asset_cache import cache_root
@@ -151,13 +153,15 @@ class WeightCacheEntry:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
 
-
     def _prune(self) -> None:
         """Keep this entry and the newest other one of the same file (another dtype, or one
         made by an earlier torch or nanoserve, which no load will ask for again)."""
-        others = sorted((p for p in self.path.parent.glob(f"{self._prefix}*.safetensors")
-                         if p != self.path), key=lambda p: p.stat().st_mtime_ns)
-        for old in others[:-1]:
+        others = []
+        for p in self.path.parent.glob(f"{self._prefix}*.safetensors"):
+            with contextlib.suppress(OSError):  # another process may have pruned it
+                if p != self.path:
+                    others.append((p.stat().st_mtime_ns, p))
+        for _, old in sorted(others)[:-1]:
             old.unlink(missing_ok=True)
 
 
@@ -211,12 +215,14 @@ def _fill(model: nn.Module, tensors: dict[str, torch.Tensor], layers: dict[str, 
         _check(tensors, name, tuple(p.shape), p.dtype)
     if set(tensors) != expected:
         raise StaleEntry(f"tensors {sorted(set(tensors) ^ expected)[:4]} do not match the model")
+    packed = {}  # made before the model changes: a refused entry leaves it as built
+    for name, meta in layers.items():
+        if meta is not None:
+            prefix = f"{name}.packed."
+            packed[name] = packed_from_state(
+                {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, meta)
     for name, module in gguf_layers.items():
-        prefix = f"{name}.packed."
-        state = None if layers[name] is None else (
-            {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)},
-            layers[name])
-        module.restore_finished(state, tensors.get(f"{name}.weight"))
+        module.restore_finished(packed.get(name), tensors.get(f"{name}.weight"))
     for name, p in params.items():
         p.data = tensors[name]
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from nanoserve.layers.parallel_state import Narrow
-from nanoserve.layers.quantization.packed import GroupedInts, concat_rows, pack_for_matmul
+from nanoserve.layers.quantization.packed import (GroupedInts, GroupedMatrix, Int4Matrix,
+                                                  concat_rows, pack_for_matmul)
 from nanoserve.layers.quantization.spec import QuantSpec
 
 _spec: QuantSpec | None = None
@@ -136,17 +137,15 @@ class GGUFMethod(LinearMethod):
         its ``weight`` a plain parameter), for the weight cache."""
         return None if layer.packed is None else layer.packed.state()
 
-    def restore(self, layer: nn.Module, state: tuple[dict[str, torch.Tensor], dict] | None,
+    def restore(self, layer: nn.Module, packed: Int4Matrix | GroupedMatrix | None,
                 dense: torch.Tensor | None) -> None:
-        """Finish the layer from what :meth:`finished_state` (or a dense weight) saved,
-        instead of from its blocks."""
-        from nanoserve.layers.quantization.packed import packed_from_state
-
+        """Finish the layer with a matrix rebuilt from :meth:`finished_state` (or, for a
+        layer that became dense, its weight) instead of from its blocks."""
         del layer.gguf_parts
-        if state is None:
+        if packed is None:
             return self.become_dense(layer, dense, ("weight",))
         delattr(layer, "weight")
-        layer.packed = packed_from_state(*state)
+        layer.packed = packed
 
     def init_dummy(self, layer, gen):
         raise ValueError("load_format='dummy' has no GGUF blocks to make: give the dummy "
