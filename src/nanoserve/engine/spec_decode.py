@@ -152,13 +152,15 @@ def draft_model_assets(config: Any, target: Any) -> tuple[Any, Any] | None:
     if spec is None or spec.method != "draft_model":
         return None
     from nanoserve.config import ModelConfig, resolve_model_path
-    from nanoserve.models.loader import load_model_assets
+    from nanoserve.models.asset_cache import cached_model_assets
 
     if config.tensor_parallel_size != 1:
         raise ValueError("speculative_config.method 'draft_model' runs on one rank: "
                          "tensor_parallel_size must be 1")
     path = resolve_model_path(spec.model)
-    hf_config, _, extra_eos = load_model_assets(path, require_weights=config.load_format != "dummy")
+    # A GGUF draft's config and tokenizer from the asset cache, not parsed again.
+    hf_config, _, extra_eos = cached_model_assets(
+        path, require_weights=config.load_format != "dummy")
     draft = ModelConfig.from_hf(hf_config, extra_eos)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model has a vocabulary of {draft.vocab_size} "

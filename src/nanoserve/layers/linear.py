@@ -94,6 +94,11 @@ class _Linear(nn.Module):
         if not self._unloaded:
             self.method.finish(self)
 
+    def restore_finished(self, packed, dense: torch.Tensor | None) -> None:
+        """Take the finished form the weight cache kept (see ``GGUFMethod.restore``)."""
+        self.method.restore(self, packed, dense)
+        self._unloaded.clear()
+
     def _narrow(self, param: nn.Parameter, dim: int, start: int, length: int) -> Narrow:
         raw = self.method.reads_raw and self._name_of(param) in self._method_params
         return (RawNarrow if raw else Narrow)(dim, start, length)

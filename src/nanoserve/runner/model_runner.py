@@ -16,6 +16,7 @@ from nanoserve.layers.parallel_state import get_tp_group
 from nanoserve.layers.quantization.methods import quantized_linears
 from nanoserve.models.loader import init_dummy_weights, iter_weights, quant_spec_of
 from nanoserve.models.registry import build_model
+from nanoserve.models.weight_cache import weight_cache_entry
 from nanoserve.runner.cpu_threads import per_rank_threads
 from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -69,9 +70,9 @@ class ModelRunner:
         self.backend = select_backend(self.device)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        quant_spec = quant_spec_of(path, config.quantization)
         try:
-            with torch.device(self.device), quantized_linears(
-                    quant_spec_of(path, config.quantization)):
+            with torch.device(self.device), quantized_linears(quant_spec):
                 self.model = build_model(model_config, self.backend)
         finally:
             torch.set_default_dtype(previous)
@@ -80,9 +81,14 @@ class ModelRunner:
             if config.load_format == "dummy":
                 init_dummy_weights(self.model)
             else:
-                self.model.load_weights(tqdm(iter_weights(path, self.dtype), unit=" tensors",
-                                             desc="Loading weights", leave=False,
-                                             disable=get_tp_group().rank != 0))
+                cache = weight_cache_entry(path, quant_spec, self.device, self.dtype,
+                                           get_tp_group().size)
+                if cache is None or not cache.restore(self.model):
+                    self.model.load_weights(tqdm(iter_weights(path, self.dtype),
+                                                 unit=" tensors", desc="Loading weights",
+                                                 leave=False, disable=get_tp_group().rank != 0))
+                    if cache is not None:
+                        cache.save(self.model)
         if self.device.type == "cuda":  # the skinny GEMVs then apply the pre-norms themselves
             self.model.fold_norm_weights()
         self.model.eval()

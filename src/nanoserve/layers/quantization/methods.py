@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from nanoserve.layers.parallel_state import Narrow
-from nanoserve.layers.quantization.packed import GroupedInts, concat_rows, pack_for_matmul
+from nanoserve.layers.quantization.packed import (GroupedInts, GroupedMatrix, Int4Matrix,
+                                                  concat_rows, pack_for_matmul)
 from nanoserve.layers.quantization.spec import QuantSpec
 
 _spec: QuantSpec | None = None
@@ -130,6 +131,21 @@ class GGUFMethod(LinearMethod):
         if not w.four_bit and self.device.type == "cuda":  # no GPU kernel for wider codes
             return self.become_dense(layer, w.dequantize(), ("weight",))
         self.become_packed(layer, w, ("weight",))
+
+    def finished_state(self, layer: nn.Module) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """A finished layer's packed matrix as tensors and metadata (None: it became dense,
+        its ``weight`` a plain parameter), for the weight cache."""
+        return None if layer.packed is None else layer.packed.state()
+
+    def restore(self, layer: nn.Module, packed: Int4Matrix | GroupedMatrix | None,
+                dense: torch.Tensor | None) -> None:
+        """Finish the layer with a matrix rebuilt from :meth:`finished_state` (or, for a
+        layer that became dense, its weight) instead of from its blocks."""
+        del layer.gguf_parts
+        if packed is None:
+            return self.become_dense(layer, dense, ("weight",))
+        delattr(layer, "weight")
+        layer.packed = packed
 
     def init_dummy(self, layer, gen):
         raise ValueError("load_format='dummy' has no GGUF blocks to make: give the dummy "

@@ -6,6 +6,7 @@ time) or, when asked, a dense tensor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,30 @@ class Int4Matrix:
         else:  # two codes a byte, low nibble first: what the Triton kernel reads
             self.packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
 
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Its tensors and the rest of what defines it, for :func:`packed_from_state`."""
+        tensors = {"scales_zeros": self.scales_zeros}
+        for name in ("cpu_packed", "packed", "perm"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name)
+        meta = {"kind": "int4", "out_features": self.out_features,
+                "in_features": self.in_features, "group_size": self.group_size,
+                "compute_dtype": str(self.compute_dtype).removeprefix("torch.")}
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Int4Matrix:
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = int(meta["out_features"]), int(meta["in_features"])
+        self.group_size = int(meta["group_size"])
+        self.compute_dtype = getattr(torch, meta["compute_dtype"])
+        self.scales_zeros = tensors["scales_zeros"]
+        self.cpu_packed, self.packed = tensors.get("cpu_packed"), tensors.get("packed")
+        self.perm = tensors.get("perm")
+        if (self.cpu_packed is None) == (self.packed is None):
+            raise ValueError("an int4 matrix holds exactly one of cpu_packed and packed")
+        return self
+
     def codes(self) -> torch.Tensor:
         """The ``[N, K]`` codes (0..15) in the packed order."""
         if self.packed is None:
@@ -132,6 +157,20 @@ class GroupedMatrix:
         self.w = w
         self.out_features, self.in_features = w.codes.shape
 
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Its tensors and the rest of what defines it, for :func:`packed_from_state`."""
+        w = self.w
+        tensors = {name: getattr(w, name) for name in ("codes", "scales", "offsets", "perm")
+                   if getattr(w, name) is not None}
+        return tensors, {"kind": "grouped", "group_size": w.group_size, "four_bit": w.four_bit}
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+                   ) -> GroupedMatrix:
+        return cls(GroupedInts(tensors["codes"], tensors["scales"], tensors.get("offsets"),
+                               int(meta["group_size"]), bool(meta["four_bit"]),
+                               tensors.get("perm")))
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         w, k, g = self.w, self.in_features, self.w.group_size
         if w.perm is not None:
@@ -152,3 +191,12 @@ def pack_for_matmul(w: GroupedInts, dtype: torch.dtype) -> Int4Matrix | GroupedM
     if w.four_bit and w.group_size in INT4_GROUP_SIZES and w.codes.shape[1] % w.group_size == 0:
         return Int4Matrix(w, dtype)
     return GroupedMatrix(w)
+
+
+def packed_from_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+                      ) -> Int4Matrix | GroupedMatrix:
+    """The matrix whose ``state()`` gave ``tensors`` and ``meta``."""
+    kinds = {"int4": Int4Matrix, "grouped": GroupedMatrix}
+    if meta.get("kind") not in kinds:
+        raise ValueError(f"unknown packed matrix kind {meta.get('kind')!r}")
+    return kinds[meta["kind"]].from_state(tensors, meta)
