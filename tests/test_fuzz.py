@@ -99,6 +99,22 @@ def test_a_choice_the_vocabulary_cannot_write_is_a_400(server, session):
     assert response.json()["choices"][0]["text"] in ("yes", "no"), response.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_dead_ends_later_fails_alone_saying_why(server, session, stream):
+    # Only a later mask is empty ("b", then bytes no token holds): the request fails at that
+    # step with the reason, not with "logits not finite", and the server goes on.
+    body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 8, "stream": stream,
+            "guided_regex": "b\U00040000"}
+    response = session.post(server.url + "/v1/completions", json=body, timeout=30)
+    text = response.text
+    assert "the grammar allows no token of this model's vocabulary" in text, text
+    if not stream:
+        assert response.status_code == 500 and response.json()["error"]["message"]
+    body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 4, "guided_choice": ["yes", "no"]}
+    response = session.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.json()["choices"][0]["text"] in ("yes", "no"), response.text
+
+
 @pytest.mark.parametrize("prompt", [[-1], [0, 2**40], [[5], [-3]]])
 @pytest.mark.parametrize("extra", [{"echo": True}, {"use_beam_search": True}])
 def test_bad_token_ids_are_a_400_on_every_path(server, session, prompt, extra):

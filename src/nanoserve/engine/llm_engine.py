@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Iterable
 
+import numpy as np
+
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.fault_hunt import FaultHunt
@@ -93,6 +95,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.aborted: list[Request] = []
+        self.dead_ends: list[Request] = []  # at a grammar's dead end (_bitmask): to fail
         self.finished_ids: list[str] = []
         self.in_flight: tuple[list[ScheduledChunk], InFlightStep] | None = None
         self.fault_hunt = FaultHunt()
@@ -313,6 +316,7 @@ class LLMEngine:
             outputs += self._collect(previous)
             if step is not None and step.grammar_rows and step.token_bitmask is None:
                 self.in_flight[1].apply_bitmask(self._bitmask(sched.chunks, step.grammar_rows))
+            self._end_dead_ends()
             if not overlap:
                 current, self.in_flight = self.in_flight, None
                 outputs += self._collect(current)
@@ -442,10 +446,26 @@ class LLMEngine:
         self.scheduler.register_known_blocks(req)
 
     def _bitmask(self, chunks: list[ScheduledChunk], rows: list[int]) -> np.ndarray:
-        """The next-token bitmasks of a step's sampling ``rows`` under a grammar."""
+        """The next-token bitmasks of a step's sampling ``rows`` under a grammar. A request
+        whose grammar allows no token at all next (it needs bytes no token of the vocabulary
+        holds) fails here, with that said, rather than on the masked row's unusable logits."""
         sampling = [c.request for c in chunks if c.samples]
-        return self._structured.bitmask([None if sampling[i].finished
-                                         else sampling[i].request_id for i in rows])
+        live = [None if sampling[i].finished else sampling[i].request_id for i in rows]
+        bits = self._structured.bitmask(live)
+        self.dead_ends += [self.requests[live[i]] for i in np.flatnonzero(~bits.any(axis=1))]
+        return bits
+
+    def _end_dead_ends(self) -> None:
+        """Fail the requests _bitmask found at a dead end, once their step is launched and
+        counted (its row for them is then dropped); they end with the next step's outputs."""
+        for req in self.dead_ends:
+            if not req.finished:
+                self.scheduler.finish(req)
+                req.finish(FinishReason.ERROR, f"ValueError: structured_outputs: after "
+                           f"{req.num_output_tokens} tokens the grammar allows no token of "
+                           "this model's vocabulary (it needs bytes that no token holds)")
+                self.aborted.append(req)
+        self.dead_ends = []
 
     def _step_input(self, chunks: list[ScheduledChunk], with_bitmask: bool = True
                     ) -> StepInput:
