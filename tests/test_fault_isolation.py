@@ -55,7 +55,8 @@ def _inject(llm, kind: str, monkeypatch) -> None:
 
         monkeypatch.setattr(engine.output_processor, "append_token", failing_append)
         return
-    launch, sampler, logits_of = runner.launch, runner.sampler, runner.model.compute_logits
+    rank0 = getattr(runner, "runner", runner)  # a tensor-parallel executor's own runner
+    launch, sampler, logits_of = runner.launch, rank0.sampler, rank0.model.compute_logits
     current: dict[str, int | None] = {"row": None}
 
     def traced_launch(step):
@@ -75,18 +76,37 @@ def _inject(llm, kind: str, monkeypatch) -> None:
 
     monkeypatch.setattr(runner, "launch", traced_launch)
     if kind == "raise":
-        monkeypatch.setattr(runner, "sampler", failing_sampler)
+        monkeypatch.setattr(rank0, "sampler", failing_sampler)
     else:
-        monkeypatch.setattr(runner.model, "compute_logits", nan_logits)
+        monkeypatch.setattr(rank0.model, "compute_logits", nan_logits)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("kind", ["raise", "nan", "detokenize"])
 def test_one_failing_request_of_sixteen(llm, solo, kind, overlap, monkeypatch):
+    if not overlap:
+        monkeypatch.setattr(llm.engine.executor, "feeds_pending_tokens", False)
+    _assert_only_the_target_fails(llm, solo, kind, monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["raise", "nan", "detokenize"])
+def test_one_failing_request_under_tensor_parallelism(tiny_llama, solo, kind, monkeypatch):
+    """Rank 0's sampling fails after the step's collectives: the workers are in step, so
+    the group runs on and only the request at fault ends."""
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=16,
+              num_kv_blocks=128, tensor_parallel_size=2)
+    try:
+        _assert_only_the_target_fails(llm, solo, kind, monkeypatch)
+        assert not llm.engine.executor.stopped
+        again = llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == solo[:2]
+    finally:
+        llm.close()
+
+
+def _assert_only_the_target_fails(llm, solo, kind, monkeypatch) -> None:
     engine = llm.engine
     free = engine.block_manager.num_free_blocks
-    if not overlap:
-        monkeypatch.setattr(engine.executor, "feeds_pending_tokens", False)
     _inject(llm, kind, monkeypatch)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     for i, out in enumerate(outs):

@@ -184,14 +184,19 @@ class TensorParallelExecutor:
         if self.backend == "nccl":  # NCCL would wait forever: abort its communicators
             self._leave_group(abort=True)
 
-    def _guarded(self, fn: Callable[[], T]) -> T:
-        """fn() on rank 0; a failure anywhere stops the group and raises, naming its cause."""
+    def _guarded(self, fn: Callable[[], T], own_failure: Callable[[], bool] = lambda: False
+                 ) -> T:
+        """fn() on rank 0; a failure anywhere stops the group and raises, naming its cause,
+        but an exception that ``own_failure()`` says is rank 0's alone (its peers still in
+        step, alive) only raises: the engine then fails the request at fault."""
         if self._stopped:
             raise RuntimeError("the tensor-parallel group is no longer running (closed, or "
                                "stopped by an earlier failure)")
         try:
             result = fn()
         except BaseException as exc:
+            if isinstance(exc, Exception) and own_failure() and not self.failed.is_set():
+                raise
             error = self._fail()
             if error is None:
                 raise
@@ -226,7 +231,8 @@ class TensorParallelExecutor:
         return self._stopped or self.failed.is_set()
 
     def launch(self, step: StepInput) -> InFlightStep:
-        return self._guarded(lambda: self._step(step))
+        return self._guarded(lambda: self._step(step),
+                             own_failure=lambda: self.runner.collectives_done)
 
     def _step(self, step: StepInput) -> InFlightStep:
         self.channel.send(step)

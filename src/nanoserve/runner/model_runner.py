@@ -99,6 +99,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.last_samples: torch.Tensor | None = None  # the previous step's sampled ids
         self.last_sample_rows: dict[str, int] = {}  # request id -> row in last_samples
+        # Set once a step's last collective (the logits' gather) is past: what fails after
+        # it is rank 0's own sampling work, and tensor-parallel peers are still in step.
+        self.collectives_done = False
         self.attention = [layer.self_attn for layer in self.model.model.layers]
         attn = self.attention[0]
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
@@ -252,6 +255,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, step: StepInput) -> InFlightStep:
         """Queue the step's forward and sampling on the device; return without waiting."""
+        self.collectives_done = False
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
         if self.pooler is not None:
@@ -281,6 +285,7 @@ class ModelRunner:
             return CompletedStep(StepOutput([], prompt_logprobs=prompt))
         if logits is None:
             logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        self.collectives_done = True
         if not self.sampling_rank:  # a tensor-parallel worker: rank 0 gathers and samples
             return CompletedStep(StepOutput([]))
         if token_ids is not None:
@@ -315,6 +320,7 @@ class ModelRunner:
         prompt = prompt_logprobs(self.model, step.chunks, hidden)
         if logits is None:
             logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        self.collectives_done = True
         if not self.sampling_rank:
             return CompletedStep(StepOutput([]))
         # One row per proposal and one after them: each chunk's parameters, repeated.
