@@ -409,3 +409,20 @@ def test_sampling_with_speculation_follows_the_target_distribution(
     again = llm.generate([prompt] * 5, params[10:15], use_tqdm=False)
     assert _ids(again) == _ids(outs[10:15])
     _assert_no_leak(llm)
+
+
+def test_draft_model_beside_a_tensor_parallel_target(tiny_llama, noisy_llama, repeating_ids):
+    """The draft runs whole in rank 0's process; greedy output equals one rank's without it."""
+    one = LLM(str(tiny_llama), device="cpu", dtype="float32")
+    want = _ids(one.generate(repeating_ids, _greedy(24), use_tqdm=False))
+    one.close()
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", tensor_parallel_size=2,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                  "model": str(noisy_llama)})
+    try:
+        assert _ids(llm.generate(repeating_ids, _greedy(24), use_tqdm=False)) == want
+        stats = llm.engine.stats()
+        assert stats.spec.num_accepted_tokens > 0
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        llm.close()

@@ -118,7 +118,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from nanoserve.config import resolve_model_path
         from nanoserve.models.asset_cache import cached_model_assets
-        from nanoserve.runner.executor import make_executor
+        from nanoserve.runner.executor import make_draft_executor, make_executor
 
         start = time.perf_counter()
         path = resolve_model_path(config.model)
@@ -141,12 +141,8 @@ class LLMEngine:
                                  draft_assets[1] if draft_assets is not None else None)
         draft = None
         if draft_assets is not None:
-            # The draft holds as many blocks as the target: it never runs out first.
-            draft_config = dataclasses.replace(
-                config, model=str(draft_assets[0]), speculative_config=None,
-                num_kv_blocks=executor.num_kv_blocks, kv_cache_memory=None)
             with phase("load the draft model", logger):
-                draft = make_executor(draft_config, draft_assets[1], draft_assets[0])
+                draft = make_draft_executor(config, executor, *draft_assets)
         engine = cls(config, model_config, tokenizer, executor, str(path), draft)
         engine.pooler = pooler
         freeze_startup_heap()

@@ -147,16 +147,13 @@ class SpecDecoder:
 
 def draft_model_assets(config: Any, target: Any) -> tuple[Any, Any] | None:
     """The draft model's path and ModelConfig when ``config`` asks for one (None otherwise),
-    refused unless one rank runs it and it shares the target's vocabulary."""
+    refused unless it shares the target's vocabulary."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
     from nanoserve.config import ModelConfig, resolve_model_path
     from nanoserve.models.asset_cache import cached_model_assets
 
-    if config.tensor_parallel_size != 1:
-        raise ValueError("speculative_config.method 'draft_model' runs on one rank: "
-                         "tensor_parallel_size must be 1")
     path = resolve_model_path(spec.model)
     # A GGUF draft's config and tokenizer from the asset cache, not parsed again.
     hf_config, _, extra_eos = cached_model_assets(

@@ -77,7 +77,8 @@ class TensorParallelExecutor:
 
     feeds_pending_tokens = False
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path,
+                 draft_model_config: ModelConfig | None = None):
         self.size = config.tensor_parallel_size
         self.workers: list[BaseProcess] = []
         self.reports: list[Connection] = []
@@ -100,7 +101,8 @@ class TensorParallelExecutor:
         else:
             self._spawn(config, model_config, path)
         self.runner = self._guarded(
-            lambda: build_runner(config, model_config, path, 0, self.size, self.device))
+            lambda: build_runner(config, model_config, path, 0, self.size, self.device,
+                                 draft_model_config))
         self.num_kv_blocks = self.runner.num_kv_blocks
 
     def _join_torchrun(self, config: EngineConfig, model_config: ModelConfig, path: Path) -> None:

@@ -35,10 +35,12 @@ def backend_for(device: torch.device) -> str:
 
 
 def build_runner(config: EngineConfig, model_config: ModelConfig, path: Path, rank: int,
-                 size: int, device: torch.device) -> ModelRunner:
-    """Rank ``rank``'s model runner: its layers shard themselves as they are built."""
+                 size: int, device: torch.device,
+                 draft_model_config: ModelConfig | None = None) -> ModelRunner:
+    """Rank ``rank``'s model runner: its layers shard themselves as they are built; a draft
+    model that rank 0 runs beside it takes its share of the cache budget."""
     with tensor_parallel_group(rank, size):
-        return ModelRunner(config, model_config, path, device)
+        return ModelRunner(config, model_config, path, device, draft_model_config)
 
 
 def leave_process_group(backend: str, abort: bool) -> None:
