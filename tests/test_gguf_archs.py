@@ -1,0 +1,239 @@
+"""GGUF files of Qwen3-MoE, Phi-3, Gemma-2/3 and Mistral: tiny random models written as
+llama.cpp's converter writes them; nanoserve's weights against transformers' GGUF loader and
+its greedy tokens against the same model loaded from a Hugging Face folder."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig,
+                          Phi3Config, Qwen3MoeConfig)
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.models.gguf import iter_gguf_weights, load_gguf_config
+
+from conftest import TINY_COMMON
+
+Q = gguf.GGMLQuantizationType
+# GGUF architecture and gguf-py's model enum (its tensor names) of each Hugging Face model type.
+ARCHS = {"qwen3_moe": ("qwen3moe", "QWEN3MOE"), "phi3": ("phi3", "PHI3"),
+         "gemma2": ("gemma2", "GEMMA2"), "gemma3_text": ("gemma3", "GEMMA3"),
+         "mistral": ("llama", "LLAMA")}
+EXPERTS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+
+
+def _config(arch: str, vocab_size: int, eos_id: int) -> Any:
+    common = dict(TINY_COMMON, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=None)
+    if arch == "qwen3moe":  # llama.cpp always renormalises the top-k weights
+        return Qwen3MoeConfig(**common, head_dim=32, rope_theta=1e6, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=64,
+                              norm_topk_prob=True, tie_word_embeddings=False)
+    if arch == "phi3":
+        return Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if arch in ("gemma2", "gemma3"):  # llama.cpp scales queries by head_dim ** -0.5
+        cls = Gemma2Config if arch == "gemma2" else Gemma3TextConfig
+        return cls(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                   tie_word_embeddings=True)
+    return MistralConfig(**common, head_dim=16, sliding_window=None, tie_word_embeddings=False)
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order for llama: per head, rotary halves interleaved."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _gguf_tensors(model: Any, gguf_arch: str, enum: str) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names and in the form llama.cpp's converter writes."""
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[enum], cfg.num_hidden_layers)
+    out = {}
+    for hf_name, w in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".mlp.experts." in hf_name:  # [E, 2I, H] gate|up and [E, H, I]: stacked per part
+            prefix = f"blk.{hf_name.split('.')[2]}."
+            parts = (w.chunk(2, dim=1) if hf_name.endswith("gate_up_proj") else (w,))
+            for part, t in zip(("gate", "up") if len(parts) == 2 else ("down",), parts):
+                out[prefix + EXPERTS[part] + ".weight"] = t
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        name = names.get_name(base) + "." + suffix
+        if gguf_arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
+            w = _llama_cpp_permute(w, heads)
+        if gguf_arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1  # Gemma's norms scale by (1 + w): llama.cpp stores the factor
+        out[name] = w
+    return out
+
+
+def _add_metadata(writer: gguf.GGUFWriter, cfg: Any, arch: str) -> None:
+    """The hyperparameters as llama.cpp's converter writes them for each architecture."""
+    writer.add_name({"llama": "Mistral"}.get(arch, arch.capitalize()))
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    elif arch != "gemma2":  # the converter writes no Gemma-2 RoPE base: llama.cpp's default
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "phi3":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        writer.add_sliding_window(0)
+    if arch == "llama":
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_rope_dimension_count(cfg.head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(cfg.sliding_window)
+
+
+def _stored(name: str, w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q]:
+    """The converter's choice: norms, biases and routers stay F32, matrices take ``qtype``."""
+    array = w.detach().float().numpy()
+    if qtype == Q.F32 or array.ndim == 1 or "ffn_gate_inp" in name:
+        return array, Q.F32
+    if qtype == Q.F16:
+        return array.astype(np.float16), Q.F16
+    return gguf.quants.quantize(array, qtype), qtype
+
+
+def write_gguf(model: Any, path: Path, tokenizer: dict[str, Any], qtype: Q) -> Path:
+    gguf_arch, enum = ARCHS[model.config.model_type]
+    writer = gguf.GGUFWriter(path, gguf_arch)
+    _add_metadata(writer, model.config, gguf_arch)
+    writer.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[qtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer["pre"])
+    writer.add_token_list(tokenizer["tokens"])
+    writer.add_token_types(tokenizer["token_type"])
+    writer.add_token_merges(tokenizer["merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("unknown", writer.add_unk_token_id), ("padding", writer.add_pad_token_id)):
+        add(tokenizer[key])
+    writer.add_chat_template(tokenizer["chat_template"])
+    for name, w in _gguf_tensors(model, gguf_arch, enum).items():
+        array, kind = _stored(name, w, qtype)
+        writer.add_tensor(name, array, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_fields(smollm2_path) -> dict[str, Any]:
+    """SmolLM2's tokenizer as its GGUF stores it, the same as ``tokenizer_dir`` holds."""
+    reader = gguf.GGUFReader(smollm2_path)
+    fields = {key.rsplit(".", 1)[-1]: reader.fields[f"tokenizer.ggml.{key}"].contents()
+              for key in ("pre", "tokens", "token_type", "merges")}
+    for key in ("bos", "eos", "unknown", "padding"):
+        fields[key] = reader.fields[f"tokenizer.ggml.{key}_token_id"].contents()
+    fields["chat_template"] = reader.fields["tokenizer.chat_template"].contents()
+    return fields
+
+
+def _random_model(arch: str, tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(arch, len(tok), tok.eos_token_id),
+                                             dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # wider than the init: less flat logits
+            p.normal_(0.0, 0.15)
+            if "norm" in name:
+                p.add_(1.0 if "gemma" not in arch else 0.0)
+    return model
+
+
+def _transformers_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(load_gguf_config(path))
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell)["tensors"]
+
+
+def _ours_stacked(path: Path) -> dict[str, torch.Tensor]:
+    """nanoserve's per-expert tensors stacked as transformers' fused experts are."""
+    ours: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, w in iter_gguf_weights(path):
+        if ".mlp.experts." not in name:
+            ours[name] = w
+            continue
+        prefix, index, part = name.rsplit(".", 3)[0], int(name.split(".")[5]), name.split(".")[6]
+        experts.setdefault(prefix, {}).setdefault(index, {})[part] = w
+    for prefix, by_index in experts.items():
+        rows = [by_index[i] for i in range(len(by_index))]
+        ours[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([r["gate_proj"], r["up_proj"]]) for r in rows])
+        ours[prefix + ".down_proj"] = torch.stack([r["down_proj"] for r in rows])
+    return ours
+
+
+def _greedy(path: Path, quantization: str) -> list[list[int]]:
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32,
+              quantization=quantization)
+    try:
+        prompts = ["The capital of France is", "def add(a, b):\n   "]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.close()
+
+
+CASES = [("qwen3moe", Q.F32), ("phi3", Q.F32), ("gemma2", Q.F32), ("gemma3", Q.F32),
+         ("mistral", Q.F32), ("gemma3", Q.F16), ("qwen3moe", Q.Q8_0)]
+
+
+@pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
+def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_dir, tokenizer_fields,
+                                                 tmp_path):
+    from transformers import AutoTokenizer
+    model = _random_model(arch, tokenizer_dir)
+    path = write_gguf(model, tmp_path / f"{arch}.gguf", tokenizer_fields, qtype)
+
+    ours, theirs = _ours_stacked(path), _transformers_tensors(path)
+    assert set(ours) == set(theirs)
+    for name, w in ours.items():
+        torch.testing.assert_close(w, theirs[name].float(), rtol=0, atol=0, msg=name)
+    if qtype == Q.F32:  # the converter's changes (permuted q/k, Gemma's w + 1) undone
+        expected = {k: v for k, v in model.state_dict().items()
+                    if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+        assert set(ours) == set(expected)
+        for name, w in ours.items():
+            torch.testing.assert_close(w, expected[name], rtol=0, atol=1e-6, msg=name)
+    else:  # the reference model holds the dequantized weights
+        missing, unexpected = model.load_state_dict(theirs, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    # quantization="none": the GGUF blocks dequantized at load, the same weights as the folder.
+    assert _greedy(path, "none") == _greedy(folder, "none")
