@@ -119,12 +119,7 @@ def _stored(name: str, w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q]:
     return gguf.quants.quantize(array, qtype), qtype
 
 
-def write_gguf(model: Any, path: Path, tokenizer: dict[str, Any], qtype: Q) -> Path:
-    gguf_arch, enum = ARCHS[model.config.model_type]
-    writer = gguf.GGUFWriter(path, gguf_arch)
-    _add_metadata(writer, model.config, gguf_arch)
-    writer.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[qtype])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict[str, Any]) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(tokenizer["pre"])
     writer.add_token_list(tokenizer["tokens"])
@@ -134,6 +129,15 @@ def write_gguf(model: Any, path: Path, tokenizer: dict[str, Any], qtype: Q) -> P
                      ("unknown", writer.add_unk_token_id), ("padding", writer.add_pad_token_id)):
         add(tokenizer[key])
     writer.add_chat_template(tokenizer["chat_template"])
+
+
+def write_gguf(model: Any, path: Path, tokenizer: dict[str, Any], qtype: Q) -> Path:
+    gguf_arch, enum = ARCHS[model.config.model_type]
+    writer = gguf.GGUFWriter(path, gguf_arch)
+    _add_metadata(writer, model.config, gguf_arch)
+    writer.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[qtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_tokenizer(writer, tokenizer)
     for name, w in _gguf_tensors(model, gguf_arch, enum).items():
         array, kind = _stored(name, w, qtype)
         writer.add_tensor(name, array, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
@@ -144,29 +148,50 @@ def write_gguf(model: Any, path: Path, tokenizer: dict[str, Any], qtype: Q) -> P
     return path
 
 
+VOCAB = 1024  # SmolLM2's first tokens (its special ones among them): files parse fast
+
+
 @pytest.fixture(scope="module")
 def tokenizer_fields(smollm2_path) -> dict[str, Any]:
-    """SmolLM2's tokenizer as its GGUF stores it, the same as ``tokenizer_dir`` holds."""
+    """SmolLM2's tokenizer as its GGUF stores it, cut to its first ``VOCAB`` tokens and the
+    merges among them."""
     reader = gguf.GGUFReader(smollm2_path)
-    fields = {key.rsplit(".", 1)[-1]: reader.fields[f"tokenizer.ggml.{key}"].contents()
+    fields = {key: reader.fields[f"tokenizer.ggml.{key}"].contents()
               for key in ("pre", "tokens", "token_type", "merges")}
+    fields["tokens"], fields["token_type"] = fields["tokens"][:VOCAB], fields["token_type"][:VOCAB]
+    kept = set(fields["tokens"])
+    fields["merges"] = [m for m in fields["merges"]
+                        if m.replace(" ", "") in kept and set(m.split(" ")) <= kept]
     for key in ("bos", "eos", "unknown", "padding"):
         fields[key] = reader.fields[f"tokenizer.ggml.{key}_token_id"].contents()
     fields["chat_template"] = reader.fields["tokenizer.chat_template"].contents()
     return fields
 
 
-def _random_model(arch: str, tokenizer_dir: Path) -> Any:
+@pytest.fixture(scope="module")
+def tokenizer_folder(tokenizer_fields, tmp_path_factory) -> Path:
+    """The same tokenizer as a Hugging Face folder, read by transformers from a llama GGUF
+    (from a Gemma one it would take the GPT-2 vocabulary for SentencePiece)."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = tmp_path_factory.mktemp("gguf-tokenizer")
+    writer = gguf.GGUFWriter(out / "tok.gguf", "llama")
+    _add_tokenizer(writer, tokenizer_fields)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    AutoTokenizer.from_pretrained(out, gguf_file="tok.gguf").save_pretrained(out)
+    return out
+
+
+def _random_model(arch: str, eos_id: int) -> Any:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(arch, len(tok), tok.eos_token_id),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(arch, VOCAB, eos_id), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():  # wider than the init: less flat logits
             p.normal_(0.0, 0.15)
-            if "norm" in name:
-                p.add_(1.0 if "gemma" not in arch else 0.0)
+            if "norm" in name and "gemma" not in arch:  # Gemma's norms scale by (1 + w)
+                p.add_(1.0)
     return model
 
 
@@ -195,14 +220,14 @@ def _ours_stacked(path: Path) -> dict[str, torch.Tensor]:
     return ours
 
 
-def _greedy(path: Path, quantization: str) -> list[list[int]]:
+def _greedy(path: Path, quantization: str) -> list[tuple[list[int], list[int]]]:
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32,
               quantization=quantization)
     try:
-        prompts = ["The capital of France is", "def add(a, b):\n   "]
+        prompts = ["The capital of France is", "def add(a, b): return a + b"]
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
                             use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        return [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
     finally:
         llm.close()
 
@@ -212,10 +237,10 @@ CASES = [("qwen3moe", Q.F32), ("phi3", Q.F32), ("gemma2", Q.F32), ("gemma3", Q.F
 
 
 @pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
-def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_dir, tokenizer_fields,
+def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_fields, tokenizer_folder,
                                                  tmp_path):
     from transformers import AutoTokenizer
-    model = _random_model(arch, tokenizer_dir)
+    model = _random_model(arch, tokenizer_fields["eos"])
     path = write_gguf(model, tmp_path / f"{arch}.gguf", tokenizer_fields, qtype)
 
     ours, theirs = _ours_stacked(path), _transformers_tensors(path)
@@ -234,6 +259,6 @@ def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_dir, tok
 
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
     # quantization="none": the GGUF blocks dequantized at load, the same weights as the folder.
     assert _greedy(path, "none") == _greedy(folder, "none")
