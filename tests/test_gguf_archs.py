@@ -74,7 +74,7 @@ def _gguf_tensors(model: Any, gguf_arch: str, enum: str) -> dict[str, torch.Tens
 
 def _add_metadata(writer: gguf.GGUFWriter, cfg: Any, arch: str) -> None:
     """The hyperparameters as llama.cpp's converter writes them for each architecture."""
-    writer.add_name({"llama": "Mistral"}.get(arch, arch.capitalize()))
+    writer.add_name({"llama": "Mistral", "qwen3moe": "Qwen3Moe"}.get(arch, arch.capitalize()))
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -107,6 +107,8 @@ def _add_metadata(writer: gguf.GGUFWriter, cfg: Any, arch: str) -> None:
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if arch.startswith("gemma"):
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_add_space_prefix(False)
 
 
 def _stored(name: str, w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q]:
@@ -262,3 +264,52 @@ def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_fields, 
     AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
     # quantization="none": the GGUF blocks dequantized at load, the same weights as the folder.
     assert _greedy(path, "none") == _greedy(folder, "none")
+
+
+def _tiny_file(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "falcon", "gpt2"])  # transformers reads these
+def test_unsupported_architecture_lists_supported(arch, tmp_path):
+    path = _tiny_file(tmp_path / f"{arch}.gguf", arch,
+                      {"token_embd.weight": np.zeros((4, 4), np.float32)})
+    supported = "gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe"
+    message = f"unsupported GGUF architecture '{arch}' \\(supported: {supported}\\)"
+    with pytest.raises(ValueError, match=message):
+        load_gguf_config(path)
+    with pytest.raises(ValueError, match=message):
+        list(iter_gguf_weights(path))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_phi3_longrope_factors_refused(tmp_path):
+    path = _tiny_file(tmp_path / "phi3.gguf", "phi3", {
+        "token_embd.weight": np.zeros((4, 4), np.float32),
+        "rope_factors_long.weight": np.ones(2, np.float32)})
+    with pytest.raises(ValueError, match="'rope_factors_long.weight' is not supported: Phi-3"):
+        list(iter_gguf_weights(path))
+
+
+def test_quantized_experts_dequantized_with_a_log_line(tokenizer_fields, tmp_path, caplog):
+    model = _random_model("qwen3moe", tokenizer_fields["eos"])
+    path = write_gguf(model, tmp_path / "moe.gguf", tokenizer_fields, Q.Q8_0)
+    with caplog.at_level("INFO", logger="nanoserve.models.gguf"):
+        weights = dict(iter_gguf_weights(path))
+    assert "expert tensors (Q8_0) are dequantized at load" in caplog.text
+    stacked = gguf.quants.dequantize(
+        next(t for t in gguf.GGUFReader(path).tensors
+             if t.name == "blk.0.ffn_down_exps.weight").data, Q.Q8_0)
+    for expert in range(model.config.num_experts):  # each read alone, the same values
+        assert torch.equal(weights[f"model.layers.0.mlp.experts.{expert}.down_proj.weight"],
+                           torch.from_numpy(stacked[expert]))

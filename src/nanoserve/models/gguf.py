@@ -97,10 +97,21 @@ def _cached_reader(file: Path, size: int, mtime_ns: int) -> GGUFIndex:
 def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
     """The model config (heads, layers, rope, tied embeddings...) from a GGUF file's metadata,
     with what transformers' reader misses filled in (``gguf_names.fill_config``)."""
-    config = _from_gguf(AutoConfig, path, "config")
-    reader = _open_reader(_resolve_gguf_file(path))
-    fill_config(config, str(reader.get("general.architecture", "")), reader.fields)
+    file = _resolve_gguf_file(path)
+    reader = _open_reader(file)
+    arch = _architecture(reader, file)  # before transformers, whose own list is not ours
+    config = _from_gguf(AutoConfig, file, "config")
+    fill_config(config, arch, reader.fields)
     return config
+
+
+def _architecture(reader: GGUFIndex, file: Path) -> str:
+    """The file's GGUF architecture, or a clear error listing the ones nanoserve loads."""
+    arch = str(reader.get("general.architecture", "<missing>"))
+    if arch not in LAYER_NAMES:
+        raise ValueError(f"{file}: unsupported GGUF architecture {arch!r} "
+                         f"(supported: {', '.join(sorted(LAYER_NAMES))})")
+    return arch
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -158,10 +169,7 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, GGUFTensor
     import gguf  # lazily: the package is only needed for GGUF files
     file = _resolve_gguf_file(path)
     reader = _open_reader(file)
-    arch = str(reader.get(gguf.Keys.General.ARCHITECTURE, "<missing>"))
-    if arch not in LAYER_NAMES:
-        raise ValueError(f"{file}: unsupported GGUF architecture {arch!r} "
-                         f"(supported: {', '.join(sorted(LAYER_NAMES))})")
+    arch = _architecture(reader, file)
     layer_names = LAYER_NAMES[arch]
 
     head_counts: dict[str, int] = {}
