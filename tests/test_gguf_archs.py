@@ -313,3 +313,25 @@ def test_quantized_experts_dequantized_with_a_log_line(tokenizer_fields, tmp_pat
     for expert in range(model.config.num_experts):  # each read alone, the same values
         assert torch.equal(weights[f"model.layers.0.mlp.experts.{expert}.down_proj.weight"],
                            torch.from_numpy(stacked[expert]))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "qwen3moe"])
+def test_q8_0_kept_packed_matches_dequantized(arch, tokenizer_fields, tmp_path):
+    """Phi-3's fused qkv and gate|up blocks split by rows and kept packed; Qwen3-MoE's
+    attention packed, its experts dequantized: close to the all-dequantized model."""
+    from test_quantization import assert_close_greedy
+    model = _random_model(arch, tokenizer_fields["eos"])
+    path = write_gguf(model, tmp_path / f"{arch}.gguf", tokenizer_fields, Q.Q8_0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)
+    runs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32,
+                  quantization=quantization)
+        try:
+            runs[quantization] = llm.generate(["The capital of France is"], params,
+                                              use_tqdm=False)
+            qkv = llm.engine.executor.model.model.layers[0].self_attn.qkv_proj
+            assert (qkv.packed is None) == (quantization == "none")
+        finally:
+            llm.close()
+    assert_close_greedy(runs["none"], runs["auto"])
