@@ -3,6 +3,7 @@ llama.cpp's converter writes them; nanoserve's weights against transformers' GGU
 its greedy tokens against the same model loaded from a Hugging Face folder."""
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
                           Phi3Config, Qwen3MoeConfig)
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import ModelConfig
+from nanoserve.models.loader import load_hf_config
 from nanoserve.models.gguf import iter_gguf_weights, load_gguf_config
 
 from conftest import TINY_COMMON
@@ -27,17 +30,23 @@ EXPERTS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"
 
 
 def _config(arch: str, vocab_size: int, eos_id: int) -> Any:
-    common = dict(TINY_COMMON, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=None)
+    # An epsilon float32 holds exactly, as GGUF stores it.
+    common = dict(TINY_COMMON, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=None,
+                  rms_norm_eps=2.0 ** -20)
     if arch == "qwen3moe":  # llama.cpp always renormalises the top-k weights
         return Qwen3MoeConfig(**common, head_dim=32, rope_theta=1e6, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=64,
                               norm_topk_prob=True, tie_word_embeddings=False)
-    if arch == "phi3":
-        return Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if arch == "phi3":  # half of each head rotated, as in Phi-4-mini
+        return Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False,
+                          partial_rotary_factor=0.5, sliding_window=4)
     if arch in ("gemma2", "gemma3"):  # llama.cpp scales queries by head_dim ** -0.5
         cls = Gemma2Config if arch == "gemma2" else Gemma3TextConfig
-        return cls(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
-                   tie_word_embeddings=True)
+        config = cls(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                     tie_word_embeddings=True)
+        if arch == "gemma3":  # not the default local RoPE base: read from the file
+            config.rope_parameters["sliding_attention"]["rope_theta"] = 50000.0
+        return config
     return MistralConfig(**common, head_dim=16, sliding_window=None, tie_word_embeddings=False)
 
 
@@ -97,8 +106,9 @@ def _add_metadata(writer: gguf.GGUFWriter, cfg: Any, arch: str) -> None:
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-        writer.add_sliding_window(0)
+        rotated = rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size
+        writer.add_rope_dimension_count(int(rotated) // cfg.num_attention_heads)
+        writer.add_sliding_window(cfg.sliding_window or 0)
     if arch == "llama":
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_rope_dimension_count(cfg.head_dim)
@@ -262,6 +272,10 @@ def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_fields, 
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
+    # The engine's view of the model: every field the same (Mistral's file says "llama").
+    ours_cfg, want_cfg = (asdict(ModelConfig.from_hf(load_hf_config(p))) for p in (path, folder))
+    differ = {k: v for k, v in ours_cfg.items() if want_cfg[k] != v}
+    assert differ == ({"architecture": "LlamaForCausalLM"} if arch == "mistral" else {})
     # quantization="none": the GGUF blocks dequantized at load, the same weights as the folder.
     assert _greedy(path, "none") == _greedy(folder, "none")
 

@@ -93,6 +93,12 @@ def fill_config(config: Any, arch: str, fields: dict[str, Any]) -> None:
         big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
         config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads
                                         if big else config.head_dim)
+    if arch == "phi3":  # Phi-4-mini rotates part of each head, and its window is in the file
+        head_dim = config.hidden_size // config.num_attention_heads
+        rotated = field("rope.dimension_count")
+        if rotated is not None and int(rotated) != head_dim:
+            config.partial_rotary_factor = int(rotated) / head_dim
+        config.sliding_window = int(field("attention.sliding_window") or 0) or None
     rope = getattr(config, "rope_parameters", None)
     if arch == "gemma3" and field("rope.freq_base_swa") is not None and rope:
         rope.setdefault("sliding_attention", {"rope_type": "default"})["rope_theta"] = float(
