@@ -21,7 +21,7 @@ from nanoserve.models import gguf
 from nanoserve.models.loader import load_model_assets
 
 logger = logging.getLogger(__name__)
-CACHE_FORMAT = 1  # bump when what is saved changes
+CACHE_FORMAT = 2  # bump when what is saved changes (2: gguf_names.fill_config)
 
 
 def cache_root() -> Path:
