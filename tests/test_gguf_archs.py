@@ -11,15 +11,20 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig,
-                          Phi3Config, Qwen3MoeConfig)
+from conftest import TINY_COMMON
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen3MoeConfig,
+)
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import ModelConfig
-from nanoserve.models.loader import load_hf_config
 from nanoserve.models.gguf import iter_gguf_weights, load_gguf_config
-
-from conftest import TINY_COMMON
+from nanoserve.models.loader import load_hf_config
 
 Q = gguf.GGMLQuantizationType
 # GGUF architecture and gguf-py's model enum (its tensor names) of each Hugging Face model type.
@@ -349,3 +354,22 @@ def test_q8_0_kept_packed_matches_dequantized(arch, tokenizer_fields, tmp_path):
         finally:
             llm.close()
     assert_close_greedy(runs["none"], runs["auto"])
+
+
+@pytest.mark.parametrize(("fields", "sliding"), [
+    ({}, [False] * 7),  # no window: llama.cpp makes every layer full
+    ({"gemma3.attention.sliding_window": 8}, None),  # transformers' default: every 6th full
+    ({"gemma3.attention.sliding_window": 8, "gemma3.attention.sliding_window_pattern": 3},
+     [True, True, False, True, True, False, True]),
+    ({"gemma3.attention.sliding_window": 8,
+      "gemma3.attention.sliding_window_pattern": np.array([1, 0, 0, 1, 1, 1, 0], bool)},
+     [True, False, False, True, True, True, False])])
+def test_gemma3_layer_kinds_as_llama_cpp_reads_them(fields, sliding):
+    from nanoserve.models.gguf_names import fill_config
+    config = Gemma3TextConfig(num_hidden_layers=7, head_dim=16)
+    default = list(config.layer_types)
+    fill_config(config, "gemma3", fields)
+    want = default if sliding is None else ["sliding_attention" if s else "full_attention"
+                                            for s in sliding]
+    assert config.layer_types == want
+    assert default == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"]

@@ -80,8 +80,8 @@ def norm_offset(arch: str, gguf_name: str) -> float:
 
 
 def fill_config(config: Any, arch: str, fields: dict[str, Any]) -> None:
-    """Set what transformers' GGUF reader misses on ``config`` (from the file's ``fields``, or
-    as llama.cpp's runtime computes it); raise where the file holds what cannot be honoured."""
+    """Set what transformers' GGUF reader misses on ``config``: from the file's ``fields``, or
+    as llama.cpp computes it where the file says nothing (it is the file's reference runtime)."""
     def field(key: str) -> Any:
         return fields.get(f"{arch}.{key}")
 
@@ -103,6 +103,18 @@ def fill_config(config: Any, arch: str, fields: dict[str, Any]) -> None:
     if arch == "gemma3" and field("rope.freq_base_swa") is not None and rope:
         rope.setdefault("sliding_attention", {"rope_type": "default"})["rope_theta"] = float(
             field("rope.freq_base_swa"))
+    if arch == "gemma3":  # llama.cpp: no window, no sliding layers; else every 6th is full
+        window = field("attention.sliding_window")
+        period = field("attention.sliding_window_pattern")
+        n = config.num_hidden_layers
+        if not window:
+            sliding = [False] * n
+        elif isinstance(period, int):
+            sliding = [i % period < period - 1 for i in range(n)]
+        else:  # per layer, or absent
+            sliding = [bool(s) for s in period] if period is not None else None
+        if sliding is not None:
+            config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
     # Caps the file leaves out stay at their defaults, as in llama.cpp.
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if arch in ("gemma2", "gemma3") and field(key) is not None:
