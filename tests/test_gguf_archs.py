@@ -373,3 +373,16 @@ def test_gemma3_layer_kinds_as_llama_cpp_reads_them(fields, sliding):
                                             for s in sliding]
     assert config.layer_types == want
     assert default == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"]
+
+
+def test_tokenizer_not_cached_where_it_reloads_differently(tokenizer_fields, tmp_path,
+                                                            monkeypatch, caplog):
+    """transformers saves a Gemma file's GPT-2 vocabulary in a form it reloads differently:
+    the asset cache keeps no copy, so every start tokenizes as the file does."""
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(_random_model("gemma3", tokenizer_fields["eos"]),
+                      tmp_path / "gemma3.gguf", tokenizer_fields, Q.F32)
+    with caplog.at_level("WARNING", logger="nanoserve.models.asset_cache"):
+        first, second = _greedy(path, "none"), _greedy(path, "none")
+    assert "not caching gemma3.gguf's config and tokenizer" in caplog.text
+    assert first == second and 0 not in first[0][0]  # no unknown tokens in the prompt
