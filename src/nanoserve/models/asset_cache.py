@@ -21,7 +21,7 @@ from nanoserve.models import gguf
 from nanoserve.models.loader import load_model_assets
 
 logger = logging.getLogger(__name__)
-CACHE_FORMAT = 1  # bump when what is saved changes
+CACHE_FORMAT = 2  # bump when what is saved changes (2: gguf_names.fill_config)
 
 
 def cache_root() -> Path:
@@ -49,7 +49,11 @@ def cached_model_assets(path: Path, require_weights: bool = True) -> tuple[Any, 
             logger.warning("ignoring the cached assets in %s: %s", entry, exc)
     config, tokenizer, eos = load_model_assets(path, require_weights)
     try:
-        _write(entry, config, tokenizer, eos)
+        if not _write(entry, config, tokenizer, eos):
+            # transformers rebuilds some classes' pipelines on load (Gemma's, from a GPT-2
+            # vocabulary): a cached copy would tokenize differently from the file.
+            logger.warning("not caching %s's config and tokenizer: its tokenizer reloads "
+                           "differently from save_pretrained", path.name)
     except OSError as exc:  # a read-only home: still served, just not cached
         logger.warning("cannot cache %s's config and tokenizer: %s", path.name, exc)
     return config, tokenizer, eos
@@ -66,16 +70,30 @@ def _read(entry: Path) -> tuple[Any, Any, list[int]]:
     return config, AutoTokenizer.from_pretrained(entry), [int(t) for t in eos]
 
 
-def _write(entry: Path, config: Any, tokenizer: Any, eos: list[int]) -> None:
+def _write(entry: Path, config: Any, tokenizer: Any, eos: list[int]) -> bool:
+    """Save the entry; False (nothing saved) where the tokenizer would not load back the same."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=entry.parent))
     try:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if not _round_trips(tokenizer, tmp):
+            return False
         (tmp / "eos_token_ids.json").write_text(json.dumps(eos))  # written last: complete
         os.replace(tmp, entry)  # atomic; a concurrent writer's entry is as good
+        return True
     except OSError:
         if not entry.exists():
             raise
+        return True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Text that exercises the pre-tokenizer (spaces, newlines, accents, digits) and a special token.
+_PROBE = "Hello, world!\n  Ünïcödé\tand  spaces 1234 <|im_start|>user"
+
+
+def _round_trips(tokenizer: Any, saved: Path) -> bool:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(saved).encode(_PROBE) == tokenizer.encode(_PROBE)

