@@ -55,7 +55,8 @@ class TorchAttentionBackend:
         """The norm and rotary modules, then :meth:`store_kv`: the unfused reference."""
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, None if plan is None else
+                      plan.rope_rows(rotary.cos_sin, positions))
         self.store_kv(k, v, k_cache, v_cache, slot_mapping, plan)
         return q
 

@@ -1,7 +1,8 @@
 """The PyTorch attention backend's layout of one forward's batch, worked out once on the host
 from the metadata and read by every layer: sequences grouped by query count and context length
-(each group attended on padded dense tensors), the cache slots to store into, and, per group,
-where its queries sit, which cache blocks hold its keys and which keys each query sees.
+(each group attended on padded dense tensors), the cache slots to store into, the positions'
+rotary factors and, per group, where its queries sit, which cache blocks hold its keys and
+which keys each query sees.
 
 A group of one sequence whose blocks are consecutive in the cache (the usual case for a lone
 sequence) reads its keys in place, as a view, instead of gathering them; one whose queries see
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.layers.rotary import RopeRows, rope_rows
 
 
 @dataclass
@@ -84,11 +86,22 @@ class GroupPlan:
 
 @dataclass
 class AttentionPlan:
-    """One forward's groups and store slots (``valid``: None when every token stores)."""
+    """One forward's groups and store slots (``valid``: None when every token stores), and
+    the rotary factors of its positions per table, made at the first layer that reads one."""
 
     groups: list[GroupPlan]
     slots: torch.Tensor  # int64, the valid slots in token order
     valid: torch.Tensor | None
+    _rope: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, RopeRows]] = field(
+        default_factory=dict)
+
+    def rope_rows(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> RopeRows:
+        """:func:`rope_rows` of ``positions`` in the table ``cos_sin`` (both held here, so
+        that their ids stay theirs)."""
+        key = (id(cos_sin), id(positions))
+        if key not in self._rope:
+            self._rope[key] = (cos_sin, positions, rope_rows(cos_sin, positions))
+        return self._rope[key][2]
 
 
 def like_sequences(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:

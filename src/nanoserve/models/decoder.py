@@ -171,6 +171,18 @@ class DecoderLayer(nn.Module):
         return self.mlp(residual, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
 
+def share_rotaries(attentions: list[nn.Module]) -> None:
+    """Layers whose rotary tables are equal share one module: one table in memory, and the
+    PyTorch backend makes each forward's factors once for all of them."""
+    kept: list[RotaryEmbedding] = []
+    for attn in attentions:
+        same = next((r for r in kept if r.same_as(attn.rotary)), None)
+        if same is None:
+            kept.append(attn.rotary)
+        else:
+            attn.rotary = same
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
@@ -179,6 +191,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i)
                                     for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
+        share_rotaries([layer.self_attn for layer in self.layers])
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -249,6 +262,8 @@ class DecoderForCausalLM(nn.Module):
             if hasattr(owner, "weight_loader"):
                 part = tensor.read(owner.checkpoint_slice(param, shard))
                 owner.weight_loader(param, part.to(param.dtype), shard)
+                if param is self.lm_head.weight and self.lm_head.reads_blocks:
+                    self.lm_head.load_blocks(tensor.read(self.lm_head.blocks_slice()))
             else:  # replicated on every rank (norms, Qwen3's per-head q/k norms)
                 param.data.copy_(tensor.read())
             if shard is None:  # a whole parameter, e.g. every expert in one fused tensor
