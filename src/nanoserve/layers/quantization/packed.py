@@ -112,10 +112,10 @@ class Int4Matrix:
 
 class SplitInt4Matrix:
     """Codes of up to 8 bits (signed or not) as two 4-bit matrices, ``code = 16 * hi + lo``
-    with ``lo`` in 0..15: ``W = 16 * scale * hi + (scale * lo + offset)``, each part an
-    :class:`Int4Matrix`, so that the int4 kernel reads a byte per weight in all (on the CPU,
-    the LM head of a GGUF file whose embedding is Q8_0). The codes stay exact; the scales and
-    the arithmetic are Int4Matrix's."""
+    with ``lo`` in 0..15: ``W = 16 * scale * hi + (scale * lo + offset)``, the two parts
+    stacked in one :class:`Int4Matrix` whose halves of the product are summed, so that the
+    int4 kernel reads a byte per weight in all (on the CPU, the LM head of a GGUF file whose
+    embedding is Q8_0). The codes stay exact; the scales and the arithmetic are Int4Matrix's."""
 
     def __init__(self, w: GroupedInts, dtype: torch.dtype):
         if w.perm is not None:
@@ -124,15 +124,18 @@ class SplitInt4Matrix:
         high = torch.div(codes, 16, rounding_mode="floor")
         if int(high.min()) < -8 or int(high.max()) > 7:
             raise ValueError("SplitInt4Matrix takes codes of at most 8 bits")
+        offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
         # 16 * scale * (q - 8) with q = hi + 8: the offset -128 * scale makes the zero 0.
-        self.high = Int4Matrix(GroupedInts((high + 8).to(torch.int8), 16 * w.scales,
-                                           -128 * w.scales, w.group_size, True), dtype)
-        self.low = Int4Matrix(GroupedInts((codes - 16 * high).to(torch.int8), w.scales,
-                                          w.offsets, w.group_size, True), dtype)
+        parts = [GroupedInts((high + 8).to(torch.int8), 16 * w.scales, -128 * w.scales,
+                             w.group_size, True),
+                 GroupedInts((codes - 16 * high).to(torch.int8), w.scales, offsets,
+                             w.group_size, True)]
+        self.both = Int4Matrix(concat_rows(parts), dtype)
         self.out_features, self.in_features = w.codes.shape
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.high.matmul(x) + self.low.matmul(x)
+        high, low = self.both.matmul(x).split(self.out_features, dim=-1)
+        return high + low
 
 
 def pack_logits_matrix(w: GroupedInts, dtype: torch.dtype) -> Int4Matrix | SplitInt4Matrix | None:
