@@ -144,3 +144,15 @@ def _rotate(x: torch.Tensor, rows: RopeRows) -> torch.Tensor:
     # x2 * -sin is subtracting x2 * sin, bit for bit.
     xf = x.float()
     return (xf * cos + xf.roll(rot // 2, -1) * sin).to(x.dtype)
+
+
+def share_rotaries(attentions: list[nn.Module]) -> None:
+    """Layers whose rotary tables are equal share one module: one table in memory, and the
+    PyTorch backend makes each forward's factors once for all of them."""
+    kept: list[RotaryEmbedding] = []
+    for attn in attentions:
+        same = next((r for r in kept if r.same_as(attn.rotary)), None)
+        if same is None:
+            kept.append(attn.rotary)
+        else:
+            attn.rotary = same

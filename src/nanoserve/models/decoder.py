@@ -26,7 +26,7 @@ from nanoserve.layers.moe import ExpertActivation, SparseMoeBlock
 from nanoserve.layers.moe_router import SharedExpertsMoeBlock
 from nanoserve.layers.parallel_state import Narrow
 from nanoserve.layers.norm import OffsetRMSNorm, RMSNorm
-from nanoserve.layers.rotary import RotaryEmbedding
+from nanoserve.layers.rotary import RotaryEmbedding, share_rotaries
 from nanoserve.models.weight_map import gpt_oss_experts, parts_of, split_fused, target_of
 
 if TYPE_CHECKING:
@@ -169,18 +169,6 @@ class DecoderLayer(nn.Module):
         residual = self.self_attn(positions, residual, self.input_layernorm,
                                   self.post_attention_layernorm)
         return self.mlp(residual, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
-
-
-def share_rotaries(attentions: list[nn.Module]) -> None:
-    """Layers whose rotary tables are equal share one module: one table in memory, and the
-    PyTorch backend makes each forward's factors once for all of them."""
-    kept: list[RotaryEmbedding] = []
-    for attn in attentions:
-        same = next((r for r in kept if r.same_as(attn.rotary)), None)
-        if same is None:
-            kept.append(attn.rotary)
-        else:
-            attn.rotary = same
 
 
 class DecoderModel(nn.Module):
