@@ -49,3 +49,44 @@ def test_bench_serve_against_a_server_plots_its_latencies(fake, tmp_path, capsys
     assert summary["completed"] == 12 and summary["failed"] == 0
     assert summary["total_output_tokens"] == 12 * 6 and summary["median_itl_ms"] > 0
     _check_png(out, min_bytes=20_000)
+
+
+def test_serve_resends_a_request_the_server_dropped_unanswered():
+    """A server that closes the first connection as the request arrives (a kept-alive one it
+    had dropped) gets the request again; one that never answers is reported failed."""
+    import asyncio
+
+    import httpx
+
+    from nanoserve.bench.serve import send
+
+    chunk = json.dumps({"choices": [{"text": "hi"}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    body = f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
+
+    async def scenario(drops: int) -> tuple[object, int]:
+        seen = 0
+
+        async def handle(reader, writer):
+            nonlocal seen
+            seen += 1
+            await reader.readuntil(b"\r\n\r\n")
+            if seen <= drops:
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, httpx.AsyncClient(timeout=10) as client:
+            result = await send(client, f"http://127.0.0.1:{port}/v1/completions",
+                                {"prompt": "x"}, chat=False)
+        return result, seen
+
+    result, seen = asyncio.run(scenario(drops=1))
+    assert result.ok and result.output_tokens == 1 and seen == 2
+    result, seen = asyncio.run(scenario(drops=5))
+    assert not result.ok and "RemoteProtocolError" in result.error and seen == 2

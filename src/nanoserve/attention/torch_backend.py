@@ -1,4 +1,5 @@
-"""Reference attention in plain PyTorch: gathers pages into padded tensors, masks, attends."""
+"""Reference attention in plain PyTorch: pages gathered (or read in place) into padded tensors,
+masked where a query does not see every key, attended."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.attention.torch_plan import AttentionPlan, GroupPlan, plan_attention
 
 if TYPE_CHECKING:
     from nanoserve.layers.norm import RMSNorm
@@ -14,36 +16,55 @@ if TYPE_CHECKING:
 
 
 class TorchAttentionBackend:
-    """CPU path and the reference for the Triton kernels: exact, vectorised, no custom ops."""
+    """CPU path and the reference for the Triton kernels: exact, vectorised, no custom ops.
+    The batch's layout is worked out once per forward (``torch_plan.py``), at its first layer."""
+
+    def __init__(self) -> None:
+        self._plan: tuple[AttentionMetadata, int, AttentionPlan] | None = None
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+        """``meta``'s layout, made at the first layer that reads it (metadata is not changed
+        during a forward)."""
+        if self._plan is None or self._plan[0] is not meta or self._plan[1] != block_size:
+            self._plan = (meta, block_size, plan_attention(meta, block_size))
+        return self._plan[2]
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
         return 0  # attends sequence by sequence: no work list
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 plan: AttentionPlan | None = None) -> None:
+        """K and V into their slots (-1: not stored); ``plan`` has the valid slots found."""
+        if plan is None:
+            valid = slot_mapping >= 0
+            slots = slot_mapping[valid]
+        else:
+            valid, slots = plan.valid, plan.slots
+        if valid is not None:
+            k, v = k[valid], v[valid]
         num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(k_cache.dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(v_cache.dtype)
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k.to(k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.to(v_cache.dtype)
 
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
-                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
-                       ) -> torch.Tensor:
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                       plan: AttentionPlan | None = None) -> torch.Tensor:
         """The norm and rotary modules, then :meth:`store_kv`: the unfused reference."""
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        q, k = rotary(positions, q, k)
-        self.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        q, k = rotary(positions, q, k, None if plan is None else
+                      plan.rope_rows(rotary.cos_sin, positions))
+        self.store_kv(k, v, k_cache, v_cache, slot_mapping, plan)
         return q
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap,
-                                         sinks)
+                                         sinks, self.plan(meta, k_cache.shape[1]))
 
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -52,9 +73,11 @@ class TorchAttentionBackend:
                   window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
         """The unfused sequence."""
+        plan = self.plan(meta, k_cache.shape[1])
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
-                                q_norm, k_norm)
-        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
+                                q_norm, k_norm, plan)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap,
+                                         sinks, plan)
 
     def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                       k_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -70,93 +93,60 @@ class TorchAttentionBackend:
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, window: int = 0,
-                              softcap: float = 0.0, sinks: torch.Tensor | None = None
-                              ) -> torch.Tensor:
+                              softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                              plan: AttentionPlan | None = None) -> torch.Tensor:
     """Causal attention of packed queries over paged keys.
     ``window`` > 0: a query sees only the last ``window`` positions (itself included);
     ``softcap`` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask;
     ``sinks`` ([H], GPT-OSS): one more logit per head in each softmax, attached to no value.
     Sequences are attended in groups of like query count and context length, each group on
-    padded dense tensors, so that one long prompt does not pad a batch of decodes to its size."""
+    padded dense tensors, so that one long prompt does not pad a batch of decodes to its size;
+    ``plan``: the batch's layout (``torch_plan.py``), made from ``meta`` when not given."""
+    plan = plan or plan_attention(meta, k_cache.shape[1])
+    if len(plan.groups) == 1 and plan.groups[0].tokens is None:
+        return _attend_group(q, k_cache, v_cache, plan.groups[0], scale, window, softcap, sinks)
     out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])  # MLA's values are narrower
-    starts = meta.query_start_loc.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
-    for rows in _like_sequences(q_lens, meta.seq_lens.tolist()):
-        if not q_lens[rows[0]]:  # sequences with no new token this step
-            continue
-        index = torch.tensor(rows, device=q.device)
-        tokens = torch.cat([torch.arange(starts[r], starts[r + 1], device=q.device)
-                            for r in rows])
-        out[tokens] = _attend_group(
-            q, k_cache, v_cache, meta.query_start_loc[index].long(),
-            torch.tensor([q_lens[r] for r in rows], device=q.device),
-            meta.seq_lens[index].long(), meta.block_tables[index].long(),
-            scale, window, softcap, sinks)
+    for group in plan.groups:  # sequences with no new token this step are in none
+        out[group.tokens] = _attend_group(q, k_cache, v_cache, group, scale, window, softcap,
+                                          sinks)
     return out
 
 
-def _like_sequences(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Batch rows grouped by query count and by context length within a factor of two."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for row, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        groups.setdefault((q_len, max(seq_len - 1, 0).bit_length()), []).append(row)
-    return list(groups.values())
-
-
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor,
-                  block_tables: torch.Tensor, scale: float, window: int, softcap: float,
+                  group: GroupPlan, scale: float, window: int, softcap: float,
                   sinks: torch.Tensor | None) -> torch.Tensor:
     """One group's attention on padded tensors; returns its queries' outputs, packed."""
-    device = q.device
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
-    batch, max_q, max_kv = len(starts), int(q_lens.max()), int(seq_lens.max())
-
-    q_pos = torch.arange(max_q, device=device)
-    q_valid = q_pos[None, :] < q_lens[:, None]
-    q_pad = q[torch.where(q_valid, starts[:, None] + q_pos[None, :], 0)]  # [B, max_q, H, D]
-    kv_pos = torch.arange(max_kv, device=device)
-    # Whole blocks copied (index_select of rows, not an index per key): [B, Hkv, max_kv, D].
-    blocks = block_tables[:, :-(-max_kv // block_size)].reshape(-1)
+    heads_per_kv = num_heads // num_kv_heads
+    batch, max_q = group.batch, group.max_q
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        # Into a given tensor: PyTorch's CPU index_select is several times faster with out=.
-        pages = cache.new_empty((len(blocks),) + cache.shape[1:])
-        torch.index_select(cache, 0, blocks, out=pages)
-        pages = pages.view(batch, -1, num_kv_heads, cache.shape[-1])  # MLA: v narrower
-        return pages[:, :max_kv].to(acc).transpose(1, 2)
-
-    k_pad, v_pad = gather(k_cache), gather(v_cache)
-
-    # Query j of sequence i sits at absolute position (seq_len - q_len + j).
-    q_abs = (seq_lens - q_lens)[:, None] + q_pos[None, :]
-    mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
-    if window > 0:
-        mask &= kv_pos[None, None, :] > q_abs[:, :, None] - window
-    qh = q_pad.to(acc).transpose(1, 2)  # [B, H, max_q, D]
+    start, mask = group.visibility(window)
+    k_pad, v_pad = group.keys(k_cache, start, acc), group.keys(v_cache, start, acc)
+    qh = group.queries(q).to(acc).transpose(1, 2)  # [B, H, max_q, D]
     if softcap <= 0 and sinks is None:
-        out = F.scaled_dot_product_attention(qh, k_pad, v_pad, attn_mask=mask[:, None],
-                                             scale=scale, enable_gqa=group > 1)
+        out = F.scaled_dot_product_attention(qh, k_pad, v_pad,
+                                             attn_mask=None if mask is None else mask[:, None],
+                                             scale=scale, enable_gqa=heads_per_kv > 1)
     else:
         # Heads of one KV head side by side in the query dimension: no copies of K and V.
-        qg = qh.reshape(batch, num_kv_heads, group * max_q, head_dim)
+        keys = k_pad.shape[2]
+        qg = qh.reshape(batch, num_kv_heads, heads_per_kv * max_q, head_dim)
         scores = torch.matmul(qg, k_pad.transpose(-1, -2)).mul_(scale)
-        scores = scores.view(batch, num_kv_heads, group, max_q, max_kv)
+        scores = scores.view(batch, num_kv_heads, heads_per_kv, max_q, keys)
         if softcap > 0:
             scores = scores.div_(softcap).tanh_().mul_(softcap)
-        scores.masked_fill_(~mask[:, None, None], float("-inf"))
+        if mask is not None:
+            scores.masked_fill_(~mask[:, None, None], float("-inf"))
         if sinks is not None:
-            sink = sinks.to(acc).view(1, num_kv_heads, group, 1, 1)
+            sink = sinks.to(acc).view(1, num_kv_heads, heads_per_kv, 1, 1)
             top = torch.maximum(scores.amax(-1, keepdim=True), sink)
             probs = (scores - top).exp_()
             probs /= probs.sum(-1, keepdim=True) + (sink - top).exp()
         else:
             probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs.view(batch, num_kv_heads, group * max_q, max_kv), v_pad)
+        out = torch.matmul(probs.view(batch, num_kv_heads, heads_per_kv * max_q, keys), v_pad)
         out = out.view(batch, num_heads, max_q, v_pad.shape[-1])
-    if int(seq_lens.min()) == 0:  # a zero-length sequence has no keys: its output is zero
+    if group.empty_context:  # a zero-length sequence has no keys: its output is zero
         out = out.nan_to_num(0.0)
-    return out.transpose(1, 2)[q_valid].to(q.dtype)
+    return group.packed(out.transpose(1, 2)).to(q.dtype)

@@ -48,6 +48,7 @@ class Result:
     output_tokens: int = 0
     error: str = ""
     sent: float = 0.0  # perf_counter() when the request went out
+    unanswered: bool = False  # the connection closed before any response came
 
 
 _WORDS = ("time", "river", "stone", "light", "green", "quick", "model", "cloud", "paper",
@@ -81,11 +82,23 @@ def dataset_jobs(path: str, n: int, endpoint: str) -> list[Job]:
 
 async def send(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
                chat: bool) -> Result:
+    """One streamed request. One the server dropped unanswered (a kept-alive connection it
+    had closed as the request went out, as llama-server does) is sent once more."""
+    result = await _send_once(client, url, payload, chat)
+    if result.unanswered:
+        result = await _send_once(client, url, payload, chat)
+    return result
+
+
+async def _send_once(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
+                     chat: bool) -> Result:
     start = time.perf_counter()
     result = Result(ok=False, sent=start)
     last = start
+    answered = False
     try:
         async with client.stream("POST", url, json=payload) as response:
+            answered = True
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -115,6 +128,7 @@ async def send(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
         result.error = "" if result.ok else "no text streamed"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = repr(exc)
+        result.unanswered = not answered and isinstance(exc, httpx.RemoteProtocolError)
     return result
 
 

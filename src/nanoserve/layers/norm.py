@@ -8,6 +8,8 @@ from torch import nn
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The PyTorch formula (CPU path and reference): float32, rounded before the weight."""
     dtype = x.dtype
+    if dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return torch.rms_norm(x, x.shape[-1:], weight, eps)  # these steps, in one call
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return normed if weight is None else normed * weight

@@ -3,6 +3,7 @@ features (partial rotary). Frequencies: default, linear and llama3 here; yarn, l
 dynamic from transformers' ``ROPE_INIT_FUNCTIONS``, their attention factor scaling cos and sin."""
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -89,6 +90,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
+        # What the tables are made of: equal settings, equal tables.
+        self.settings = (head_dim, self.rotary_dim, max_positions, float(theta),
+                         json.dumps(scaling, sort_keys=True, default=str))
         self.register_buffer("cos_sin", rope_cos_sin(self.rotary_dim, max_positions, theta,
                                                      scaling), persistent=False)
         # One [cos | sin] row that rotates nothing: fused kernels then only store (partial).
@@ -101,23 +105,54 @@ class RotaryEmbedding(nn.Module):
         """Whether some features of each head pass unrotated (the fused kernels rotate all)."""
         return self.rotary_dim != self.head_dim
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                rows: RopeRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # The PyTorch backend's path; the Triton backend reads ``cos_sin`` in its own kernel.
-        return rotary_embedding_torch(positions, q, k, self.cos_sin)
+        return rotary_embedding_torch(positions, q, k, self.cos_sin, rows)
+
+    def same_as(self, other: RotaryEmbedding) -> bool:
+        """Whether ``other`` rotates exactly as this one (layers may then share one)."""
+        return self.settings == other.settings and self.cos_sin.device == other.cos_sin.device
+
+
+RopeRows = tuple[torch.Tensor, torch.Tensor]  # per token: [cos | cos], [-sin | sin]
+
+
+def rope_rows(cos_sin: torch.Tensor, positions: torch.Tensor) -> RopeRows:
+    """``[T, 1, rotated]`` factors of x and of x with its halves swapped, for ``positions``:
+    made once per forward and table, they serve every layer that shares the table."""
+    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def rotary_embedding_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           cos_sin: torch.Tensor, rows: RopeRows | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch formula (CPU path and reference): rotated copies of q and k, their first
-    ``cos_sin.shape[-1]`` features rotated, the rest passed through."""
-    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    ``cos_sin.shape[-1]`` features rotated, the rest passed through; ``rows``: the
+    positions' :func:`rope_rows`, when already made."""
+    rows = rows or rope_rows(cos_sin, positions)
+    return _rotate(q, rows), _rotate(k, rows)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = 2 * cos.shape[-1]
+def _rotate(x: torch.Tensor, rows: RopeRows) -> torch.Tensor:
+    cos, sin = rows
+    rot = cos.shape[-1]
     if rot < x.shape[-1]:
-        return torch.cat([_rotate(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return torch.cat([_rotate(x[..., :rot], rows), x[..., rot:]], dim=-1)
+    # [x1 * cos - x2 * sin, x2 * cos + x1 * sin] in float32, as transformers rounds it: adding
+    # x2 * -sin is subtracting x2 * sin, bit for bit.
+    xf = x.float()
+    return (xf * cos + xf.roll(rot // 2, -1) * sin).to(x.dtype)
+
+
+def share_rotaries(attentions: list[nn.Module]) -> None:
+    """Layers whose rotary tables are equal share one module: one table in memory, and the
+    PyTorch backend makes each forward's factors once for all of them."""
+    kept: list[RotaryEmbedding] = []
+    for attn in attentions:
+        same = next((r for r in kept if r.same_as(attn.rotary)), None)
+        if same is None:
+            kept.append(attn.rotary)
+        else:
+            attn.rotary = same

@@ -26,7 +26,7 @@ from nanoserve.layers.moe import ExpertActivation, SparseMoeBlock
 from nanoserve.layers.moe_router import SharedExpertsMoeBlock
 from nanoserve.layers.parallel_state import Narrow
 from nanoserve.layers.norm import OffsetRMSNorm, RMSNorm
-from nanoserve.layers.rotary import RotaryEmbedding
+from nanoserve.layers.rotary import RotaryEmbedding, share_rotaries
 from nanoserve.models.weight_map import gpt_oss_experts, parts_of, split_fused, target_of
 
 if TYPE_CHECKING:
@@ -179,6 +179,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i)
                                     for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
+        share_rotaries([layer.self_attn for layer in self.layers])
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -249,6 +250,8 @@ class DecoderForCausalLM(nn.Module):
             if hasattr(owner, "weight_loader"):
                 part = tensor.read(owner.checkpoint_slice(param, shard))
                 owner.weight_loader(param, part.to(param.dtype), shard)
+                if param is self.lm_head.weight and self.lm_head.reads_blocks:
+                    self.lm_head.load_blocks(tensor.read(self.lm_head.blocks_slice()))
             else:  # replicated on every rank (norms, Qwen3's per-head q/k norms)
                 param.data.copy_(tensor.read())
             if shard is None:  # a whole parameter, e.g. every expert in one fused tensor

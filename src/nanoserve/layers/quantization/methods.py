@@ -30,6 +30,11 @@ def quantized_linears(spec: QuantSpec | None) -> Iterator[None]:
         _spec = previous
 
 
+def gguf_blocks_kept() -> bool:
+    """Whether layers built now keep a GGUF file's blocks quantized (``quantized_linears``)."""
+    return _spec is not None and _spec.method == "gguf" and not _spec.dequantize
+
+
 class RawNarrow(Narrow):
     """A rank's part of a checkpoint tensor, read as the file stores it (GGUF blocks)."""
 

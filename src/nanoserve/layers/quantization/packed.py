@@ -2,7 +2,8 @@
 (integer codes with a scale and an offset per group of input features); that becomes an
 :class:`Int4Matrix` (4-bit codes: PyTorch's packed-int4 kernel on the CPU, a Triton kernel on
 CUDA), a :class:`GroupedMatrix` (wider codes, dequantized in the matmul a chunk of rows at a
-time) or, when asked, a dense tensor."""
+time), a :class:`SplitInt4Matrix` (wider codes as two 4-bit matrices: the CPU LM head) or, when
+asked, a dense tensor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -132,6 +133,44 @@ class Int4Matrix:
             from nanoserve.kernels.int4_gemm import int4_linear
             return int4_linear(x, self.packed, self.scales_zeros, self.group_size)
         return int4_matmul_reference(x, self.codes(), self.scales_zeros, self.group_size)
+
+
+class SplitInt4Matrix:
+    """Codes of up to 8 bits (signed or not) as two 4-bit matrices, ``code = 16 * hi + lo``
+    with ``lo`` in 0..15: ``W = 16 * scale * hi + (scale * lo + offset)``, the two parts
+    stacked in one :class:`Int4Matrix` whose halves of the product are summed, so that the
+    int4 kernel reads a byte per weight in all (on the CPU, the LM head of a GGUF file whose
+    embedding is Q8_0). The codes stay exact; the scales and the arithmetic are Int4Matrix's."""
+
+    def __init__(self, w: GroupedInts, dtype: torch.dtype):
+        if w.perm is not None:
+            raise ValueError("act-order weights are 4-bit: no need to split their codes")
+        codes = w.codes.to(torch.int16)
+        high = torch.div(codes, 16, rounding_mode="floor")
+        if int(high.min()) < -8 or int(high.max()) > 7:
+            raise ValueError("SplitInt4Matrix takes codes of at most 8 bits")
+        offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+        # 16 * scale * (q - 8) with q = hi + 8: the offset -128 * scale makes the zero 0.
+        parts = [GroupedInts((high + 8).to(torch.int8), 16 * w.scales, -128 * w.scales,
+                             w.group_size, True),
+                 GroupedInts((codes - 16 * high).to(torch.int8), w.scales, offsets,
+                             w.group_size, True)]
+        self.both = Int4Matrix(concat_rows(parts), dtype)
+        self.out_features, self.in_features = w.codes.shape
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        high, low = self.both.matmul(x).split(self.out_features, dim=-1)
+        return high + low
+
+
+def pack_logits_matrix(w: GroupedInts, dtype: torch.dtype) -> Int4Matrix | SplitInt4Matrix | None:
+    """An LM head's weight as the CPU int4 kernel reads it: 4-bit codes as they are, codes of
+    up to 8 bits split in two; None where the kernel cannot take its groups."""
+    if w.group_size not in INT4_GROUP_SIZES or w.codes.shape[1] % w.group_size:
+        return None
+    if w.four_bit:
+        return Int4Matrix(w, dtype)
+    return SplitInt4Matrix(w, dtype)
 
 
 def int4_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torch.Tensor,
