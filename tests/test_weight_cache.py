@@ -65,8 +65,10 @@ def _state(runner: ModelRunner) -> dict[str, object]:
         packed = getattr(module, "packed", None)
         if packed is not None:
             attrs = dict(vars(packed))
-            if "w" in attrs:  # a GroupedMatrix's GroupedInts
-                attrs.update({f"w.{k}": v for k, v in vars(attrs.pop("w")).items()})
+            # A GroupedMatrix's GroupedInts, a SplitInt4Matrix's Int4Matrix: their attributes.
+            for inner in [k for k, v in attrs.items() if hasattr(v, "__dict__")
+                          and not isinstance(v, torch.Tensor | torch.dtype)]:
+                attrs.update({f"{inner}.{k}": v for k, v in vars(attrs.pop(inner)).items()})
             state.update({f"{name}.packed.{k}": v for k, v in attrs.items()})
     return state
 

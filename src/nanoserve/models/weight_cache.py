@@ -165,6 +165,9 @@ class WeightCacheEntry:
             old.unlink(missing_ok=True)
 
 
+HEAD = "lm_head"  # the CPU's packed LM head (layers/embedding.py): an entry of its own
+
+
 def _gguf_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules()
             if isinstance(getattr(m, "method", None), GGUFMethod)}
@@ -180,6 +183,10 @@ def _finished_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
         layers[name] = None if state is None else state[1]
         for key, t in (state[0] if state is not None else {}).items():
             tensors[f"{name}.packed.{key}"] = t
+    head = getattr(model, HEAD, None)
+    if getattr(head, "packed", None) is not None:
+        state, layers[HEAD] = head.packed.state()
+        tensors.update((f"{HEAD}.packed.{key}", t) for key, t in state.items())
     tensors.update((name, p.data) for name, p in model.named_parameters())
     seen: set[int] = set()  # safetensors refuses tensors that share memory
     for name, t in tensors.items():
@@ -192,6 +199,10 @@ def _finished_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
 def _fill(model: nn.Module, tensors: dict[str, torch.Tensor], layers: dict[str, Any]) -> None:
     """Put the saved tensors in the model, every one checked against its place first."""
     gguf_layers = _gguf_layers(model)
+    layers = dict(layers)
+    head = layers.pop(HEAD, None)
+    if head is not None and not getattr(getattr(model, HEAD, None), "reads_blocks", False):
+        raise StaleEntry("it holds a packed LM head this model does not read")
     if set(layers) != set(gguf_layers):
         raise StaleEntry("its GGUF layers are not this model's")
     placeholders = {f"{name}.weight" for name in gguf_layers}
@@ -213,9 +224,15 @@ def _fill(model: nn.Module, tensors: dict[str, torch.Tensor], layers: dict[str, 
         expected |= keys
     for name, p in params.items():
         _check(tensors, name, tuple(p.shape), p.dtype)
+    if head is not None:
+        expected |= {k for k in tensors if k.startswith(f"{HEAD}.packed.")}
     if set(tensors) != expected:
         raise StaleEntry(f"tensors {sorted(set(tensors) ^ expected)[:4]} do not match the model")
     packed = {}  # made before the model changes: a refused entry leaves it as built
+    if head is not None:
+        prefix = f"{HEAD}.packed."
+        head = packed_from_state(
+            {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, head)
     for name, meta in layers.items():
         if meta is not None:
             prefix = f"{name}.packed."
@@ -225,6 +242,8 @@ def _fill(model: nn.Module, tensors: dict[str, torch.Tensor], layers: dict[str, 
         module.restore_finished(packed.get(name), tensors.get(f"{name}.weight"))
     for name, p in params.items():
         p.data = tensors[name]
+    if head is not None:
+        getattr(model, HEAD).packed = head
 
 
 def _check(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...],

@@ -158,6 +158,20 @@ class SplitInt4Matrix:
         self.both = Int4Matrix(concat_rows(parts), dtype)
         self.out_features, self.in_features = w.codes.shape
 
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Its tensors and the rest of what defines it, for :func:`packed_from_state`."""
+        tensors, both = self.both.state()
+        return tensors, {"kind": "split_int4", "out_features": self.out_features,
+                         "in_features": self.in_features, "both": both}
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+                   ) -> SplitInt4Matrix:
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = int(meta["out_features"]), int(meta["in_features"])
+        self.both = Int4Matrix.from_state(tensors, meta["both"])
+        return self
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         high, low = self.both.matmul(x).split(self.out_features, dim=-1)
         return high + low
@@ -233,9 +247,9 @@ def pack_for_matmul(w: GroupedInts, dtype: torch.dtype) -> Int4Matrix | GroupedM
 
 
 def packed_from_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
-                      ) -> Int4Matrix | GroupedMatrix:
+                      ) -> Int4Matrix | SplitInt4Matrix | GroupedMatrix:
     """The matrix whose ``state()`` gave ``tensors`` and ``meta``."""
-    kinds = {"int4": Int4Matrix, "grouped": GroupedMatrix}
+    kinds = {"int4": Int4Matrix, "split_int4": SplitInt4Matrix, "grouped": GroupedMatrix}
     if meta.get("kind") not in kinds:
         raise ValueError(f"unknown packed matrix kind {meta.get('kind')!r}")
     return kinds[meta["kind"]].from_state(tensors, meta)
