@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -33,3 +34,25 @@ def keep_freed_memory() -> bool:
     if not _applied:
         logger.debug("mallopt refused the heap thresholds; large tensors stay mmap'ed")
     return _applied
+
+
+# The CPU's default KV cache: a quarter of the memory available at start-up, at most this.
+# Its pages are mapped as they are first written, so an idle cache costs nothing.
+MAX_DEFAULT_KV_BYTES = 4 << 30
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable (Linux), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_cpu_kv_bytes() -> int:
+    """The CPU KV cache's default budget (``kv_cache_memory`` overrides it)."""
+    return min(MAX_DEFAULT_KV_BYTES, available_memory_bytes() // 4)

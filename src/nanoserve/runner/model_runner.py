@@ -21,7 +21,7 @@ from nanoserve.runner.cpu_threads import per_rank_threads
 from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.runner.graph_inputs import decode_rows, verify_rows
-from nanoserve.runner.host_memory import keep_freed_memory
+from nanoserve.runner.host_memory import default_cpu_kv_bytes, keep_freed_memory
 from nanoserve.runner.inputs import (PENDING_TOKEN, CompletedStep, DeferredSample, InFlightStep,
                                      SequenceChunk, StepInput, StepOutput)
 from nanoserve.runner.packed_copy import packed_to_device
@@ -35,7 +35,6 @@ from nanoserve.runner.spec_verify import VerifiedStep, verify
 from nanoserve.runner.step_inputs import prepare_inputs
 from nanoserve.startup_log import phase
 
-CPU_KV_CACHE_BYTES = 1 << 30
 logger = logging.getLogger(__name__)
 
 
@@ -174,7 +173,7 @@ class ModelRunner:
 
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
-            return CPU_KV_CACHE_BYTES
+            return default_cpu_kv_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
         # What this process's allocator caches but no tensor holds, the KV cache may take.
         in_use_by_others = total - free - torch.cuda.memory_reserved(self.device)
