@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_COMMON
+from test_gguf import _write_tiny_gguf
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -285,23 +286,10 @@ def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_fields, 
     assert _greedy(path, "none") == _greedy(folder, "none")
 
 
-def _tiny_file(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(1)
-    writer.add_head_count(2)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize("arch", ["qwen2moe", "falcon", "gpt2"])  # transformers reads these
 def test_unsupported_architecture_lists_supported(arch, tmp_path):
-    path = _tiny_file(tmp_path / f"{arch}.gguf", arch,
-                      {"token_embd.weight": np.zeros((4, 4), np.float32)})
+    path = _write_tiny_gguf(tmp_path / f"{arch}.gguf", arch,
+                            {"token_embd.weight": np.zeros((4, 4), np.float32)})
     supported = "gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe"
     message = f"unsupported GGUF architecture '{arch}' \\(supported: {supported}\\)"
     with pytest.raises(ValueError, match=message):
@@ -313,7 +301,7 @@ def test_unsupported_architecture_lists_supported(arch, tmp_path):
 
 
 def test_phi3_longrope_factors_refused(tmp_path):
-    path = _tiny_file(tmp_path / "phi3.gguf", "phi3", {
+    path = _write_tiny_gguf(tmp_path / "phi3.gguf", "phi3", {
         "token_embd.weight": np.zeros((4, 4), np.float32),
         "rope_factors_long.weight": np.ones(2, np.float32)})
     with pytest.raises(ValueError, match="'rope_factors_long.weight' is not supported: Phi-3"):
