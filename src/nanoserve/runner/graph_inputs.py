@@ -16,7 +16,7 @@ import torch
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
 from nanoserve.runner.packed_copy import TENSOR_ALIGNMENT, TORCH_DTYPES
 from nanoserve.runner.step_inputs import (first_token_slot, longest_first, padded_block_tables,
-                                          table_width)
+                                          table_width, token_slots)
 
 
 class DecodeRows(NamedTuple):
@@ -62,20 +62,19 @@ def verify_rows(chunks: list[SequenceChunk], block_size: int) -> DecodeRows:
     its proposals) a row of its own, whose keys are its sequence's up to and including it, so
     a row attends to the new tokens before it as causal attention would. Tokens are known."""
     width = table_width(chunks)
-    tables = np.array(padded_block_tables(chunks, width), dtype=np.int32).reshape(-1, width)
-    seq = np.repeat(np.arange(len(chunks)), [len(c.token_ids) for c in chunks])
+    tables = padded_block_tables(chunks, width)
+    q_lens = [len(c.token_ids) for c in chunks]
     positions = np.concatenate([np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64)
                                 for c in chunks])
     seq_lens = (positions + 1).astype(np.int32)
     return DecodeRows(
         token_ids=np.concatenate([c.token_ids for c in chunks]).astype(np.int64),
-        sample_rows=np.full(len(seq), -1, dtype=np.int64),
+        sample_rows=np.full(len(positions), -1, dtype=np.int64),
         positions=positions,
-        slots=tables[seq, positions // block_size].astype(np.int64) * block_size
-        + positions % block_size,
+        slots=token_slots(tables, width, q_lens, positions, block_size),
         seq_lens=seq_lens,
         order=np.array(longest_first(seq_lens.tolist()), dtype=np.int32),
-        tables=tables[seq],
+        tables=np.array(tables, dtype=np.int32).reshape(-1, width).repeat(q_lens, axis=0),
     )
 
 
