@@ -312,7 +312,7 @@ class LLMEngine:
             outputs += self._collect(previous)
             if step is not None and step.grammar_rows and step.token_bitmask is None:
                 self.in_flight[1].apply_bitmask(self._bitmask(sched.chunks, step.grammar_rows))
-            self._end_dead_ends()
+            outputs += self._end_dead_ends()
             if not overlap:
                 current, self.in_flight = self.in_flight, None
                 outputs += self._collect(current)
@@ -451,17 +451,14 @@ class LLMEngine:
         self.dead_ends += [self.requests[live[i]] for i in np.flatnonzero(~bits.any(axis=1))]
         return bits
 
-    def _end_dead_ends(self) -> None:
+    def _end_dead_ends(self) -> list[RequestOutput]:
         """Fail the requests _bitmask found at a dead end, once their step is launched and
-        counted (its row for them is then dropped); they end with the next step's outputs."""
-        for req in self.dead_ends:
-            if not req.finished:
-                self.scheduler.finish(req)
-                req.finish(FinishReason.ERROR, f"ValueError: structured_outputs: after "
-                           f"{req.num_output_tokens} tokens the grammar allows no token of "
-                           "this model's vocabulary (it needs bytes that no token holds)")
-                self.aborted.append(req)
-        self.dead_ends = []
+        counted (its row for them is then dropped)."""
+        ends, self.dead_ends = self.dead_ends, []
+        return [self._fail(req, ValueError(
+            f"structured_outputs: after {req.num_output_tokens} tokens the grammar allows no "
+            "token of this model's vocabulary (it needs bytes that no token holds)"))
+            for req in ends if not req.finished]
 
     def _step_input(self, chunks: list[ScheduledChunk], with_bitmask: bool = True
                     ) -> StepInput:
