@@ -13,9 +13,11 @@ Acceptance depends on the weights, so it is controlled in one of two ways:
   max_tokens leaves room. This measures the verify step's cost at a known acceptance (one
   proposal is accepted with probability P, the first ``i`` with P^i).
 
-For each configuration, one JSON line without speculation and one with: ``ms_per_token`` is
-(t(N tokens) - t(1 token)) / (N - 1) per sequence (the prefill drops out), ``tokens_per_s``
-the batch's output rate over the same steps, ``acceptance`` accepted / proposed tokens.
+For each configuration, one JSON line without speculation and with it (``--shapes``: with
+every step speculating, ``gate: false``, and as the engine runs it, ``gate: true``):
+``ms_per_token`` is (t(N tokens) - t(1 token)) / (N - 1) per sequence (the prefill drops
+out), ``tokens_per_s`` the batch's output rate over the same steps, ``acceptance`` accepted /
+proposed tokens.
 
     python benchmarks/spec_decode.py --shapes qwen3-0.6b qwen3-8b --synthetic-acceptance 0.5 0.8 0.9
     python benchmarks/spec_decode.py --device cpu --batch-sizes 1 4 --new-tokens 32   # SmolLM2
@@ -35,6 +37,7 @@ from nanoserve.bench.common import (add_deadline_argument, emit, environment, fr
 from nanoserve.bench.shapes import SHAPES, config_of, make_model_dir
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.spec_gate import SpecGate
 
 PASSAGE = ("The committee met on Tuesday to review the budget. After a long debate about the "
            "cost of the new library, the members agreed to delay the vote until the spring, "
@@ -59,6 +62,8 @@ class ToldProposer:
         self.rng = random.Random(seed)
 
     def __call__(self, req) -> list[int]:
+        if not self.spec.active:  # the gate runs this step without proposals
+            return []
         room = self.spec._budget(req)  # the engine's own length: adaptive, paused after misses
         done = req.num_output_tokens
         truth = self.answers[tuple(req.prompt_token_ids)][done:done + room]
@@ -90,11 +95,17 @@ def time_generate(llm: LLM, prompts: list, new_tokens: int, repeats: int, device
     return best
 
 
-def measure(llm: LLM, prompts: list, args: argparse.Namespace, spec_on: bool) -> dict:
+def measure(llm: LLM, prompts: list, args: argparse.Namespace, spec_on: bool,
+            gate: bool = True) -> dict:
+    """``gate=False``: every step speculates (the gate that runs steps without proposals
+    where they are faster is off)."""
     engine = llm.engine
     saved = engine.spec, engine.scheduler.proposer
+    saved_gate = engine.spec.gate if engine.spec is not None else None
     if not spec_on:
         engine.spec = engine.scheduler.proposer = None
+    else:  # a fresh gate: what it learned before was at another acceptance
+        engine.spec.gate = SpecGate() if gate else None
     try:
         before = engine.stats().spec
         full = time_generate(llm, prompts, args.new_tokens, args.repeats, args.device)
@@ -102,11 +113,14 @@ def measure(llm: LLM, prompts: list, args: argparse.Namespace, spec_on: bool) ->
         first = time_generate(llm, prompts, 1, args.repeats, args.device)
     finally:
         engine.spec, engine.scheduler.proposer = saved
+        if engine.spec is not None:
+            engine.spec.gate = saved_gate
     steps = args.new_tokens - 1
     record = {"speculation": spec_on, "batch": len(prompts), "new_tokens": args.new_tokens,
               "ms_per_token": round((full - first) / steps * 1e3, 4),
               "tokens_per_s": round(len(prompts) * steps / (full - first), 1)}
     if spec_on:
+        record["gate"] = gate
         drafted = after.num_draft_tokens - before.num_draft_tokens
         accepted = after.num_accepted_tokens - before.num_accepted_tokens
         record["acceptance"] = round(accepted / drafted, 4) if drafted else None
@@ -165,9 +179,10 @@ def run_shape(name: str, args: argparse.Namespace, env: dict, tmp: Path) -> None
                 for p in args.synthetic_acceptance:
                     llm.engine.scheduler.proposer = ToldProposer(llm, answers, k, p,
                                                                  shape["vocab_size"])
-                    emit({"bench": "spec_decode", "shape": name, "k": k, "proposer": "told",
-                          "synthetic_acceptance": p, **measure(llm, prompts, args, True),
-                          **env})
+                    for gate in (False, True):
+                        emit({"bench": "spec_decode", "shape": name, "k": k,
+                              "proposer": "told", "synthetic_acceptance": p,
+                              **measure(llm, prompts, args, True, gate), **env})
                 llm.engine.scheduler.proposer = with_spec[1]
         finally:
             llm.close()

@@ -394,7 +394,7 @@ def test_sampling_with_speculation_follows_the_target_distribution(
 
     llm = LLM(str(small_vocab_model), device="cpu", dtype="float32", speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 2})
+        "prompt_lookup_max": 2, "disable_when_slower": False})  # every step speculates
     n = 3000
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              max_tokens=3, seed=s, ignore_eos=True) for s in range(n)]

@@ -20,6 +20,9 @@ class SpeculativeConfig:
     ``ngram``: prompt lookup, the longest suffix n-gram of ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens found earlier in the sequence proposes the tokens that
     followed it. ``draft_model``: a smaller model at ``model`` (same tokenizer) proposes.
+    ``disable_when_slower``: steps run without proposals at batch sizes where measured output
+    rates show plain decoding faster (engine/spec_gate.py); a seeded sampled request's tokens
+    then depend on which steps speculated, so set it False where those must reproduce.
     """
 
     method: str = "ngram"
@@ -27,9 +30,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    disable_when_slower: bool = True
 
     def __post_init__(self) -> None:
         where = "speculative_config"
+        if not isinstance(self.disable_when_slower, bool):
+            raise ValueError(f"{where}.disable_when_slower must be true or false, got "
+                             f"{self.disable_when_slower!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"{where}.method must be one of {', '.join(SPEC_METHODS)}, "
                              f"got {self.method!r}")

@@ -284,9 +284,11 @@ class LLMEngine:
         propagates when the executor stopped for good or the engine's own bookkeeping broke."""
         outputs = [self._finalize(req) for req in self.aborted]
         self.aborted = []
-        # Proposals read the previous step's tokens: speculation runs unoverlapped steps.
+        tokens_before = self.generation_tokens
+        speculating = self.spec is not None and self.spec.begin_step(len(self.scheduler.running))
+        # Proposals read the previous step's tokens: speculating steps are not overlapped.
         overlap = (self.executor.feeds_pending_tokens and not self.num_history_requests
-                   and not self.fault_hunt.groups and self.spec is None)
+                   and not self.fault_hunt.groups and not speculating)
         previous, self.in_flight = self.in_flight, None
         try:
             if not overlap:
@@ -319,6 +321,11 @@ class LLMEngine:
         except BaseException:
             self._forget_pending()
             raise
+        if self.spec is not None:
+            self.spec.end_step(self.generation_tokens - tokens_before, any(
+                c.num_tokens - len(c.draft_token_ids) > 1 for c in sched.chunks))
+            if not self.has_unfinished_requests():
+                self.spec.idle()
         return outputs
 
     def _blame(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:

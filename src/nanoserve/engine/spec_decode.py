@@ -13,6 +13,7 @@ import numpy as np
 
 from nanoserve.engine.request import Request
 from nanoserve.engine.spec_draft import DraftProposer
+from nanoserve.engine.spec_gate import SpecGate
 from nanoserve.engine.spec_ngram import NgramProposer
 from nanoserve.spec_config import SpeculativeConfig
 
@@ -65,6 +66,23 @@ class SpecDecoder:
                                                                   config.prompt_lookup_max)
         self.draft = draft
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        self.gate = SpecGate() if config.disable_when_slower else None
+        self.active = True  # this step proposes (the gate's choice)
+
+    def begin_step(self, num_seqs: int) -> bool:
+        """Whether the step about to be scheduled over ``num_seqs`` running sequences
+        speculates."""
+        self.active = self.gate is None or self.gate.begin(num_seqs)
+        return self.active
+
+    def end_step(self, num_output_tokens: int, computed_prompt: bool) -> None:
+        if self.gate is not None:
+            self.gate.end(num_output_tokens, computed_prompt)
+
+    def idle(self) -> None:
+        """No requests left: the wait for the next one is no step's time."""
+        if self.gate is not None:
+            self.gate.idle()
 
     def eligible(self, req: Request) -> bool:
         params = req.params
@@ -91,7 +109,7 @@ class SpecDecoder:
     def prepare(self, running: list[Request]) -> None:
         """With a draft model: run it for the running sequences that decode next step, in
         one batch, before the scheduler asks for their proposals."""
-        if self.draft is None:
+        if self.draft is None or not self.active:
             return
         wanted = []
         for req in running:
@@ -108,6 +126,8 @@ class SpecDecoder:
 
     def propose(self, req: Request) -> list[int]:
         """Tokens for ``req``'s next step to verify after its last known token."""
+        if not self.active:
+            return []
         if self.draft is not None:  # made by prepare(), for this step only
             if req.spec_state is None:
                 return []
