@@ -265,3 +265,33 @@ def test_start_up_compile_runs_every_chunk_width_once(monkeypatch):
     widths = [sampling.tiles_per_chunk(b) for b in batches]
     assert sorted(widths) == sorted({sampling.tiles_per_chunk(b) for b in range(1, 257)})
     assert len(widths) == len(set(widths)) == 4
+
+
+@pytest.mark.parametrize("vocab_size", [TILE - 5, 3 * CHUNK + 7])
+def test_bitmask_inside_the_kernel_equals_sampling_masked_logits(vocab_size):
+    """Rows held to a grammar's bitmask draw the same tokens as the kernel on logits with the
+    forbidden tokens at -inf (same seed), only allowed tokens, and the others are untouched."""
+    from nanoserve.runner.sampler import apply_bitmask
+
+    gen = torch.Generator().manual_seed(vocab_size)
+    batch, words = 6, (vocab_size + 31) // 32
+    logits = 2 * torch.randn(batch, vocab_size, generator=gen)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3, 0.9])
+    rows = torch.tensor([4, 0, 2, 5])  # in any order; rows 1 and 3 have no grammar
+    allowed = torch.rand(len(rows), vocab_size, generator=gen) < 0.1
+    allowed[1] = False
+    allowed[1, vocab_size - 1] = True  # one token allowed, the vocabulary's last
+    allowed[3] = False
+    allowed[3, [2, vocab_size // 2]] = True
+    padded = torch.zeros(len(rows), words * 32, dtype=torch.bool)
+    padded[:, :vocab_size] = allowed
+    bits = (padded.view(len(rows), words, 32).long() << torch.arange(32)).sum(-1)
+    bits = bits.to(torch.int64).where(bits < 2 ** 31, bits - 2 ** 32).to(torch.int32)
+    for seed in range(4):
+        got = sample_tokens(logits, temperature, seed=seed, bitmask=(rows, bits))
+        masked = apply_bitmask(logits, (rows, bits))
+        assert torch.equal(got, sample_tokens(masked, temperature, seed=seed))
+        assert allowed[torch.arange(len(rows)), got[rows]].all()
+        assert got[0] == vocab_size - 1
+        free = sample_tokens(logits, temperature, seed=seed)
+        assert got[1] == free[1] and got[3] == logits[3].argmax()

@@ -45,6 +45,21 @@ def _logits_tile(row_ptr, cols, limit):
 
 
 @triton.jit
+def _allowed_only(x, bits_row_ptr, cols, limit, masked):
+    """``x`` with -inf where the row's grammar bitmask (token t: bit t % 32 of word t // 32)
+    forbids the token; rows without a mask (``masked`` false) read no bits."""
+    words = tl.load(bits_row_ptr + cols // 32, mask=cols < tl.where(masked, limit, 0), other=-1)
+    return tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+
+
+@triton.jit
+def _bits_row(bits_ptr, mask_row_ptr, row, stride_bits):
+    """The row's bitmask words and whether it has one (its index among the masked rows >= 0)."""
+    index = tl.load(mask_row_ptr + row)
+    return bits_ptr + tl.maximum(index, 0).to(tl.int64) * stride_bits, index >= 0
+
+
+@triton.jit
 def _num_unusable(x):
     """How many of a tile's raw logits are NaN or +inf (they make the row's sample void)."""
     return tl.sum(tl.where(x < float("inf"), 0, 1), axis=0)
@@ -65,8 +80,8 @@ def _finite(top):
 @triton.jit
 def _tile_stats_kernel(
     logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr, unusable_ptr,
-    vocab_size, stride_row, num_tiles, TILE: tl.constexpr, TILES_PER_CHUNK: tl.constexpr,
-    CHECK: tl.constexpr,
+    bits_ptr, mask_row_ptr, vocab_size, stride_row, stride_bits, num_tiles, TILE: tl.constexpr,
+    TILES_PER_CHUNK: tl.constexpr, CHECK: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     if tl.load(seed_ptr) < 0:
         return
@@ -76,14 +91,21 @@ def _tile_stats_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     stats = row.to(tl.int64) * num_tiles
     offsets = tl.arange(0, TILE)
+    if HAS_MASK:
+        bits_row, masked = _bits_row(bits_ptr, mask_row_ptr, row, stride_bits)
     # The last chunk stops at the vocabulary; each loop loads the next tile before reducing one.
     end = tl.minimum(first + TILES_PER_CHUNK, num_tiles)
     x = _raw_tile(row_ptr, first * TILE + offsets, vocab_size)
+    if HAS_MASK:
+        x = _allowed_only(x, bits_row, first * TILE + offsets, vocab_size, masked)
     unusable = 0
     if temperature > 0.0:
         for tile in range(first, end):
             after = _raw_tile(row_ptr, (tile + 1) * TILE + offsets,
                               tl.where(tile + 1 < end, vocab_size, 0))
+            if HAS_MASK:
+                after = _allowed_only(after, bits_row, (tile + 1) * TILE + offsets, vocab_size,
+                                      masked)
             if CHECK:
                 unusable += _num_unusable(x)
             x = _no_nan(x)
@@ -101,6 +123,9 @@ def _tile_stats_kernel(
         for tile in range(first, end):
             after = _raw_tile(row_ptr, (tile + 1) * TILE + offsets,
                               tl.where(tile + 1 < end, vocab_size, 0))
+            if HAS_MASK:
+                after = _allowed_only(after, bits_row, (tile + 1) * TILE + offsets, vocab_size,
+                                      masked)
             if CHECK:
                 unusable += _num_unusable(x)
             x = _no_nan(x)
@@ -124,8 +149,9 @@ def _tile_stats_kernel(
 @triton.jit
 def _pick_kernel(
     logits_ptr, temperature_ptr, tile_max_ptr, tile_sum_ptr, tile_arg_ptr, seed_ptr, unusable_ptr,
-    out_ptr, checked_ptr, vocab_size, stride_row, num_tiles, num_chunks, TILE: tl.constexpr,
-    BLOCK_T: tl.constexpr, CHECK: tl.constexpr, BLOCK_C: tl.constexpr, VOID: tl.constexpr,
+    bits_ptr, mask_row_ptr, out_ptr, checked_ptr, vocab_size, stride_row, stride_bits, num_tiles,
+    num_chunks, TILE: tl.constexpr, BLOCK_T: tl.constexpr, CHECK: tl.constexpr,
+    BLOCK_C: tl.constexpr, VOID: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     seed = tl.load(seed_ptr)
     if seed < 0:
@@ -161,6 +187,9 @@ def _pick_kernel(
             * tl.sum(tl.where(here, sums, 0.0), axis=0).to(tl.float64)
         cols = tile * TILE + tl.arange(0, TILE)
         x = _logits_tile(logits_ptr + row.to(tl.int64) * stride_row, cols, vocab_size)
+        if HAS_MASK:
+            bits_row, masked = _bits_row(bits_ptr, mask_row_ptr, row, stride_bits)
+            x = _allowed_only(x, bits_row, cols, vocab_size, masked)
         tile_top = tl.max(tl.where(here, tops, float("-inf")), axis=0)
         mass = tl.exp2(_scores(x, temperature) - _finite(tile_top))
         token = tl.min(tl.where(tl.cumsum(mass.to(tl.float64), axis=0) > inside, cols,
@@ -200,7 +229,8 @@ def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
                   seed: int | torch.Tensor, out: torch.Tensor | None = None,
-                  checked_out: torch.Tensor | None = None, void_id: int = -1) -> torch.Tensor:
+                  checked_out: torch.Tensor | None = None, void_id: int = -1,
+                  bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Draw one token per row of ``logits [B, V]``: ``[B]`` int64 token ids (into ``out`` if given).
     With ``checked_out`` ([B] int64), the same ids go there too, ``void_id`` in rows with a NaN or
     +inf logit or none finite (the rows ``runner.sampler.mark_failed_rows`` marks).
@@ -208,7 +238,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     A row with ``temperature`` 0 (``[B]`` float32) takes the argmax (lowest index on ties);
     others draw ``softmax(logits / T)``, from ``seed``: an int in ``[0, 2**62)`` or a one-element
     int64 device tensor read when the kernel runs (negative: nothing drawn, ``out`` untouched).
-    A -inf logit is drawn only if the whole row is -inf (token 0); NaN is never picked."""
+    A -inf logit is drawn only if the whole row is -inf (token 0); NaN is never picked.
+    ``bitmask`` (rows ``[R]`` int64, bits ``[R, ceil(V / 32)]`` int32, as
+    ``runner.sampler.apply_bitmask`` takes it): those rows draw only the tokens whose bit is 1,
+    read inside the kernels (the same tokens as sampling the masked logits)."""
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
     assert temperature.shape == (batch,) and temperature.dtype == torch.float32 \
@@ -234,15 +267,24 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
         assert checked_out.shape == (batch,) and checked_out.dtype == torch.int64
     unusable = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device) \
         if check else tile_arg
-    common = (logits, temperature, tile_max, tile_sum, tile_arg, seed, unusable)
+    bits, mask_row = tile_arg, tile_arg  # unread without a mask
+    if bitmask is not None:
+        rows, bits = bitmask
+        assert bits.dtype == torch.int32 and bits.stride(-1) == 1 \
+            and bits.shape == (rows.shape[0], triton.cdiv(vocab_size, 32)), \
+            "bitmask bits must be int32 [R, ceil(V / 32)] with contiguous rows"
+        mask_row = torch.full((batch,), -1, dtype=torch.int32, device=logits.device)
+        mask_row[rows] = torch.arange(rows.shape[0], dtype=torch.int32, device=logits.device)
+    common = (logits, temperature, tile_max, tile_sum, tile_arg, seed, unusable, bits, mask_row)
     _tile_stats_kernel[(batch, num_chunks)](
-        *common, vocab_size, logits.stride(0), num_tiles, TILE=tile, TILES_PER_CHUNK=tiles,
-        CHECK=check, num_warps=NUM_WARPS,
+        *common, vocab_size, logits.stride(0), bits.stride(0), num_tiles, TILE=tile,
+        TILES_PER_CHUNK=tiles, CHECK=check, HAS_MASK=bitmask is not None, num_warps=NUM_WARPS,
     )
     _pick_kernel[(batch,)](
         *common, token_ids, checked_out if check else token_ids, vocab_size, logits.stride(0),
-        num_tiles, num_chunks, TILE=tile, BLOCK_T=triton.next_power_of_2(num_tiles),
-        CHECK=check, BLOCK_C=triton.next_power_of_2(num_chunks), VOID=void_id,
+        bits.stride(0), num_tiles, num_chunks, TILE=tile,
+        BLOCK_T=triton.next_power_of_2(num_tiles), CHECK=check,
+        BLOCK_C=triton.next_power_of_2(num_chunks), VOID=void_id, HAS_MASK=bitmask is not None,
         num_warps=NUM_WARPS,
     )
     return token_ids

@@ -62,8 +62,8 @@ def _fused_sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutp
     """Greedy and temperature rows in one Triton pass (same distribution as the general path)."""
     from nanoserve.kernels.sampling import sample_tokens
 
-    token_ids = sample_tokens(apply_bitmask(logits, tensors.token_bitmask), tensors.temperature,
-                              tensors.noise_seed)
+    token_ids = sample_tokens(logits, tensors.temperature, tensors.noise_seed,
+                              bitmask=tensors.token_bitmask)
     return with_fused_logprobs(logits, token_ids, tensors.max_logprobs)
 
 
