@@ -50,10 +50,25 @@ def test_speculation_that_loses_is_switched_off_and_retried():
     # Speculating: 1.5 tokens a sequence in 3 ms; plain: 1 in 1 ms.
     ways = run(gate, clock, 400, {True: 3e-3, False: 1e-3}, {True: 6, False: 4})
     first_trial_end = spec_gate.FIRST_TRIAL_AFTER + 1 + spec_gate.TRIAL_STEPS
-    assert not any(ways[first_trial_end:first_trial_end + spec_gate.FIRST_TRIAL_AFTER])
+    assert not any(ways[first_trial_end:first_trial_end + spec_gate.AFTER_A_CHANGE])
     assert ways.count(True) < 40  # the trials of speculation, ever rarer
     assert not gate.buckets[4].preferred
     assert gate.num_plain_steps == ways.count(False) + 1  # with run()'s closing begin
+
+
+def test_a_rate_is_tokens_over_seconds_of_recent_steps():
+    """Verify steps that yield 1, 1, 1 then 9 tokens a sequence (3 on average, in 2 ms) beat
+    plain steps of 1 token in 1 ms, whichever steps a trial follows."""
+    clock = Clock()
+    gate = SpecGate(clock)
+    pattern = [4, 4, 4, 36]
+    ways = []
+    for i in range(600):
+        way = gate.begin(4)
+        ways.append(way)
+        clock.now += 2e-3 if way else 1e-3
+        gate.end(pattern[i % 4] if way else 4, computed_prompt=False)
+    assert gate.buckets[4].preferred and ways.count(True) > 540
 
 
 def test_buckets_are_judged_apart_and_prompt_steps_are_not_measured():
@@ -75,11 +90,11 @@ def test_idle_time_is_no_steps_time():
     clock = Clock()
     gate = SpecGate(clock)
     run(gate, clock, 20, {True: 2e-3, False: 1e-3}, {True: 12, False: 4})
-    rate = gate.buckets[4].rate[True]
+    rate = gate.buckets[4].rate[True].value
     gate.idle()
     clock.now += 60.0  # no request for a minute
     gate.begin(4)
-    assert gate.buckets[4].rate[True] == rate
+    assert gate.buckets[4].rate[True].value == rate
 
 
 @pytest.fixture(scope="module")

@@ -15,26 +15,42 @@ from dataclasses import dataclass, field
 
 # Steps in a trial of the other way; its first is not measured (a change of way starts or
 # drains the overlap of steps, so that step's tokens and time mix the two ways).
-TRIAL_STEPS = 4
-FIRST_TRIAL_AFTER = 8  # measured steps of the preferred way before a trial
+TRIAL_STEPS = 5
+FIRST_TRIAL_AFTER = 16  # measured steps of the preferred way before the first trial
+AFTER_A_CHANGE = 32  # ... and before the next trial once a trial changed the way
 MAX_TRIAL_INTERVAL = 256
-SMOOTHING = 0.25  # weight of a new step in a rate's running average
+# Each rate is output tokens over seconds of its recent steps, older steps fading by this
+# factor a step: a ratio of sums, since the tokens of one step vary (1 to k + 1 a sequence).
+DECAY = 0.95
+
+
+@dataclass
+class _Rate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.seconds = DECAY * self.seconds + seconds
+
+    @property
+    def value(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
 
 
 @dataclass
 class _Bucket:
     """One batch-size bucket's measured rates and its schedule of trials."""
 
-    rate: dict[bool, float] = field(default_factory=dict)  # speculating -> tokens/s
+    rate: dict[bool, _Rate] = field(default_factory=lambda: {True: _Rate(), False: _Rate()})
     preferred: bool = True  # speculate, until measured otherwise
     in_trial: bool = False
     trial_left: int = 0  # steps of the other way still to run in this trial
     steps: int = 0  # measured steps of the preferred way since the last trial
     interval: int = FIRST_TRIAL_AFTER
 
-    def record(self, speculating: bool, rate: float) -> None:
-        old = self.rate.get(speculating)
-        self.rate[speculating] = rate if old is None else old + SMOOTHING * (rate - old)
+    def record(self, speculating: bool, tokens: int, seconds: float) -> None:
+        self.rate[speculating].add(tokens, seconds)
         if speculating == self.preferred and not self.in_trial:
             self.steps += 1
 
@@ -47,18 +63,18 @@ class _Bucket:
             self._judge()
         if self.steps >= self.interval:
             self.steps, self.in_trial, self.trial_left = 0, True, TRIAL_STEPS - 1
-            self.rate.pop(not self.preferred, None)  # this trial's steps alone count
+            self.rate[not self.preferred] = _Rate()  # this trial's steps alone count
             return not self.preferred
         return self.preferred
 
     def _judge(self) -> None:
         """Keep the faster way; try the other again later, sooner if the answer changed."""
-        spec, plain = self.rate.get(True), self.rate.get(False)
+        spec, plain = self.rate[True].value, self.rate[False].value
         if spec is None or plain is None:
             return
         faster = spec >= plain
         self.interval = (min(MAX_TRIAL_INTERVAL, 2 * self.interval)
-                         if faster == self.preferred else FIRST_TRIAL_AFTER)
+                         if faster == self.preferred else AFTER_A_CHANGE)
         self.preferred = faster
 
 
@@ -90,7 +106,7 @@ class SpecGate:
         now = self.clock()
         last = self._step
         if last is not None and last.measured and last.tokens is not None and now > last.start:
-            last.bucket.record(last.speculating, last.tokens / (now - last.start))
+            last.bucket.record(last.speculating, last.tokens, now - last.start)
         bucket = self.buckets.setdefault(self.bucket_of(num_seqs), _Bucket())
         speculating = bucket.next_way()
         measured = last is not None and last.speculating == speculating

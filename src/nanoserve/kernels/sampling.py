@@ -218,13 +218,17 @@ def tiles_per_chunk(batch: int) -> int:
 
 def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
                         device: torch.device) -> None:
-    """Compile the kernels for each chunk width of batches up to ``max_batch`` rows, up front."""
+    """Compile the kernels for each chunk width of batches up to ``max_batch`` rows, up front,
+    with and without a grammar's bitmask (a compile in the middle of a run stalls its batch)."""
     first_batch: dict[int, int] = {}
     for batch in range(1, max_batch + 1):
         first_batch.setdefault(tiles_per_chunk(batch), batch)
+    bits = torch.full((1, triton.cdiv(vocab_size, 32)), -1, dtype=torch.int32, device=device)
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
     for batch in first_batch.values():
-        sample_tokens(torch.zeros(batch, vocab_size, dtype=dtype, device=device),
-                      torch.ones(batch, device=device), seed=0)
+        for bitmask in (None, (rows, bits)):
+            sample_tokens(torch.zeros(batch, vocab_size, dtype=dtype, device=device),
+                          torch.ones(batch, device=device), seed=0, bitmask=bitmask)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
