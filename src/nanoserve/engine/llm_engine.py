@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Iterable
 
-import numpy as np
 
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
@@ -95,7 +94,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.aborted: list[Request] = []
-        self.dead_ends: list[Request] = []  # at a grammar's dead end (_bitmask): to fail
         self.finished_ids: list[str] = []
         self.in_flight: tuple[list[ScheduledChunk], InFlightStep] | None = None
         self.fault_hunt = FaultHunt()
@@ -314,7 +312,6 @@ class LLMEngine:
             outputs += self._collect(previous)
             if step is not None and step.grammar_rows and step.token_bitmask is None:
                 self.in_flight[1].apply_bitmask(self._bitmask(sched.chunks, step.grammar_rows))
-            outputs += self._end_dead_ends()
             if not overlap:
                 current, self.in_flight = self.in_flight, None
                 outputs += self._collect(current)
@@ -431,9 +428,17 @@ class LLMEngine:
                     now: float, grammar_ok: bool | None = None) -> None:
         """Add a sampled token to ``req``; ``grammar_ok``: whether its grammar (if it has
         one) accepted the token, the matcher having advanced."""
-        if token == FAILED_ROW:
-            raise FloatingPointError("the model's logits for this request are not finite")
-        if grammar_ok is False:
+        if token == FAILED_ROW or grammar_ok is False:
+            # Checked only here, where a row failed: scanning every mask for an empty one
+            # would cost the host each step.
+            if (req.params.structured_outputs is not None
+                    and self._structured.allows_nothing(req.request_id)):
+                raise ValueError(
+                    f"structured_outputs: after {req.num_output_tokens} tokens the grammar "
+                    "allows no token of this model's vocabulary (it needs bytes that no token "
+                    "holds)")
+            if token == FAILED_ROW:
+                raise FloatingPointError("the model's logits for this request are not finite")
             raise ValueError(f"the grammar does not allow token {token}")
         req.num_pending_tokens -= 1
         if req.first_token_time is None:
@@ -449,23 +454,10 @@ class LLMEngine:
         self.scheduler.register_known_blocks(req)
 
     def _bitmask(self, chunks: list[ScheduledChunk], rows: list[int]) -> np.ndarray:
-        """The next-token bitmasks of a step's sampling ``rows`` under a grammar. A request
-        whose grammar allows no token at all next (it needs bytes no token of the vocabulary
-        holds) fails here, with that said, rather than on the masked row's unusable logits."""
+        """The next-token bitmasks of a step's sampling ``rows`` under a grammar."""
         sampling = [c.request for c in chunks if c.samples]
-        live = [None if sampling[i].finished else sampling[i].request_id for i in rows]
-        bits = self._structured.bitmask(live)
-        self.dead_ends += [self.requests[live[i]] for i in np.flatnonzero(~bits.any(axis=1))]
-        return bits
-
-    def _end_dead_ends(self) -> list[RequestOutput]:
-        """Fail the requests _bitmask found at a dead end, once their step is launched and
-        counted (its row for them is then dropped)."""
-        ends, self.dead_ends = self.dead_ends, []
-        return [self._fail(req, ValueError(
-            f"structured_outputs: after {req.num_output_tokens} tokens the grammar allows no "
-            "token of this model's vocabulary (it needs bytes that no token holds)"))
-            for req in ends if not req.finished]
+        return self._structured.bitmask(
+            [None if sampling[i].finished else sampling[i].request_id for i in rows])
 
     def _step_input(self, chunks: list[ScheduledChunk], with_bitmask: bool = True
                     ) -> StepInput:

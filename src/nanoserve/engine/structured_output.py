@@ -162,6 +162,16 @@ class StructuredOutputs:
             [self.matchers[rid] for rid in ids], [tokens[rid] for rid in ids])
         return dict(zip(ids, ok))
 
+    def allows_nothing(self, request_id: str) -> bool:
+        """Whether ``request_id``'s grammar allows no token next (a dead end: it needs bytes
+        that no token of the vocabulary holds)."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return False
+        bits = np.empty((1, self.words), dtype=np.int32)
+        matcher.fill_next_token_bitmask(bits, 0)
+        return not bits.any()
+
     def bitmask(self, request_ids: list[str | None]) -> np.ndarray:
         """[len(request_ids), ceil(V / 32)] int32: each row's allowed next tokens, all bits
         set for rows without a matcher (None, or an ended request). Valid until the next call.
