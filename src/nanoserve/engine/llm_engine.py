@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Iterable
 
-
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.fault_hunt import FaultHunt

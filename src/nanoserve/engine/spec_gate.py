@@ -13,12 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Steps in a trial of the other way; its first is not measured (a change of way starts or
-# drains the overlap of steps, so that step's tokens and time mix the two ways).
-TRIAL_STEPS = 5
+# Steps in a trial of the other way (by the way tried): its first is not measured (a change of
+# way starts or drains the overlap of steps, so that step's tokens and time mix the two). A
+# verify step's tokens vary, a plain step's do not: speculation gets the longer trial.
+TRIAL_STEPS = {True: 6, False: 4}
 FIRST_TRIAL_AFTER = 16  # measured steps of the preferred way before the first trial
 AFTER_A_CHANGE = 32  # ... and before the next trial once a trial changed the way
 MAX_TRIAL_INTERVAL = 256
+CLEAR_MARGIN = 1.25  # a way this much faster waits 4x longer for its next trial, else 2x
 # Each rate is output tokens over seconds of its recent steps, older steps fading by this
 # factor a step: a ratio of sums, since the tokens of one step vary (1 to k + 1 a sequence).
 DECAY = 0.95
@@ -62,7 +64,8 @@ class _Bucket:
             self.in_trial = False
             self._judge()
         if self.steps >= self.interval:
-            self.steps, self.in_trial, self.trial_left = 0, True, TRIAL_STEPS - 1
+            self.steps, self.in_trial = 0, True
+            self.trial_left = TRIAL_STEPS[not self.preferred] - 1
             self.rate[not self.preferred] = _Rate()  # this trial's steps alone count
             return not self.preferred
         return self.preferred
@@ -73,7 +76,8 @@ class _Bucket:
         if spec is None or plain is None:
             return
         faster = spec >= plain
-        self.interval = (min(MAX_TRIAL_INTERVAL, 2 * self.interval)
+        growth = 4 if max(spec, plain) >= CLEAR_MARGIN * min(spec, plain) else 2
+        self.interval = (min(MAX_TRIAL_INTERVAL, growth * self.interval)
                          if faster == self.preferred else AFTER_A_CHANGE)
         self.preferred = faster
 
@@ -99,15 +103,28 @@ class SpecGate:
 
     @staticmethod
     def bucket_of(num_seqs: int) -> int:
-        """Batch sizes up to the next power of two share a bucket."""
-        return 1 << max(0, num_seqs - 1).bit_length()
+        """Batch sizes up to the next power of four share a bucket (1, 4, 16, 64, ...)."""
+        bits = max(0, num_seqs - 1).bit_length()
+        return 1 << (bits + bits % 2)
+
+    def _bucket(self, num_seqs: int) -> _Bucket:
+        """The bucket of ``num_seqs``; a new one starts the way its nearest neighbour runs
+        (a batch's tail passes through smaller sizes, which rarely judge otherwise)."""
+        key = self.bucket_of(num_seqs)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            near = min(self.buckets, key=lambda k: abs(k.bit_length() - key.bit_length()),
+                       default=None)
+            bucket = self.buckets[key] = _Bucket(
+                preferred=True if near is None else self.buckets[near].preferred)
+        return bucket
 
     def begin(self, num_seqs: int) -> bool:
         now = self.clock()
         last = self._step
         if last is not None and last.measured and last.tokens is not None and now > last.start:
             last.bucket.record(last.speculating, last.tokens, now - last.start)
-        bucket = self.buckets.setdefault(self.bucket_of(num_seqs), _Bucket())
+        bucket = self._bucket(num_seqs)
         speculating = bucket.next_way()
         measured = last is not None and last.speculating == speculating
         self._step = _Step(bucket, speculating, now, measured)
