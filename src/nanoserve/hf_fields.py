@@ -93,9 +93,10 @@ def gpt_oss_fields(hf_config: Any) -> dict[str, Any]:
     """GPT-OSS's switches: attention sinks, biased q/k/v/o, routers and experts, the softmax
     over the top-k logits, the clamped SwiGLU."""
     bias = bool(getattr(hf_config, "attention_bias", True))
+    # Older transformers' GptOssConfig has no swiglu_alpha: its model used GPT-OSS's 1.702.
     return dict(o_proj_bias=bias, attention_sinks=True, moe_bias=True,
-                moe_topk_first=True, swiglu_alpha=float(hf_config.swiglu_alpha),
-                swiglu_limit=float(hf_config.swiglu_limit))
+                moe_topk_first=True, swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+                swiglu_limit=float(getattr(hf_config, "swiglu_limit", 7.0)))
 
 
 def activation(hf_config: Any) -> str:
