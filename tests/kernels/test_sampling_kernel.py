@@ -258,13 +258,16 @@ def test_start_up_compile_runs_every_chunk_width_once(monkeypatch):
     """ModelRunner compiles the kernel variants before serving: one batch per chunk width."""
     import nanoserve.kernels.sampling as sampling
 
-    batches = []
+    calls = []
     monkeypatch.setattr(sampling, "sample_tokens",
-                        lambda logits, temperature, seed: batches.append(logits.shape[0]))
+                        lambda logits, temperature, seed, bitmask=None:
+                        calls.append((sampling.tiles_per_chunk(logits.shape[0]),
+                                      bitmask is not None)))
     sampling.compile_for_batches(256, 50, torch.float32, torch.device("cpu"))
-    widths = [sampling.tiles_per_chunk(b) for b in batches]
-    assert sorted(widths) == sorted({sampling.tiles_per_chunk(b) for b in range(1, 257)})
-    assert len(widths) == len(set(widths)) == 4
+    widths = {sampling.tiles_per_chunk(b) for b in range(1, 257)}
+    assert len(widths) == 4
+    # Each chunk width once without a grammar's bitmask and once with one.
+    assert sorted(calls) == sorted((w, masked) for w in widths for masked in (False, True))
 
 
 @pytest.mark.parametrize("vocab_size", [TILE - 5, 3 * CHUNK + 7])
