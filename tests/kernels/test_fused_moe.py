@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from nanoserve.kernels.fused_moe import (MoeTiles, fused_experts, group_by_expert,  # noqa: E402
                                          max_blocks, route_top_k)
-from nanoserve.layers.moe import experts_loop  # noqa: E402
+from nanoserve.layers.moe import ExpertActivation, experts_loop  # noqa: E402
 
 
 def random_routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator,
@@ -93,6 +93,28 @@ def test_fused_experts_in_16_bits_and_64_row_blocks():
     expected = reference(x, gate_up, down, weights, experts)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), expected, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 4), (23, 2)])
+def test_fused_experts_with_biases_and_clamped_swiglu(num_tokens, top_k):
+    """GPT-OSS's experts: biases on both projections and the clamped SwiGLU, large enough
+    inputs that the clamp bites, against the loop in float64."""
+    gen = torch.Generator().manual_seed(31 + num_tokens)
+    num_experts, hidden, inter = 8, 32, 16
+    x = 4 * torch.randn(num_tokens, hidden, generator=gen)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    gate_up_bias = torch.randn(num_experts, 2 * inter, generator=gen)
+    down_bias = torch.randn(num_experts, hidden, generator=gen)
+    weights, experts = random_routing(num_tokens, num_experts, top_k, gen)
+    act = ExpertActivation(alpha=1.702, limit=7.0)
+    out = fused_experts(x, gate_up, down, weights, experts, activation=act,
+                        gate_up_bias=gate_up_bias, down_bias=down_bias)
+    expected = experts_loop(*(t.double() for t in (x, gate_up, down, weights)), experts, act,
+                            gate_up_bias.double(), down_bias.double())
+    clamped = (torch.cat([x @ gate_up[e].T for e in range(num_experts)]).abs() > 7).any()
+    assert clamped
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_fused_experts_rejects_mismatched_shapes():

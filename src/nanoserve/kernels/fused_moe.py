@@ -8,6 +8,7 @@ from the kernels before it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -237,10 +238,15 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   route_weights: torch.Tensor, experts: torch.Tensor,
-                  tiles: MoeTiles | None = None) -> torch.Tensor:
-    """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a SiLU-gated MLP:
-    ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, routing ``[T, top_k]``. Rounds as
-    ``experts_loop`` does but sums a token's ``top_k`` outputs in float32, once."""
+                  tiles: MoeTiles | None = None,
+                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a gated MLP:
+    ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, routing ``[T, top_k]``;
+    ``activation`` maps ``[P, 2I]`` to ``[P, I]`` (default SiLU and multiply), optional biases
+    ``[E, 2I]`` and ``[E, H]`` (GPT-OSS). Rounds as ``experts_loop`` does but sums a token's
+    ``top_k`` outputs in float32, once."""
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape
     if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):
@@ -256,9 +262,18 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         return torch.zeros_like(x)
     tiles = tiles or moe_tiles(num_tokens * top_k, num_experts, x.device)
     blocks = group_by_expert(experts, num_experts, tiles.block_m)
-    h = silu_and_mul(_grouped_gemm(x, gate_up, blocks, tiles, a_row_div=top_k))
-    out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1,
-                        route_weights=route_weights.reshape(-1).contiguous())
+    h = _grouped_gemm(x, gate_up, blocks, tiles, a_row_div=top_k)
+    # Row p of h and out is pair p (token p // top_k, its slot p % top_k): biases gather by it.
+    pair_experts = experts.reshape(-1)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[pair_experts]
+    h = silu_and_mul(h) if activation is None else activation(h)
+    pair_weights = route_weights.reshape(-1).contiguous()
+    if down_bias is None:
+        out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1, route_weights=pair_weights)
+    else:  # the bias goes in before the routing weight
+        out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1)
+        out = (out + down_bias[pair_experts]) * pair_weights[:, None]
     # Accumulated in float32 and rounded once, in one launch, for 16-bit outputs too.
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
 

@@ -55,23 +55,6 @@ def experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out
 
 
-def experts_dense(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, experts: torch.Tensor, act: ExpertActivation,
-                  gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None
-                  ) -> torch.Tensor:
-    """:func:`experts_loop`'s sum with every expert run on every token, weighted 0 where not
-    chosen: no host sync, so CUDA graphs capture it (the GPU path of experts the fused kernel
-    does not serve: biases, the clamped SwiGLU)."""
-    out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
-        w = (weights * (experts == e)).sum(-1, keepdim=True)
-        h = F.linear(x, gate_up[e])
-        h = act(h if gate_up_bias is None else h + gate_up_bias[e])
-        h = F.linear(h, down[e])
-        out += (h if down_bias is None else h + down_bias[e]) * w
-    return out
-
-
 class Router(nn.Module):
     """Top-k routing: softmax over the experts in float32, the k largest, optionally
     renormalised to sum to one (``topk_first``: GPT-OSS's softmax over the k largest logits),
@@ -154,13 +137,14 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ) -> torch.Tensor:
         """This rank's share of ``sum_j weights[:, j] * expert_{experts[:, j]}(x)``."""
-        plain = self.gate_up_proj_bias is None and not self.act.limit
-        if x.is_cuda and plain:
+        if x.is_cuda:
             from nanoserve.kernels.fused_moe import fused_experts
-            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
-        run = experts_dense if x.is_cuda else experts_loop
-        return run(x, self.gate_up_proj, self.down_proj, weights, experts, self.act,
-                   self.gate_up_proj_bias, self.down_proj_bias)
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts,
+                                 activation=self.act if self.act.limit else None,
+                                 gate_up_bias=self.gate_up_proj_bias,
+                                 down_bias=self.down_proj_bias)
+        return experts_loop(x, self.gate_up_proj, self.down_proj, weights, experts, self.act,
+                            self.gate_up_proj_bias, self.down_proj_bias)
 
 
 class SparseMoeBlock(nn.Module):
