@@ -115,7 +115,7 @@ def test_bf16_newer_families_close_to_transformers(shape, prompt_lens, enforce_e
                                                    tmp_path_factory):
     """Gemma 2/3 (soft caps, sandwich norms folded where they are pre-norms, windows), Phi-3
     (fused checkpoints, windows; Phi-4-mini's partial rotary and longrope), Mixtral, GPT-OSS
-    (sinks in the kernels, biases, its experts run densely on the GPU)."""
+    (sinks in the kernels, biases and the clamped SwiGLU in the fused MoE)."""
     assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
                                         f"{shape} eager={enforce_eager}",
                                         prompt_lens=prompt_lens, enforce_eager=enforce_eager)
