@@ -60,11 +60,16 @@ HEURISTIC_TILES = {1: (8, 4096), 2: (8, 1024), 4: (16, 256), 8: (16, 128)}
 
 def heuristic_config(rows: int, n: int, k: int, sms: int) -> Int4GemvConfig:
     """Tiles for a shape nobody tuned: :data:`HEURISTIC_TILES`' for the row bucket, K split
-    where the row blocks number fewer than the SMs."""
-    block_n, longest = HEURISTIC_TILES[row_bucket(rows)]
+    where too few row blocks would be resident: one row's 16 KB chunks need a program an SM,
+    more rows' 1-4 KB chunks about four (as many as fit beside each other's registers)."""
+    bucket = row_bucket(rows)
+    block_n, longest = HEURISTIC_TILES[bucket]
     block_k = max(8, _pow2_divisor(k, longest))
     programs = triton.cdiv(n, block_n)
-    split = min(k // block_k, triton.cdiv(2 * sms, programs)) if programs < sms else 1
+    wanted = sms if bucket == 1 else 4 * sms
+    split = 1
+    if programs < wanted:
+        split = min(k // block_k, triton.cdiv(max(wanted, 2 * sms), programs))
     return Int4GemvConfig(block_n, block_k, max(1, split))
 
 
