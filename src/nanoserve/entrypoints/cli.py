@@ -154,6 +154,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.int4:
+        from nanoserve.kernels.tune_int4 import tune_int4_model
+
+        tune_int4_model(args.model, tuple(args.rows), args.tensor_parallel_size)
+        return 0
     from nanoserve.kernels.tune import tune_model
 
     tune_model(args.model, tuple(args.rows), args.tensor_parallel_size)
@@ -185,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=[1, 2, 4, 8], help="decode batch sizes to tune")
     tune.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="tune the projections one rank holds at this TP size")
+    tune.add_argument("--int4", action="store_true",
+                      help="tune the int4 GEMV (AWQ / GPTQ / GGUF 4-bit weights) instead")
     tune.set_defaults(func=cmd_tune)
 
     bench = sub.add_parser("bench", help="benchmarks as vLLM's `vllm bench`: throughput "
