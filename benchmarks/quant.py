@@ -2,7 +2,8 @@
 
 GPU mode (default): for each ``--shapes`` shape, random weights (``load_format="dummy"``) in
 bf16, fp8 (``quantization="fp8"``: per-channel weights, per-token activations, torch._scaled_mm)
-and int4 (AWQ's layout, group size 128: the Triton int4 GEMM); ``ms_per_token`` is
+and int4 (AWQ's layout, group size 128: the int4 GEMV, GEMM or dequantized cuBLAS by rows;
+``--variants`` picks some); ``ms_per_token`` is
 (t(N tokens) - t(1 token)) / (N - 1) at a short prompt, each t the best of the repeats;
 ``throughput_tok_s`` is output tokens per second over ``--num-prompts`` random prompts.
 CPU mode (``--cpu``): the packaged SmolLM2-135M Q4_1 GGUF kept quantized against dequantized
@@ -25,6 +26,7 @@ from nanoserve.bench.shapes import make_model_dir
 
 from nanoserve import LLM, SamplingParams
 
+VARIANTS = ("bf16", "fp8", "int4-awq")
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
               "zero_point": True}
 
@@ -51,7 +53,7 @@ def measure(llm: LLM, device: str, vocab: int, args: argparse.Namespace) -> dict
 
 
 def run_gpu_shape(name: str, args: argparse.Namespace, env: dict, tmp: Path) -> None:
-    for variant in ("bf16", "fp8", "int4-awq"):
+    for variant in args.variants:
         folder = make_model_dir(name, tmp / f"{name}-{variant}", num_hidden_layers=args.layers)
         config = json.loads((folder / "config.json").read_text())
         if variant == "int4-awq":
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--deadline-s", type=float, default=None)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args()
     # The CPU defaults are 32 prompts, as the comparison with llama.cpp asks.
     defaults = dict(new_tokens=(32, 128), num_prompts=(32, 256), prompt_len=(64, 512),
