@@ -45,8 +45,8 @@ def tokenizer_fields(tokenizer_dir: Path, vocab_size: int) -> dict:
     ids = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
     eos = ids.get(cfg.get("eos_token") or "<|im_end|>", 151645)
     pad = ids.get(cfg.get("pad_token") or "<|endoftext|>", 151643)
-    return dict(tokens=tokens, types=types, merges=merges, eos=eos, pad=pad, bos=pad,
-                chat_template=cfg.get("chat_template"))
+    return {"tokens": tokens, "types": types, "merges": merges, "eos": eos, "pad": pad,
+            "bos": pad, "chat_template": cfg.get("chat_template")}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:

