@@ -96,7 +96,8 @@ def _no_spec(module: str) -> bool:
 
 
 def nvidia_lib_dirs() -> list[str]:
-    """torch's CUDA wheels' library folders (site-packages/nvidia/*/lib), for llama.cpp."""
+    """Folders with libcudart.so.13 / libcublas.so.13 for llama.cpp: torch's CUDA wheels'
+    (site-packages/nvidia/*/lib), then the toolkit's where the image has one."""
     dirs: list[str] = []
     try:
         import nvidia  # namespace package of the nvidia-* wheels
@@ -105,7 +106,13 @@ def nvidia_lib_dirs() -> list[str]:
         roots = []
     for root in roots:
         dirs += sorted(d for d in glob.glob(os.path.join(root, "*", "lib")) if os.path.isdir(d))
-    return dirs
+    for lib in ("libcudart.so.13", "libcublas.so.13"):
+        if not any(os.path.exists(os.path.join(d, lib)) for d in dirs):
+            dirs += sorted({os.path.dirname(f) for p in sys.path if p
+                            for f in glob.glob(os.path.join(p, "**", lib), recursive=True)})
+    dirs += [d for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib")
+             if os.path.isdir(d)]
+    return list(dict.fromkeys(dirs))
 
 
 def unpack_llama(args: argparse.Namespace) -> Path | None:
@@ -353,7 +360,9 @@ def llama_parts(args: argparse.Namespace, bindir: Path, gguf: Path) -> list[dict
                                    ms_per_token=round(1000.0 / r["avg_ts"], 4),
                                    tok_s=round(r["avg_ts"], 2),
                                    each_run_tok_s=[round(x, 2) for x in r.get("samples_ts", [])],
-                                   build=r.get("build_commit")))
+                                   build=r.get("build_commit"), backends=r.get("backends"),
+                                   gpu_info=r.get("gpu_info"), flash_attn=r.get("flash_attn"),
+                                   type_k=r.get("type_k")))
         if code != 0:
             recs.append(record("llama.cpp", "decode", error=f"llama-bench exit {code}"))
     if "uniform" in args.workloads:
