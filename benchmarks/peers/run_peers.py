@@ -232,7 +232,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}")
+                last = self.logfile.read_text(errors="replace").strip().splitlines()[-2:]
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}: "
+                                   + " | ".join(last)[-300:])
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     log(f"{self.name}: ready")
@@ -364,7 +366,8 @@ def llama_parts(args: argparse.Namespace, bindir: Path, gguf: Path) -> list[dict
                                    gpu_info=r.get("gpu_info"), flash_attn=r.get("flash_attn"),
                                    type_k=r.get("type_k")))
         if code != 0:
-            recs.append(record("llama.cpp", "decode", error=f"llama-bench exit {code}"))
+            recs.append(record("llama.cpp", "decode", error=f"llama-bench exit {code}: "
+                               + " | ".join(out.strip().splitlines()[-2:])[-300:]))
     if "uniform" in args.workloads:
         pp, tg, pl = args.uniform_pp, args.uniform_tg, args.uniform_pl
         cmd = [str(bindir / "llama-batched-bench"), "-m", str(gguf), *gpu, *fa,
@@ -382,7 +385,8 @@ def llama_parts(args: argparse.Namespace, bindir: Path, gguf: Path) -> list[dict
                                    decode_tok_s=round(r["speed_tg"], 1),
                                    prefill_tok_s=round(r["speed_pp"], 1)))
         if not found:
-            recs.append(record("llama.cpp", "uniform", error=f"llama-batched-bench exit {code}"))
+            recs.append(record("llama.cpp", "uniform", error=f"llama-batched-bench exit {code}: "
+                               + " | ".join(out.strip().splitlines()[-2:])[-300:]))
     if {"throughput", "serve"} & set(args.workloads):
         slots = max(args.num_seqs, 1)
         per_slot = max(args.max_input_len + args.max_output_len,
