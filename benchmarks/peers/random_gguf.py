@@ -7,7 +7,9 @@ names, norms in F32, matrices in BF16, key_length/value_length = head_dim, the G
 vocabulary padded to the config's vocab_size with [PADn] tokens), so that llama.cpp and
 nanoserve load the same weights. The tokenizer comes from .cache/qwen3-tokenizer (fetched by
 scripts/fetch_qwen3_tokenizer.sh). Weights: N(0, 0.02) matrices, norms 1, drawn by torch on the
-GPU where there is one (seconds for 8B), else on the CPU.
+GPU where there is one (seconds for 8B), else on the CPU. BF16 rather than F16: llama.cpp's
+CUDA backend multiplies BF16 weights in bf16 through cuBLAS on sm_80+ (mmvf at batch 1), and
+nanoserve then runs the weights it runs from a bf16 folder.
 """
 from __future__ import annotations
 
