@@ -1,4 +1,4 @@
-"""GGUF files of Qwen3-MoE, Phi-3, Gemma-2/3 and Mistral: tiny random models written as
+"""GGUF files of Qwen3, Qwen3-MoE, Phi-3, Gemma-2/3 and Mistral: tiny random models written as
 llama.cpp's converter writes them; nanoserve's weights against transformers' GGUF loader and
 its greedy tokens against the same model loaded from a Hugging Face folder."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     Phi3Config,
+    Qwen3Config,
     Qwen3MoeConfig,
 )
 
@@ -29,7 +30,8 @@ from nanoserve.models.loader import load_hf_config
 
 Q = gguf.GGMLQuantizationType
 # GGUF architecture and gguf-py's model enum (its tensor names) of each Hugging Face model type.
-ARCHS = {"qwen3_moe": ("qwen3moe", "QWEN3MOE"), "phi3": ("phi3", "PHI3"),
+ARCHS = {"qwen3": ("qwen3", "QWEN3"), "qwen3_moe": ("qwen3moe", "QWEN3MOE"),
+         "phi3": ("phi3", "PHI3"),
          "gemma2": ("gemma2", "GEMMA2"), "gemma3_text": ("gemma3", "GEMMA3"),
          "mistral": ("llama", "LLAMA")}
 EXPERTS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
@@ -39,6 +41,9 @@ def _config(arch: str, vocab_size: int, eos_id: int) -> Any:
     # An epsilon float32 holds exactly, as GGUF stores it.
     common = dict(TINY_COMMON, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=None,
                   rms_norm_eps=2.0 ** -20)
+    if arch == "qwen3":  # head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 64; not
+        # transformers' Qwen3 default (128) either: only the file's key_length says it
+        return Qwen3Config(**common, head_dim=32, rope_theta=1e6, tie_word_embeddings=True)
     if arch == "qwen3moe":  # llama.cpp always renormalises the top-k weights
         return Qwen3MoeConfig(**common, head_dim=32, rope_theta=1e6, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=64,
@@ -250,7 +255,8 @@ def _greedy(path: Path, quantization: str) -> list[tuple[list[int], list[int]]]:
         llm.close()
 
 
-CASES = [("qwen3moe", Q.F32), ("phi3", Q.F32), ("gemma2", Q.F32), ("gemma3", Q.F32),
+CASES = [("qwen3", Q.F32), ("qwen3", Q.F16), ("qwen3moe", Q.F32), ("phi3", Q.F32),
+         ("gemma2", Q.F32), ("gemma3", Q.F32),
          ("mistral", Q.F32), ("gemma3", Q.F16), ("qwen3moe", Q.Q8_0)]
 
 
@@ -284,6 +290,21 @@ def test_gguf_matches_transformers_and_hf_folder(arch, qtype, tokenizer_fields, 
     assert differ == ({"architecture": "LlamaForCausalLM"} if arch == "mistral" else {})
     # quantization="none": the GGUF blocks dequantized at load, the same weights as the folder.
     assert _greedy(path, "none") == _greedy(folder, "none")
+
+
+def test_qwen3_head_dim_from_key_length_greedy_as_transformers(tokenizer_fields, tmp_path):
+    """A Qwen3 GGUF whose head size (key_length 32) is neither hidden / heads (16) nor
+    transformers' Qwen3 default (128): loaded with it, greedy tokens as transformers' model."""
+    model = _random_model("qwen3", tokenizer_fields["eos"])
+    path = write_gguf(model, tmp_path / "qwen3.gguf", tokenizer_fields, Q.F32)
+    assert load_gguf_config(path).head_dim == 32
+    model.generation_config.eos_token_id = None  # fixed lengths on both sides
+    for prompt_ids, ours in _greedy(path, "none"):
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            theirs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=len(ours), pad_token_id=0)
+        assert theirs[0, len(prompt_ids):].tolist() == ours
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "falcon", "gpt2"])  # transformers reads these

@@ -85,6 +85,14 @@ def fill_config(config: Any, arch: str, fields: dict[str, Any]) -> None:
     def field(key: str) -> Any:
         return fields.get(f"{arch}.{key}")
 
+    # transformers maps key_length to head_dim for some architectures only (not qwen3, whose
+    # config then defaults to 128); llama.cpp's head size is key_length wherever it is written.
+    key_length, value_length = field("attention.key_length"), field("attention.value_length")
+    if key_length is not None:
+        if value_length is not None and int(value_length) != int(key_length):
+            raise ValueError(f"{arch}: attention.value_length {value_length} != key_length "
+                             f"{key_length} (nanoserve needs one head size)")
+        config.head_dim = int(key_length)
     if arch == "qwen3moe" and field("expert_feed_forward_length") is not None:
         config.moe_intermediate_size = int(field("expert_feed_forward_length"))
     if arch in ("gemma2", "gemma3"):
