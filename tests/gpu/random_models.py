@@ -80,13 +80,18 @@ SHAPES.update({
 
 
 def save_random_hf_model(shape: str, out: Path, seed: int = 0) -> Path:
-    """``out`` holding ``shape``'s config, Qwen3's tokenizer and random bf16 weights."""
+    """``out`` holding ``shape``'s config, Qwen3's tokenizer (a word-level one where
+    `.cache/qwen3-tokenizer` is missing) and random bf16 weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(QWEN3_TOKENIZER_DIR / name, out / name)
+    if (QWEN3_TOKENIZER_DIR / "tokenizer.json").is_file():
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(QWEN3_TOKENIZER_DIR / name, out / name)
+    else:  # prompts are token ids: any tokenizer of the vocabulary's size serves
+        from nanoserve.bench.shapes import write_synthetic_tokenizer
+        write_synthetic_tokenizer(out, SHAPES[shape]["vocab_size"])
     config = AutoConfig.from_pretrained(out)
     torch.manual_seed(seed)
     with torch.device("cuda"):
