@@ -54,6 +54,14 @@ def assert_matches(got, x, codes, sz, g):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max())
 
 
+@pytest.mark.parametrize("m,n,k,g", [(1, 48, 64, 32), (3, 40, 256, 128), (20, 64, 128, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_gemm_matches_float64(m, n, k, g, dtype):
+    """The tensor-core kernel (any row count) against float64."""
+    x, codes, packed, sz = operands(m, n, k, g, dtype)
+    assert_matches(int4_linear(x, packed, sz, g, TENSOR_CORE), x, codes, sz, g)
+
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SHAPES = [(40, 256, 32), (24, 512, 128), (36, 768, 256)]  # N never a multiple of BLOCK_N 16
 

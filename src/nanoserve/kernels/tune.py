@@ -111,16 +111,21 @@ def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.devi
     return min(times, key=times.get), times
 
 
-def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
-               log: Callable[[str], None] = print) -> Path:
-    """Tune every decode projection of ``model`` on the current GPU; returns the file written."""
+def model_to_tune(model: str | Path) -> tuple[ModelConfig, torch.device]:
+    """``model``'s config and the GPU to tune on (an error without one)."""
     from nanoserve.config import resolve_model_path
     from nanoserve.models.loader import load_hf_config
 
     if not torch.cuda.is_available():
         raise ValueError("nanoserve tune needs a CUDA device")
-    device = torch.device("cuda")
-    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(str(model))))
+    return (ModelConfig.from_hf(load_hf_config(resolve_model_path(str(model)))),
+            torch.device("cuda"))
+
+
+def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
+               log: Callable[[str], None] = print) -> Path:
+    """Tune every decode projection of ``model`` on the current GPU; returns the file written."""
+    cfg, device = model_to_tune(model)
     entries: dict[str, dict[str, Any]] = {}
     for name, (n, k, fusions) in projection_shapes(cfg, tp).items():
         for bucket in rows:

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 import triton
 
-from nanoserve.config import ModelConfig
 from nanoserve.kernels.int4_gemm import TENSOR_CORE, int4_linear
 from nanoserve.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanoserve.kernels.skinny_gemm import ROW_BUCKETS, shape_key
-from nanoserve.kernels.tune import STREAMED_BYTES, _graph_us, projection_shapes
+from nanoserve.kernels.tune import STREAMED_BYTES, _graph_us, model_to_tune, projection_shapes
 from nanoserve.kernels.tuning import device_key, save_entries
 
 GROUP = 128
@@ -79,13 +78,7 @@ def tune_int4_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: 
                     log: Callable[[str], None] = print) -> Path:
     """Tune every decode projection of ``model`` held as int4 on the current GPU; returns the
     file written."""
-    from nanoserve.config import resolve_model_path
-    from nanoserve.models.loader import load_hf_config
-
-    if not torch.cuda.is_available():
-        raise ValueError("nanoserve tune needs a CUDA device")
-    device = torch.device("cuda")
-    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(str(model))))
+    cfg, device = model_to_tune(model)
     entries: dict[str, dict[str, Any]] = {}
     for name, (n, k, _) in projection_shapes(cfg, tp).items():
         if k % GROUP:
