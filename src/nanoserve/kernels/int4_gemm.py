@@ -19,6 +19,7 @@ import triton.language as tl
 from nanoserve.kernels.common import device_sm_count, interpreted
 from nanoserve.kernels.int4_gemv import (
     TENSOR_CORE,
+    Int4GemvConfig,
     check_int4_operands,
     dequantize_chunk,
     int4_gemv,
@@ -34,9 +35,16 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 26  # weights dequantized at once: 128 MB of scrat
 
 def int4_path(rows: int, n: int, k: int, device: torch.device) -> str:
     """Which kernel multiplies ``rows`` rows by an ``n x k`` int4 weight on ``device``."""
+    return _plan(rows, n, k, device)[0]
+
+
+def _plan(rows: int, n: int, k: int, device: torch.device
+          ) -> tuple[str, Int4GemvConfig | None]:
+    """:func:`int4_path`'s answer and, for the GEMV, the tiles it was chosen with."""
     if rows >= DEQUANT_ROWS:
-        return DEQUANT
-    return GEMV if select(rows, n, k, device) is not None else TENSOR_CORE
+        return DEQUANT, None
+    config = select(rows, n, k, device)
+    return (GEMV if config is not None else TENSOR_CORE), config
 
 
 @triton.jit
@@ -134,13 +142,15 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     of ``GEMV``, ``TENSOR_CORE``, ``DEQUANT`` (default: :func:`int4_path`'s)."""
     m, k = x.shape
     n = packed.shape[0]
+    config = None
+    if path is None:
+        path, config = _plan(m, n, k, x.device)
+    if path == GEMV:  # which checks its operands itself
+        return int4_gemv(x, packed, scales_zeros, group_size, config)
     check_int4_operands(x, packed, scales_zeros, group_size)
     if m == 0:
         return x.new_empty(0, n)
     x = x.contiguous()
-    path = path or int4_path(m, n, k, x.device)
-    if path == GEMV:
-        return int4_gemv(x, packed, scales_zeros, group_size)
     if path == DEQUANT:
         return int4_dequant_matmul(x, packed, scales_zeros, group_size)
     if path != TENSOR_CORE:
