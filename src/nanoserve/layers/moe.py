@@ -140,7 +140,7 @@ class Experts(nn.Module):
         if x.is_cuda:
             from nanoserve.kernels.fused_moe import fused_experts
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts,
-                                 activation=self.act if self.act.limit else None,
+                                 activation=self.act,
                                  gate_up_bias=self.gate_up_proj_bias,
                                  down_bias=self.down_proj_bias)
         return experts_loop(x, self.gate_up_proj, self.down_proj, weights, experts, self.act,
