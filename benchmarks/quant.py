@@ -20,8 +20,9 @@ import random
 import time
 from pathlib import Path
 
-from nanoserve.bench.common import emit, environment, free_device_memory, run_shapes, sync
-from nanoserve.bench.latency import time_generate
+from nanoserve.bench.common import (emit, environment, free_device_memory, run_shapes,
+                                    timed_generate)
+from nanoserve.bench.latency import time_decode
 from nanoserve.bench.shapes import make_model_dir
 
 from nanoserve import LLM, SamplingParams
@@ -34,19 +35,11 @@ AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "g
 def measure(llm: LLM, device: str, vocab: int, args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.context)]
-    time_generate(llm, prompt, 8, 1, device)  # warm-up
-    full = min(time_generate(llm, prompt, args.new_tokens, args.repeats, device))
-    first = min(time_generate(llm, prompt, 1, args.repeats, device))
+    ms = time_decode(llm, prompt, args.new_tokens, args.repeats, device).ms_per_token
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    ms = (full - first) / (args.new_tokens - 1) * 1e3
+    seconds, tokens = timed_generate(llm, prompts, params, device)
     return {"ms_per_token": round(ms, 4), "decode_tok_s": round(1e3 / ms, 1) if ms > 0 else None,
             "throughput_tok_s": round(tokens / seconds, 1), "num_prompts": args.num_prompts,
             "prompt_len": args.prompt_len, "output_len": args.output_len}

@@ -455,8 +455,8 @@ def nano_parts(args: argparse.Namespace, gguf: Path) -> list[dict]:
 def child_offline(args: argparse.Namespace) -> None:
     """In a child process: nanoserve's LLM on the GGUF, the offline parts, records to a file."""
     from nanoserve import LLM, SamplingParams
-    from nanoserve.bench.common import sync
-    from nanoserve.bench.latency import time_generate
+    from nanoserve.bench.common import timed_generate
+    from nanoserve.bench.latency import time_decode
     out = Path(args.child_out)
     device = "cpu" if args.device == "cpu" else "auto"
 
@@ -476,27 +476,19 @@ def child_offline(args: argparse.Namespace) -> None:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         if "decode" in args.workloads:
             for context in args.contexts:
-                prompt = decode_prompt(context)
-                time_generate(llm, prompt, 8, 1, device)  # warm-up at this context
-                fulls = time_generate(llm, prompt, args.new_tokens, args.repeats, device)
-                firsts = time_generate(llm, prompt, 1, args.repeats, device)
-                ms = (min(fulls) - min(firsts)) / (args.new_tokens - 1) * 1e3
+                timing = time_decode(llm, decode_prompt(context), args.new_tokens,
+                                     args.repeats, device)
+                ms = timing.ms_per_token
                 emit(record("nanoserve", f"decode-{context}", context=context,
                             new_tokens=args.new_tokens, ms_per_token=round(ms, 4),
                             tok_s=round(1000.0 / ms, 2) if ms > 0 else None,
-                            each_run_ms_per_token=[
-                                round((t - min(firsts)) / (args.new_tokens - 1) * 1e3, 4)
-                                for t in fulls], load_seconds=load_s))
+                            each_run_ms_per_token=[round(t, 4) for t in timing.each_run_ms],
+                            load_seconds=load_s))
 
         def timed(workload: str, prompts: list[list[int]], max_tokens: list[int], **fields):
             params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
                       for n in max_tokens]
-            sync(device)
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            sync(device)
-            seconds = time.perf_counter() - start
-            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            seconds, produced = timed_generate(llm, prompts, params, device)
             emit(record("nanoserve", workload, **fields, output_tokens=produced,
                         seconds=round(seconds, 3), output_tok_s=round(produced / seconds, 1),
                         load_seconds=load_s))

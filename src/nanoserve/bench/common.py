@@ -71,6 +71,17 @@ def sync(device: str = "auto") -> None:
         torch.cuda.synchronize()
 
 
+def timed_generate(llm, prompts: list[list[int]], params, device: str = "auto"
+                   ) -> tuple[float, int]:
+    """One ``llm.generate`` over ``prompts`` (``params``: one or one a prompt): its seconds,
+    the device synchronised at both ends, and the output tokens it produced."""
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
 def free_device_memory() -> None:
     """Give a closed engine's memory back (between shapes in one process)."""
     import gc

@@ -18,6 +18,7 @@ import gc
 import random
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from nanoserve.bench.common import (GCTimer, add_deadline_argument, emit, environment, free_device_memory, on_gpu,
                     replay_ms, run_shapes, sync)
@@ -46,6 +47,28 @@ def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int, de
         if collections is not None:
             collections.append(timer.report())
     return times
+
+
+class DecodeTiming(NamedTuple):
+    """:func:`time_decode`'s result: ms per token (best run), each run's, and t(1 token) and
+    t(N tokens) in seconds (best of the repeats)."""
+
+    ms_per_token: float
+    each_run_ms: list[float]
+    first_s: float
+    full_s: float
+
+
+def time_decode(llm: LLM, prompt: list[int], new_tokens: int, repeats: int, device: str,
+                collections: list[dict] | None = None) -> DecodeTiming:
+    """Batch-1 greedy decode after ``prompt``: (t(N tokens) - t(1 token)) / (N - 1), each t the
+    best of ``repeats``, after a warm-up at this context (the prefill and first token drop
+    out); ``collections`` as :func:`time_generate`'s, for the N-token runs."""
+    time_generate(llm, prompt, 8, 1, device)
+    fulls = time_generate(llm, prompt, new_tokens, repeats, device, collections)
+    first = min(time_generate(llm, prompt, 1, repeats, device))
+    each = [(t - first) / (new_tokens - 1) * 1e3 for t in fulls]
+    return DecodeTiming(min(each), each, first, min(fulls))
 
 
 def step_graph_ms(llm: LLM, context: int, replays: int = 200) -> dict:
@@ -96,15 +119,13 @@ def run_shape(name: str, args: argparse.Namespace, ceilings, env: dict, tmp: Pat
         for context in args.contexts:
             rng = random.Random(context)
             prompt = [rng.randrange(vocab) for _ in range(context)]
-            time_generate(llm, prompt, 8, 1, args.device)  # warm-up at this context
             collections: list[dict] = []
-            fulls = time_generate(llm, prompt, args.new_tokens, args.repeats, args.device,
-                                  collections)
-            firsts = time_generate(llm, prompt, 1, args.repeats, args.device)
+            timing = time_decode(llm, prompt, args.new_tokens, args.repeats, args.device,
+                                 collections)
             halves = time_generate(llm, prompt, args.new_tokens // 2, args.repeats, args.device)
-            full, first = min(fulls), min(firsts)
-            ms = (full - first) / (args.new_tokens - 1) * 1e3
-            late_ms = (full - min(halves)) / (args.new_tokens - args.new_tokens // 2) * 1e3
+            ms = timing.ms_per_token
+            late_ms = ((timing.full_s - min(halves)) / (args.new_tokens - args.new_tokens // 2)
+                       * 1e3)
             floor = latency_floor(shape, context, ceilings.bandwidth, ceilings.peak,
                                   new_tokens=args.new_tokens, kv_bytes=kv_bytes,
                                   num_gpus=args.tensor_parallel_size)
@@ -112,13 +133,12 @@ def run_shape(name: str, args: argparse.Namespace, ceilings, env: dict, tmp: Pat
                 "bench": "latency", "shape": name, "context": context,
                 "new_tokens": args.new_tokens, "ms_per_token": round(ms, 4),
                 "ms_per_token_second_half": round(late_ms, 4),
-                "ttft_ms": round(first * 1e3, 2),
+                "ttft_ms": round(timing.first_s * 1e3, 2),
                 "floor_ms": round(floor.seconds * 1e3, 4),
                 "floor_bytes_only_ms": round(floor.bytes_seconds * 1e3, 4),
                 "fraction_of_floor": round(floor.seconds * 1e3 / ms, 3) if ms > 0 else None,
                 "bytes_per_step": round(floor.bytes),
-                "each_run_ms_per_token": [round((t - first) / (args.new_tokens - 1) * 1e3, 4)
-                                          for t in fulls],
+                "each_run_ms_per_token": [round(t, 4) for t in timing.each_run_ms],
                 "each_run_gc": collections,
             }
             if args.graph_times:
