@@ -19,9 +19,14 @@ def operands(m: int, n: int = N, k: int = K, dtype: torch.dtype = torch.bfloat16
     zeros = torch.randn(k // G, n, generator=gen, device="cuda") * 0.01
     sz = torch.stack([scales, zeros], -1).to(dtype)
     x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-    s, z = (sz[..., i].double().repeat_interleave(G, 0).t() for i in (0, 1))
-    want = x.double() @ ((codes.double() - 8) * s + z).t()
-    return x, packed, sz, want
+    return x, packed, sz, reference(x, codes, sz)
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` in float64, W from its codes as the CPU path dequantizes them."""
+    from nanoserve.layers.quantization.packed import int4_matmul_reference
+
+    return int4_matmul_reference(x.double(), codes, sz.double(), G)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -79,10 +84,5 @@ def test_int4_gemv_in_a_cuda_graph(m, split):
     x.copy_(x2[:m])
     graph.replay()
     torch.cuda.synchronize()
-    assert_close(out, int4_linear_reference(x, packed, sz))
-
-
-def int4_linear_reference(x, packed, sz):
     codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
-    s, z = (sz[..., i].double().repeat_interleave(G, 0).t() for i in (0, 1))
-    return x.double() @ ((codes.double() - 8) * s + z).t()
+    assert_close(out, reference(x, codes, sz))
