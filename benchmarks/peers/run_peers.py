@@ -558,13 +558,10 @@ def _num(x) -> str:
 
 
 def environment(llama_dir: Path | None) -> dict:
-    env: dict = {"date": time.strftime("%Y-%m-%d")}
-    try:
-        import torch
-        env.update(torch=torch.__version__, cuda=str(torch.version.cuda),
-                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    except ImportError:
-        pass
+    """The benchmarks' environment fields (device, driver, versions, date) and llama.cpp's."""
+    from nanoserve.bench.common import environment as bench_environment
+
+    env: dict = bench_environment()
     if llama_dir and (llama_dir / "VERSION").is_file():
         env["llama_cpp"] = (llama_dir / "VERSION").read_text().splitlines()[0]
     elif llama_dir:
