@@ -172,14 +172,21 @@ def test_unsupported_fields_are_refused_by_name(fields, named):
         ModelConfig.from_hf(hf_config(num_hidden_layers=2, **fields))
 
 
-def test_triton_backend_refuses_latent_attention():
-    """No MLA kernels on the GPU yet: building the layer there fails, naming the way out."""
+def test_backend_without_latent_attention_is_refused():
+    """A backend with no MLA kernels: building the layer on it fails, naming the way out (both
+    of today's backends have them)."""
+    from nanoserve.attention.torch_backend import TorchAttentionBackend
     from nanoserve.attention.triton_backend import TritonAttentionBackend
     from nanoserve.layers.mla import MLAttention
 
+    class PlainBackend:
+        attention = TorchAttentionBackend.attention
+
     cfg = ModelConfig.from_hf(hf_config(num_hidden_layers=1))
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        MLAttention(cfg, backend, 0)
     with pytest.raises(ValueError, match="device='cpu'"):
-        MLAttention(cfg, TritonAttentionBackend(), 0)
+        MLAttention(cfg, PlainBackend(), 0)
 
 
 @pytest.mark.parametrize("case", ["lora-grouped-yarn"], indirect=True)

@@ -76,6 +76,7 @@ SHAPES.update({
                                         "long_factor": [1.0 + 0.5 * i for i in range(48)]},
                           rope_theta=10000.0, tie_word_embeddings=True, sliding_window=None,
                           bos_token_id=199999, eos_token_id=199999, pad_token_id=199999),
+    "deepseek-v2-lite-4l": {**BENCHMARK_SHAPES["deepseek-v2-lite"], "num_hidden_layers": 4},
 })
 
 

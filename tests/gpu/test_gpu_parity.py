@@ -110,12 +110,14 @@ LONG_PROMPTS = [5, 40, 200, 300, 520, 700, 1000, 1500]
     ("gemma-2-2b-window256", LONG_PROMPTS, True), ("gemma-3-1b", LONG_PROMPTS, False),
     ("phi-3-mini-4k-window256", LONG_PROMPTS, False), ("phi-4-mini-8l", None, False),
     ("mixtral-small", None, False), ("gpt-oss-small", LONG_PROMPTS, False),
-    ("gpt-oss-small", LONG_PROMPTS, True)])
+    ("gpt-oss-small", LONG_PROMPTS, True), ("deepseek-v2-lite-4l", LONG_PROMPTS, False),
+    ("deepseek-v2-lite-4l", None, True)])
 def test_bf16_newer_families_close_to_transformers(shape, prompt_lens, enforce_eager,
                                                    tmp_path_factory):
     """Gemma 2/3 (soft caps, sandwich norms folded where they are pre-norms, windows), Phi-3
     (fused checkpoints, windows; Phi-4-mini's partial rotary and longrope), Mixtral, GPT-OSS
-    (sinks in the kernels, biases and the clamped SwiGLU in the fused MoE)."""
+    (sinks in the kernels, biases and the clamped SwiGLU in the fused MoE), DeepSeek-V2 (the
+    latent cache, absorbed decode in the decode kernel, shared experts)."""
     assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
                                         f"{shape} eager={enforce_eager}",
                                         prompt_lens=prompt_lens, enforce_eager=enforce_eager)

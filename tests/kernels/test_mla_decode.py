@@ -11,8 +11,11 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
-from nanoserve.attention.mla_reference import mla_decode, mla_prefill  # noqa: E402
-from nanoserve.kernels.mla_decode import mla_decode_attention  # noqa: E402
+from nanoserve.attention.mla_reference import (mla_decode, mla_prefill,  # noqa: E402
+                                               store_latent)
+from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from nanoserve.kernels.mla_decode import mla_decode_attention, store_latent_rows  # noqa: E402
 
 GARBAGE = 1e3  # cache rows no sequence owns: a kernel reading them lands far off
 
@@ -46,3 +49,51 @@ def test_mla_decode_kernel_matches_reference(num_splits):
     # and the decompressed form agrees: the reference is the attention it claims to be
     torch.testing.assert_close(mla_prefill(q_nope, q_rope, cache, meta, kv_b, v_dim, 0.2), want,
                                atol=2e-5, rtol=1e-4)
+
+
+def test_store_latent_rows_matches_reference_and_skips_padding():
+    gen = torch.Generator().manual_seed(1)
+    rank, rope = 24, 8
+    latent = torch.randn(6, rank, generator=gen)
+    k_rope = torch.randn(6, 2, rope, generator=gen)[:, 0]  # strided, as the layer hands it
+    slots = torch.tensor([3, -1, 17, 0, -1, 9])
+    want = torch.full((5, 4, 1, rank + rope), GARBAGE)
+    got = want.clone()
+    store_latent(latent, k_rope, want, slots)
+    store_latent_rows(latent, k_rope, got, slots)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cache rows"):
+        store_latent_rows(latent, k_rope[:, :4], got, slots)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_triton_backend_mla_attention_matches_torch_backend(decode_only):
+    """The GPU backend's whole MLA step (store, then absorbed decode or decompressed prefill)
+    against the PyTorch backend's on the same inputs and cache."""
+    gen = torch.Generator().manual_seed(2)
+    heads, nope, rope, rank, v_dim, block = 4, 8, 8, 24, 6, 4
+    tables = torch.tensor([[2, 7, 0], [1, 4, 5], [3, 6, 8]], dtype=torch.int32)
+    seq_lens = [6, 11, 3]
+    new = [1, 1, 1] if decode_only else [2, 5, 3]  # the third sequence's whole prompt
+    cache = torch.full((9, block, 1, rank + rope), GARBAGE)
+    rows = cache.view(-1, rank + rope)
+    slots = []
+    for i, (n, q) in enumerate(zip(seq_lens, new)):
+        pos = torch.arange(n)
+        flat = tables[i, pos // block].long() * block + pos % block
+        rows[flat[:n - q]] = torch.randn(n - q, rank + rope, generator=gen)
+        slots += flat[n - q:].tolist()
+    t = sum(new)
+    starts = torch.tensor([0] + new, dtype=torch.int32).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(starts, torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.tensor(slots, dtype=torch.int64), tables, max(new),
+                             max(seq_lens))
+    assert meta.decode_only == decode_only
+    args = (torch.randn(t, heads, nope, generator=gen), torch.randn(t, heads, rope, generator=gen),
+            torch.randn(t, rank, generator=gen), torch.randn(t, rope, generator=gen))
+    kv_b = torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.3
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = TorchAttentionBackend().mla_attention(*args, want_cache, meta, kv_b, v_dim, 0.2)
+    got = TritonAttentionBackend().mla_attention(*args, got_cache, meta, kv_b, v_dim, 0.2)
+    torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

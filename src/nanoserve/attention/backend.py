@@ -17,7 +17,7 @@ class AttentionBackend(Protocol):
     K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     ``q`` is ``[T, num_heads, head_dim]``, ``k``/``v`` are ``[T, num_kv_heads, head_dim]``; the
     output is ``[T, num_heads, head_dim]``. Slots of -1 in the slot mapping are skipped.
-    A backend that also has ``mla_attention`` (the PyTorch one) runs multi-head latent
+    A backend that also has ``mla_attention`` (both do) runs multi-head latent
     attention over a one-row-per-token cache (``attention/mla_reference.py``); MLA layers
     refuse to be built on one without it.
     """

@@ -128,7 +128,24 @@ SHAPES["gpt-oss-20b"] = dict(
     pad_token_id=199999, hidden_act="silu", torch_dtype="bfloat16")
 SHAPES["gpt-oss-small"] = {**SHAPES["gpt-oss-20b"], "num_hidden_layers": 4,
                            "layer_types": ["sliding_attention", "full_attention"] * 2}
-FAMILIES = ["gemma-2-2b", "gemma-3-1b", "phi-3-mini-4k", "mixtral-small", "gpt-oss-small"]
+# DeepSeek-V2-Lite: MLA (a 512-wide latent and 64 rotated features a token in the cache), 64
+# experts top 6 with 2 shared, a dense first layer, YaRN.
+SHAPES["deepseek-v2-lite"] = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+    intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+    num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, moe_intermediate_size=1408, first_k_dense_replace=1,
+    topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+    norm_topk_prob=False, hidden_act="silu", rms_norm_eps=1e-6, vocab_size=102400,
+    max_position_embeddings=163840, tie_word_embeddings=False, bos_token_id=100000,
+    eos_token_id=100001, torch_dtype="bfloat16",
+    rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
+                     "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0})
+FAMILIES = ["gemma-2-2b", "gemma-3-1b", "phi-3-mini-4k", "mixtral-small", "gpt-oss-small",
+            "deepseek-v2-lite"]
 
 # The dense shapes, smallest first: what latency.py and throughput.py run by default.
 DENSE = ["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b", "qwen3-8b",
