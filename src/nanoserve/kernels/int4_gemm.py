@@ -4,9 +4,9 @@ and GGUF's 4-bit types repacked at load, ``layers/quantization/packed.py``).
 
 :func:`int4_linear` picks the path by rows (:func:`int4_path`): up to 8 the skinny GEMV
 (``int4_gemv.py``), which streams the codes on the CUDA cores; then the tensor-core kernel here,
-whose programs dequantize a ``BLOCK_N x BLOCK_K`` tile of W in registers and multiply it by a
-``BLOCK_M`` row block of x (the weight crosses memory once, in 4 bits); from ``DEQUANT_ROWS``
-the weight dequantized to x's dtype a chunk of output rows at a time, then cuBLAS (compute-bound
+whose programs turn a group of W's codes into 16-bit floats in registers and multiply a
+``BLOCK_M`` row block of x by them (the weight crosses memory once, in 4 bits); from
+``DEQUANT_ROWS`` the weight dequantized to x's dtype a chunk of output rows at a time, then cuBLAS (compute-bound
 territory, where writing and rereading W costs little against the product).
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from nanoserve.kernels.int4_gemv import (
     dequantize_chunk,
     int4_gemv,
     load_chunk,
-    nibble_values,
     select,
 )
 
@@ -48,52 +47,79 @@ def _plan(rows: int, n: int, k: int, device: torch.device
 
 
 @triton.jit
-def _int4_gemm_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = tl.arange(0, BLOCK_K // 2)
-    m_ok, n_ok = rm < M, rn < N
+def _int4_gemm_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      groups_per_split, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, SHIFTED: tl.constexpr):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok, m_ok = n < N, m < M
+    WORDS: tl.constexpr = GROUP // 8
+    words_of = w_ptr + n.to(tl.int64)[:, None] * stride_wn + tl.arange(0, WORDS)[None, :]
+    # x's column of nibble 0 of each word of a group.
+    x_cols = x_ptr + m[:, None] * stride_xm + 8 * tl.arange(0, WORDS)[None, :]
+    first = pid_k * groups_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP: one scale per tile row
-        byte = tl.load(w_ptr + rn[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
-                       mask=n_ok[:, None], other=0).to(tl.int32)
-        group = (k0 // GROUP) * N + rn
-        scale = tl.load(sz_ptr + group * 2, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        zero = tl.load(sz_ptr + group * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        w_even = nibble_values(byte & 15) * scale + zero  # [BLOCK_N, BLOCK_K / 2]
-        w_odd = nibble_values(byte >> 4) * scale + zero
-        cols = k0 + 2 * half
-        x_even = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None],
-                         other=0.0)
-        x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :] + 1,
-                        mask=m_ok[:, None], other=0.0)
-        acc += tl.dot(x_even, tl.trans(w_even.to(x_even.dtype)))
-        acc += tl.dot(x_odd, tl.trans(w_odd.to(x_odd.dtype)))
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    for g in range(first, tl.minimum(first + groups_per_split, K // GROUP)):
+        words = tl.load(words_of + g * WORDS, mask=n_ok[:, None], other=0,
+                        eviction_policy="evict_first")  # [BLOCK_N, WORDS]
+        dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for j in tl.static_range(4):
+            # Codes j and j + 4 of each word ORed into the mantissas of two bf16 128.0s: each
+            # half, as a float32's top half, reads as 128 + q exactly. 16-bit x (SHIFTED) takes
+            # it as it is, the product's offset taken off after by 136 * sum(x) (the fp32 sums
+            # lose about 4 of their 24 bits to it); fp32 x, exact, takes q - 8.
+            pair = ((words >> (4 * j)) & 0x000F000F) | 0x43004300
+            low = (pair << 16).to(tl.float32, bitcast=True)
+            high = (pair & -65536).to(tl.float32, bitcast=True)
+            if SHIFTED:
+                low, high = low.to(x_ptr.dtype.element_ty), high.to(x_ptr.dtype.element_ty)
+            else:
+                low, high = low - 136.0, high - 136.0
+            x_low = tl.load(x_cols + g * GROUP + j, mask=m_ok[:, None], other=0.0)
+            x_high = tl.load(x_cols + g * GROUP + j + 4, mask=m_ok[:, None], other=0.0)
+            dot = tl.dot(x_low, tl.trans(low), dot)
+            dot = tl.dot(x_high, tl.trans(high), dot)
+            x_sum += tl.sum(x_low.to(tl.float32), axis=1) + tl.sum(x_high.to(tl.float32), axis=1)
+        sz = sz_ptr + (g * N + n) * 2
+        scale = tl.load(sz, mask=n_ok, other=0.0).to(tl.float32)
+        zero = tl.load(sz + 1, mask=n_ok, other=0.0).to(tl.float32)
+        # Per group: scale * sum(x (q - 8)) + zero * sum(x).
+        if SHIFTED:
+            dot -= 136.0 * x_sum[:, None]
+        acc += dot * scale[None, :] + x_sum[:, None] * zero[None, :]
+    out = y_ptr + m[:, None] * stride_ym + n[None, :]
+    if ATOMIC:  # one of several K slices: y is the fp32 scratch
+        tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
               group_size: int) -> torch.Tensor:
-    """The tensor-core path of :func:`int4_linear` (any row count; meant for 9 to 255)."""
+    """The tensor-core path of :func:`int4_linear` (any row count; meant for 9 to 255): one
+    group of K a step, 128 output features a program (32 under the interpreter), K split in up
+    to 4 where fewer programs than two per SM would run."""
     m, k = x.shape
     n = packed.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     small = interpreted(x.device)
-    block_k = min(group_size, 32 if small else 128)
-    # As few padded rows as tl.dot allows (16), up to 64.
-    block_m = min(max(16, triton.next_power_of_2(m)), 32 if small else 64)
-    block_n = 32 if small else 64
-    # Few rows are a weight stream: narrower column blocks where 64 would leave SMs idle.
-    if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < 2 * device_sm_count(x.device):
-        block_n = 32
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int4_gemm_kernel[grid](x, packed, scales_zeros, y, m, n, k, x.stride(0), y.stride(0),
-                            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return y
+    block_m = min(max(16, triton.next_power_of_2(m)), 64)  # tl.dot's least is 16 rows
+    block_n = 32 if small else 128
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    groups = k // group_size
+    per_split = triton.cdiv(groups, min(4, groups, triton.cdiv(
+        2 * device_sm_count(x.device), programs)))
+    splits = triton.cdiv(groups, per_split)
+    # Split K: the slices' sums meet in fp32 (zeros from the caching allocator: graph-safe).
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if splits > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    words = packed.view(torch.int32)
+    _int4_gemm_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
+        x, words, scales_zeros, y, m, n, k, x.stride(0), words.stride(0), y.stride(0),
+        per_split, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=splits > 1,
+        SHIFTED=x.element_size() == 2, num_warps=1 if small else 4, num_stages=1 if small else 3)
+    return y.to(x.dtype)
 
 
 @triton.jit
