@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -139,6 +140,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: 64 CPU, 256 GPU")
     parser.add_argument("--ramp", type=float, nargs="+", default=None, help="rates to try first")
     parser.add_argument("--ramp-s", type=float, default=20)
+    parser.add_argument("--serve-args", default="", help="more flags of `nanoserve serve`")
     args = parser.parse_args()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -147,7 +149,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--device", args.device,
            "--port", str(port), "--no-ui", "--max-num-seqs", str(seqs)] \
         + (["--cpu-threads", str(args.threads)] if args.device == "cpu" else []) \
-        + ([args.model] if args.model else [])
+        + shlex.split(args.serve_args) + ([args.model] if args.model else [])
     proc = subprocess.Popen(cmd, stdout=Path("/tmp/soak.server.log").open("w"),
                             stderr=subprocess.STDOUT)
     outcomes: Counter = Counter()
