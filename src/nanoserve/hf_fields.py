@@ -25,9 +25,13 @@ def refuse_unhonoured_fields(hf_config: Any, arch: str) -> None:
 
         method = parse_quantization_config(field("quantization_config")).method
         experts = field("num_experts") or field("num_local_experts")
-        if method != "gguf" and experts:
+        if method == "mxfp4" and arch != "GptOssForCausalLM":
+            raise ValueError(f"quantization_config (mxfp4) is not supported for {arch}: "
+                             "it is read for GptOssForCausalLM's experts only")
+        if method not in ("gguf", "mxfp4") and experts:
             raise ValueError(f"quantization_config ({method}) is not supported for {arch}: "
-                             "experts load 16- and 32-bit float weights only")
+                             "experts load 16- and 32-bit float (or GPT-OSS's MXFP4) weights "
+                             "only")
     act = activation(hf_config)
     if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"hidden_act={act!r} is not supported; supported: "

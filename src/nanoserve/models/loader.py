@@ -142,7 +142,8 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, Checkpoi
 
 def _is_quantization_tensor(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx", "weight_scale",
-                                       "weight_scale_inv", "input_scale")
+                                       "weight_scale_inv", "input_scale") \
+        or name.endswith(("_proj_blocks", "_proj_scales"))  # MXFP4
 
 
 def quant_spec_of(path: Path, quantization: str) -> QuantSpec | None:

@@ -12,6 +12,7 @@ import torch
 from nanoserve.config import ModelConfig
 from nanoserve.layers.linear import ShardId
 from nanoserve.layers.moe import ExpertShard
+from nanoserve.layers.quantization.mxfp4 import dequantize_mxfp4
 from nanoserve.models.loader import CheckpointTensor
 
 
@@ -54,17 +55,42 @@ def target_of(name: str) -> tuple[str, Part]:
     return name, None
 
 
+def mxfp4_tensors(weights: Iterable[tuple[str, CheckpointTensor]]
+                  ) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Each pair of MXFP4 halves (``<name>_blocks``, ``<name>_scales``: GPT-OSS's published
+    experts) as one ``<name>`` in a 16-bit checkpoint's layout ([..., in, out]), dequantized
+    when read. A half waits, read, for the other (which may lie in another file)."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        base, _, half = name.rpartition("_")
+        if half not in ("blocks", "scales") or not base.endswith("_proj"):
+            yield name, tensor
+            continue
+        other = f"{base}_{'scales' if half == 'blocks' else 'blocks'}"
+        if other not in pending:
+            pending[name] = tensor.read()
+            continue
+        blocks, scales = (tensor.read(), pending.pop(other)) if half == "blocks" else \
+            (pending.pop(other), tensor.read())
+        shape = (*blocks.shape[:-3], blocks.shape[-2] * 32, blocks.shape[-3])
+        yield base, CheckpointTensor(base, shape, torch.float32, lambda index, b=blocks, s=scales:
+                                     dequantize_mxfp4(b, s).transpose(-1, -2)[index])
+    if pending:
+        raise ValueError(f"MXFP4 checkpoint tensors without their other half: {sorted(pending)}")
+
+
 def gpt_oss_experts(weights: Iterable[tuple[str, CheckpointTensor]]
                     ) -> Iterator[tuple[str, CheckpointTensor]]:
     """GPT-OSS's experts ([E, H, 2I] gate_up with gate and up interleaved, [E, I, H] down, and
-    their biases) in the stacked layout of the others: [E, 2I, H] as [gate | up], [E, H, I]."""
+    their biases; MXFP4 ones dequantized) in the stacked layout of the others: [E, 2I, H] as
+    [gate | up], [E, H, I]."""
     def halves(t: torch.Tensor) -> torch.Tensor:  # interleaved along dim 1 -> [gate | up]
         return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
 
     convert = {".experts.gate_up_proj": lambda t: halves(t.transpose(1, 2)),
                ".experts.gate_up_proj_bias": halves,
                ".experts.down_proj": lambda t: t.transpose(1, 2)}
-    for name, tensor in weights:
+    for name, tensor in mxfp4_tensors(weights):
         fn = next((f for suffix, f in convert.items() if name.endswith(suffix)), None)
         if fn is None:
             yield name, tensor

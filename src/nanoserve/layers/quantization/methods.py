@@ -171,7 +171,7 @@ def _dequantize_raw(part: RawBlocks) -> torch.Tensor:
 
 def make_linear_method() -> LinearMethod:
     """The method for a linear built now (see :func:`quantized_linears`)."""
-    if _spec is None:
+    if _spec is None or _spec.method == "mxfp4":  # MXFP4 holds experts only, no linears
         return LinearMethod()
     if _spec.method == "gguf":
         return GGUFMethod(_spec)

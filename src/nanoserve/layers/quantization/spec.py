@@ -9,7 +9,7 @@ from typing import Any
 # dequantizes them at load into the engine's dtype (the reference the kept form is tested on);
 # "fp8" quantizes a 16-bit checkpoint at load (per-channel weights, per-token activations).
 QUANTIZATION_OPTIONS = ("auto", "none", "fp8")
-SUPPORTED_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq")
+SUPPORTED_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "mxfp4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's packed-int4 kernel takes
 
 
@@ -47,6 +47,8 @@ def parse_quantization_config(config: Any) -> QuantSpec:
         return QuantSpec("gguf")
     if method == "fp8":
         return _fp8_spec(config)
+    if method == "mxfp4":  # GPT-OSS's experts (the rest 16-bit): dequantized at load
+        return QuantSpec("mxfp4", 4, 32, dequantize=True)
     if method == "compressed-tensors":
         return _compressed_tensors_spec(config)
     bits = _get(config, "bits", _get(config, "w_bit"))
