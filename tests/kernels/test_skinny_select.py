@@ -65,6 +65,16 @@ def test_shipped_tuning_files_hold_valid_entries(path):
             assert entry == CUBLAS and config is None or config == SkinnyConfig(**entry)
 
 
+def _deepseek_v2_lite():
+    """DeepSeek-V2-Lite's config (benchmarks' shape) as transformers reads it."""
+    from transformers import AutoConfig
+
+    from nanoserve.bench.shapes import config_of
+
+    fields = config_of("deepseek-v2-lite")
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
 def test_tuner_times_every_projection_the_decoder_fuses():
     """The tuner's shapes are the ones the decoder's projections launch, with their fusions,
     at the rank's width."""
@@ -78,6 +88,14 @@ def test_tuner_times_every_projection_the_decoder_fuses():
         "gate_up_proj": (6144, 1024, {"norm_eps": 1e-6, "activate": True}),
         "down_proj": (1024, 3072, {"residual": True})}
     assert projection_shapes(cfg, tp=2)["qkv_proj"] == (2048, 1024, {"norm_eps": 1e-6})
+    deepseek = ModelConfig.from_hf(_deepseek_v2_lite())
+    assert projection_shapes(deepseek, tp=2) == {
+        "q_proj": (8 * 192, 2048, {}), "kv_a_proj_with_mqa": (576, 2048, {}),
+        "o_proj": (2048, 8 * 128, {"residual": True}),
+        "gate_up_proj": (10944, 2048, {"norm_eps": 1e-6, "activate": True}),
+        "down_proj": (2048, 5472, {"residual": True}), "router": (64, 2048, {}),
+        "shared_experts.gate_up_proj": (2816, 2048, {"activate": True}),
+        "shared_experts.down_proj": (2048, 1408, {"residual": True})}
     for rows in skinny_gemm.ROW_BUCKETS:
         tilings = candidates(rows, 3072)
         assert tilings and len(set(tilings)) == len(tilings)

@@ -27,16 +27,33 @@ MAX_COPIES = 64
 def projection_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, int, dict]]:
     """The decode projections of one rank: name -> (N, K, fusions of ``linear``)."""
     heads, kv_heads = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
-    q, kv, hidden = heads * cfg.head_dim, kv_heads * cfg.head_dim, cfg.hidden_size
-    shapes = {"qkv_proj": (q + 2 * kv, hidden, {"norm_eps": cfg.rms_norm_eps}),
-              "o_proj": (hidden, q, {"residual": True})}
+    hidden, norm = cfg.hidden_size, {"norm_eps": cfg.rms_norm_eps}
+    if cfg.mla:  # latent attention: its input normed apart (q and the latent read it)
+        from nanoserve.layers.mla import LATENT_NORM_EPS
+
+        mla = cfg.mla
+        shapes = {"kv_a_proj_with_mqa": (mla.cache_width, hidden, {}),
+                  "o_proj": (hidden, heads * mla.v_head_dim, {"residual": True})}
+        q_out = heads * mla.qk_head_dim
+        if mla.q_lora_rank:
+            shapes["q_a_proj"] = (mla.q_lora_rank, hidden, {})
+            shapes["q_b_proj"] = (q_out, mla.q_lora_rank, {"norm_eps": LATENT_NORM_EPS})
+        else:
+            shapes["q_proj"] = (q_out, hidden, {})
+    else:
+        q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
+        shapes = {"qkv_proj": (q + 2 * kv, hidden, norm),
+                  "o_proj": (hidden, q, {"residual": True})}
     if len(cfg.moe_layers) < cfg.num_layers:  # some layers have a dense MLP
         inter = cfg.intermediate_size // tp
-        shapes["gate_up_proj"] = (2 * inter, hidden, {"norm_eps": cfg.rms_norm_eps,
-                                                      "activate": True})
+        shapes["gate_up_proj"] = (2 * inter, hidden, {**norm, "activate": True})
         shapes["down_proj"] = (hidden, inter, {"residual": True})
     if cfg.moe_layers:
         shapes["router"] = (cfg.num_experts, hidden, {})
+    if cfg.moe_layers and cfg.routing is not None and cfg.routing.num_shared:
+        inter = cfg.moe_intermediate_size * cfg.routing.num_shared // tp  # DeepSeek's
+        shapes["shared_experts.gate_up_proj"] = (2 * inter, hidden, {"activate": True})
+        shapes["shared_experts.down_proj"] = (hidden, inter, {"residual": True})
     return shapes
 
 
