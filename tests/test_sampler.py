@@ -128,6 +128,16 @@ def test_top_p_matches_reference() -> None:
     check_filters(params, seed=3)
 
 
+def test_top_p_below_float32_keeps_the_top_token() -> None:
+    """A top_p that float32 rounds to 0 (legal: it is > 0) keeps the likeliest token alone,
+    never cuts every token (the draw then fell to token 0)."""
+    params = [SamplingParams(top_p=5e-324), SamplingParams(top_p=1e-45, top_k=3)]
+    logits = random_logits(2, seed=7)
+    kept = filter_logits(logits, build(params)) > float("-inf")
+    assert kept.sum(-1).tolist() == [1, 1]
+    assert kept.float().argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+
 def test_top_k_then_top_p_matches_reference() -> None:
     params = [SamplingParams(top_k=k, top_p=p)
               for k, p in [(3, 0.5), (10, 0.9), (40, 0.3), (0, 0.7), (8, 1.0)]]

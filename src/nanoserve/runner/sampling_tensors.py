@@ -12,6 +12,7 @@ from nanoserve.sampling_params import SamplingParams
 # Temperatures below this are sampled greedily: dividing logits by them can overflow float32,
 # and the distribution they describe is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclass
@@ -63,7 +64,9 @@ class SamplingTensors:
         sampled = [not g for g in greedy]
         top_k = [min(p.top_k, vocab_size) if s and p.top_k > 0 else vocab_size
                  for p, s in zip(params, sampled)]
-        top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
+        # At least float32's smallest normal: a top_p that rounds to 0 would cut even the top
+        # token (its mass before is 0), leaving nothing to sample.
+        top_p = [max(p.top_p, FLOAT32_TINY) if s else 1.0 for p, s in zip(params, sampled)]
         min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
         uses_repetition = [p.repetition_penalty != 1.0 for p in params]
         uses_count = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
