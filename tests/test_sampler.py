@@ -138,6 +138,17 @@ def test_top_p_below_float32_keeps_the_top_token() -> None:
     assert kept.float().argmax(-1).tolist() == logits.argmax(-1).tolist()
 
 
+def test_extreme_repetition_penalties_keep_logits_finite() -> None:
+    """A penalty of float32's largest (or smallest) value leaves a seen token's logit finite,
+    and a masked one -inf: an allowed token never becomes impossible or certain."""
+    logits = torch.tensor([[-1.0, 2.0, float("-inf"), 0.5, 0.0]] * 2)
+    params = [SamplingParams(repetition_penalty=3.4028235677973366e38),
+              SamplingParams(repetition_penalty=1e-45)]
+    out = apply_penalties(logits, build(params, vocab_size=5, prompts=[[0, 1, 2, 4]] * 2))
+    assert torch.isfinite(out[:, [0, 1, 3, 4]]).all() and (out[:, 2] == float("-inf")).all()
+    assert out[0, 0] < -1e38 and out[1, 1] > 1e38 and out[0, 3] == 0.5
+
+
 def test_top_k_then_top_p_matches_reference() -> None:
     params = [SamplingParams(top_k=k, top_p=p)
               for k, p in [(3, 0.5), (10, 0.9), (40, 0.3), (0, 0.7), (8, 1.0)]]

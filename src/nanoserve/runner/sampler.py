@@ -108,6 +108,11 @@ def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Ten
                 | _token_mask(tensors.output_tokens, vocab_size))
         penalty = tensors.repetition_penalty[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # An extreme penalty must not overflow a finite logit: the token is penalised, never
+        # made impossible (a grammar's only token) or certain; masked ones stay -inf.
+        finite = torch.finfo(logits.dtype)
+        penalised = torch.where(logits == _NEG_INF, logits,
+                                penalised.clamp(finite.min, finite.max))
         logits = torch.where(seen, penalised, logits)
     if tensors.any_count_penalty:
         counts = _token_counts(tensors.output_tokens, vocab_size)

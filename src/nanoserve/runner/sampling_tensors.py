@@ -13,6 +13,7 @@ from nanoserve.sampling_params import SamplingParams
 # and the distribution they describe is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -101,7 +102,8 @@ class SamplingTensors:
             ([p.temperature if s else 0.0 for p, s in zip(params, sampled)], np.float32),
             (top_p, np.float32),
             (min_p, np.float32),
-            ([p.repetition_penalty for p in params], np.float32),
+            ([min(max(p.repetition_penalty, FLOAT32_TINY), FLOAT32_MAX) for p in params],
+             np.float32),  # finite and nonzero in float32: no inf * 0
             ([p.presence_penalty for p in params], np.float32),
             ([p.frequency_penalty for p in params], np.float32),
             (top_k, np.int64),
