@@ -79,7 +79,7 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers(tmp_path, tokenizer_dir):
         llm.close()
 
 
-def test_a_half_without_the_other_is_refused(tmp_path, tokenizer_dir):
+def test_a_half_without_the_other_is_refused():
     from nanoserve.models.loader import CheckpointTensor
     from nanoserve.models.weight_map import mxfp4_tensors
 

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.kernels.common import device_sm_count
 from nanoserve.attention.mla_reference import mla_prefill
+from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
                                                 decode_attention, num_decode_splits)
 from nanoserve.kernels.mla_decode import mla_decode_attention, store_latent_rows

@@ -10,6 +10,7 @@ import torch
 
 from nanoserve.layers.parallel_state import Narrow
 from nanoserve.layers.quantization.methods import RawBlocks, RawNarrow
+from nanoserve.layers.quantization.mxfp4 import mxfp4_half
 from nanoserve.layers.quantization.spec import QuantSpec, resolve_quant_spec
 from nanoserve.config import arch_from_model_type, as_id_list
 from nanoserve.models import gguf
@@ -143,7 +144,7 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, Checkpoi
 def _is_quantization_tensor(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx", "weight_scale",
                                        "weight_scale_inv", "input_scale") \
-        or name.endswith(("_proj_blocks", "_proj_scales"))  # MXFP4
+        or mxfp4_half(name) is not None
 
 
 def quant_spec_of(path: Path, quantization: str) -> QuantSpec | None:

@@ -12,7 +12,7 @@ import torch
 from nanoserve.config import ModelConfig
 from nanoserve.layers.linear import ShardId
 from nanoserve.layers.moe import ExpertShard
-from nanoserve.layers.quantization.mxfp4 import dequantize_mxfp4
+from nanoserve.layers.quantization.mxfp4 import dequantize_mxfp4, mxfp4_half
 from nanoserve.models.loader import CheckpointTensor
 
 
@@ -62,10 +62,10 @@ def mxfp4_tensors(weights: Iterable[tuple[str, CheckpointTensor]]
     when read. A half waits, read, for the other (which may lie in another file)."""
     pending: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        base, _, half = name.rpartition("_")
-        if half not in ("blocks", "scales") or not base.endswith("_proj"):
+        if (parts := mxfp4_half(name)) is None:
             yield name, tensor
             continue
+        base, half = parts
         other = f"{base}_{'scales' if half == 'blocks' else 'blocks'}"
         if other not in pending:
             pending[name] = tensor.read()

@@ -9,6 +9,13 @@ import torch
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def mxfp4_half(name: str) -> tuple[str, str] | None:
+    """``(<name>, "blocks" | "scales")`` for a checkpoint tensor that is half of an MXFP4
+    projection (``..._proj_blocks``, ``..._proj_scales``), else None."""
+    base, _, half = name.rpartition("_")
+    return (base, half) if half in ("blocks", "scales") and base.endswith("_proj") else None
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[..., out, in]`` float32 (exact) from ``blocks`` ``[..., out, in / 32, 16]`` and
     ``scales`` ``[..., out, in / 32]`` (uint8), an expert at a time (bounded memory)."""
