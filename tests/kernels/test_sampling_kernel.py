@@ -298,3 +298,7 @@ def test_bitmask_inside_the_kernel_equals_sampling_masked_logits(vocab_size):
         assert got[0] == vocab_size - 1
         free = sample_tokens(logits, temperature, seed=seed)
         assert got[1] == free[1] and got[3] == logits[3].argmax()
+        mask_rows = torch.full((batch,), -1, dtype=torch.int32)
+        mask_rows[rows] = torch.arange(len(rows), dtype=torch.int32)
+        assert torch.equal(got, sample_tokens(logits, temperature, seed=seed,
+                                              bitmask=(None, bits), mask_rows=mask_rows))

@@ -234,7 +234,8 @@ def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
                   seed: int | torch.Tensor, out: torch.Tensor | None = None,
                   checked_out: torch.Tensor | None = None, void_id: int = -1,
-                  bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  bitmask: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+                  mask_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row of ``logits [B, V]``: ``[B]`` int64 token ids (into ``out`` if given).
     With ``checked_out`` ([B] int64), the same ids go there too, ``void_id`` in rows with a NaN or
     +inf logit or none finite (the rows ``runner.sampler.mark_failed_rows`` marks).
@@ -245,7 +246,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     A -inf logit is drawn only if the whole row is -inf (token 0); NaN is never picked.
     ``bitmask`` (rows ``[R]`` int64, bits ``[R, ceil(V / 32)]`` int32, as
     ``runner.sampler.apply_bitmask`` takes it): those rows draw only the tokens whose bit is 1,
-    read inside the kernels (the same tokens as sampling the masked logits)."""
+    read inside the kernels (the same tokens as sampling the masked logits). ``mask_rows``
+    (``[B]`` int32, each row's index among the bitmask's rows, -1 for none) may replace
+    ``rows`` (then None), saving the launches that derive it."""
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
     assert temperature.shape == (batch,) and temperature.dtype == torch.float32 \
@@ -275,10 +278,16 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     if bitmask is not None:
         rows, bits = bitmask
         assert bits.dtype == torch.int32 and bits.stride(-1) == 1 \
-            and bits.shape == (rows.shape[0], triton.cdiv(vocab_size, 32)), \
+            and bits.shape[1] == triton.cdiv(vocab_size, 32) \
+            and (rows is None or bits.shape[0] == rows.shape[0]), \
             "bitmask bits must be int32 [R, ceil(V / 32)] with contiguous rows"
-        mask_row = torch.full((batch,), -1, dtype=torch.int32, device=logits.device)
-        mask_row[rows] = torch.arange(rows.shape[0], dtype=torch.int32, device=logits.device)
+        if mask_rows is not None:
+            assert mask_rows.shape == (batch,) and mask_rows.dtype == torch.int32
+            mask_row = mask_rows
+        else:
+            mask_row = torch.full((batch,), -1, dtype=torch.int32, device=logits.device)
+            mask_row[rows] = torch.arange(rows.shape[0], dtype=torch.int32,
+                                          device=logits.device)
     common = (logits, temperature, tile_max, tile_sum, tile_arg, seed, unusable, bits, mask_row)
     _tile_stats_kernel[(batch, num_chunks)](
         *common, vocab_size, logits.stride(0), bits.stride(0), num_tiles, TILE=tile,

@@ -22,8 +22,8 @@ from nanoserve.runner.cuda_graph import DecodeGraphs, DecodeOutput
 from nanoserve.runner.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.runner.graph_inputs import decode_rows, verify_rows
 from nanoserve.runner.host_memory import default_cpu_kv_bytes, keep_freed_memory
-from nanoserve.runner.inputs import (PENDING_TOKEN, CompletedStep, DeferredSample, InFlightStep,
-                                     SequenceChunk, StepInput, StepOutput)
+from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, CompletedStep, DeferredSample,
+                                     InFlightStep, SequenceChunk, StepInput, StepOutput)
 from nanoserve.runner.packed_copy import packed_to_device
 from nanoserve.runner.pooling import HiddenStatePooler
 from nanoserve.runner.prompt_logprobs import prompt_logprobs
@@ -268,9 +268,9 @@ class ModelRunner:
         params = [c.params for c in sampling]
         if any(c.num_draft_tokens for c in sampling):
             return self._verify(step, sampling)
-        tensors = logits = token_ids = checked_ids = last = None
+        tensors = logits = token_ids = checked_ids = last = temperature = None
         if self.graphs is not None and self.graphs.accepts(step.chunks):
-            (hidden, logits, token_ids, checked_ids), tensors = self._replay(
+            (hidden, logits, token_ids, checked_ids), tensors, temperature = self._replay(
                 step.chunks, bool(step.grammar_rows))
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
@@ -293,6 +293,9 @@ class ModelRunner:
 
         @torch.inference_mode()
         def sample(bitmask: np.ndarray | None) -> SampledStep:
+            if temperature is not None:  # grammar rows after a graph: one fused pass
+                return self._masked_sample(logits, temperature, step.grammar_rows, bitmask,
+                                           sampling, prompt)
             if step.grammar_rows:
                 rows, bits = packed_to_device([(step.grammar_rows, np.int64),
                                                (bitmask.ravel(), np.int32)], self.device)
@@ -364,6 +367,30 @@ class ModelRunner:
         out = dataclasses.replace(out, token_ids=checked_ids)
         return SampledStep(out, [c.params.logprobs for c in sampling], prompt)
 
+    def _masked_sample(self, logits: torch.Tensor, temperature: np.ndarray,
+                       grammar_rows: list[int], bitmask: np.ndarray,
+                       sampling: list[SequenceChunk],
+                       prompt: dict[str, list[dict[int, float]]]) -> SampledStep:
+        """A graph step's rows drawn by the fused sampler under their grammars' ``bitmask``:
+        one upload and two kernels, the tokens written where the next graph reads them (the
+        general sampler's tensors and its separate failure check cost the host more than the
+        forward takes at small batches)."""
+        n = len(temperature)
+        mask_rows = np.full(n, -1, dtype=np.int32)
+        mask_rows[grammar_rows] = np.arange(len(grammar_rows), dtype=np.int32)
+        temperature_t, seed, mask_rows_t, bits = packed_to_device([
+            (temperature, np.float32), ([draw_noise_seed(bool(temperature.any()))], np.int64),
+            (mask_rows, np.int32), (bitmask.ravel(), np.int32)], self.device)
+        from nanoserve.kernels.sampling import sample_tokens
+
+        checked = self.graphs.checked[:n]
+        token_ids = sample_tokens(logits, temperature_t, seed, out=self.graphs.samples[:n],
+                                  checked_out=checked, void_id=FAILED_ROW,
+                                  bitmask=(None, bits.view(len(grammar_rows), -1)),
+                                  mask_rows=mask_rows_t)
+        out = with_fused_logprobs(logits, token_ids, max_logprobs([c.params for c in sampling]))
+        return self._sampled(out, sampling, prompt, logits, checked)
+
     def _sampling_tensors(self, chunks: list[SequenceChunk]) -> SamplingTensors:
         return SamplingTensors.build(
             [c.params for c in chunks], [c.prompt_token_ids for c in chunks],
@@ -371,10 +398,11 @@ class ModelRunner:
             [self._generator(c) for c in chunks], self.model_config.vocab_size, self.device)
 
     def _replay(self, chunks: list[SequenceChunk], grammar: bool = False
-                ) -> tuple[DecodeOutput, SamplingTensors | None]:
+                ) -> tuple[DecodeOutput, SamplingTensors | None, np.ndarray | None]:
         """A decode step through the CUDA graphs: the hidden states, the graph's logits and
-        samples where it ran them, and the sampling tensors where it needs the general sampler
-        (or, with ``grammar``, waits for a bitmask: no row is then sampled in the graph)."""
+        samples where it ran them, and the sampling tensors where it needs the general sampler.
+        With ``grammar`` no row is sampled in the graph (the bitmask comes later); the rows'
+        temperatures come back instead where the fused sampler serves them."""
         rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
         fed = (rows.sample_rows >= 0).any()
         if fed and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
@@ -384,13 +412,15 @@ class ModelRunner:
         if self.sampling_rank:
             params = [c.params for c in chunks]
             generators = [self._generator(c) for c in chunks]
-            if self.graphs.sample and not grammar:
+            if self.graphs.sample:
                 temperature = temperatures_only(params, [c.banned_token_ids for c in chunks],
                                                 generators, self.model_config.vocab_size)
             if temperature is None:
                 tensors = self._sampling_tensors(chunks)
+        if grammar:
+            return self.graphs.run(rows), tensors, temperature
         noise_seed = -1 if temperature is None else draw_noise_seed(bool(temperature.any()))
-        return self.graphs.run(rows, temperature, noise_seed), tensors
+        return self.graphs.run(rows, temperature, noise_seed), tensors, None
 
     def close(self) -> None:
         self.generators.clear()
