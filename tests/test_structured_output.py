@@ -51,6 +51,19 @@ def test_sampled_json_always_validates(smollm2):
         jsonschema.validate(json.loads(completion.text), SCHEMAS[i // len(SEEDS)])
 
 
+def test_compact_json_validates_without_free_whitespace(smollm2):
+    schemas = SCHEMAS[:4]
+    params = [_params(seed, json=schema, disable_any_whitespace=True)
+              for schema in schemas for seed in (0, 1)]
+    outs = smollm2.generate(["A JSON record:"] * len(params), params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", (i, text)
+        value = json.loads(text)
+        jsonschema.validate(value, schemas[i // 2])
+        assert text == json.dumps(value, ensure_ascii=False), text  # ", " and ": " only
+
+
 def test_regex_choice_and_grammar_hold(smollm2):
     constraints = [dict(regex=r"[0-9]{3}-[a-z]{2,4}"), dict(choice=["yes", "no", 'it "depends"']),
                    dict(grammar=ARITHMETIC)]
@@ -90,8 +103,9 @@ def _masked_greedy(model_dir, prompt_ids: list[int], constraint: StructuredOutpu
     if constraint.regex is not None:
         grammar = compiler.compile_regex(constraint.regex)
     else:
-        grammar = compiler.compile_json_schema(json.dumps(constraint.json),
-                                               max_whitespace_cnt=16)
+        grammar = compiler.compile_json_schema(
+            json.dumps(constraint.json), any_whitespace=not constraint.disable_any_whitespace,
+            max_whitespace_cnt=None if constraint.disable_any_whitespace else 16)
     matcher = xgr.GrammarMatcher(grammar)
     bits = np.zeros((1, -(-vocab // 32)), dtype=np.int32)
     ids, out = list(prompt_ids), []
@@ -109,7 +123,8 @@ def _masked_greedy(model_dir, prompt_ids: list[int], constraint: StructuredOutpu
 
 
 CONSTRAINTS = [StructuredOutputsParams(regex=r"(ab|cd)+[0-9]{2,5}!"),
-               StructuredOutputsParams(json=SCHEMAS[0])]
+               StructuredOutputsParams(json=SCHEMAS[0]),
+               StructuredOutputsParams(json=SCHEMAS[0], disable_any_whitespace=True)]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +136,7 @@ def tiny_engine(tiny_llama):
 
 @pytest.mark.parametrize("overlapped", [True, False])
 def test_greedy_constrained_equals_masked_transformers(tiny_engine, tiny_llama, overlapped):
-    prompts = [[5, 17, 300, 41], [1000, 2, 77]]
+    prompts = [[5, 17, 300, 41], [1000, 2, 77], [64, 3, 900]]
     params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=c)
               for c in CONSTRAINTS]
     # A penalised request reads token histories, so the engine does not overlap steps.
@@ -145,11 +160,26 @@ def test_unconstrained_rows_keep_their_tokens(tiny_engine):
     assert [o.outputs[0].token_ids for o in mixed[len(constrained):]] == alone
 
 
+def test_many_constrained_rows_equal_each_alone(tiny_engine):
+    """A batch with enough grammar rows that their bitmask is filled on the worker thread,
+    overlapped with the previous step's outputs, gives each the tokens it gets alone."""
+    from nanoserve.engine.structured_output import FEW_ROWS
+
+    params = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=c)
+              for c in CONSTRAINTS * (FEW_ROWS // 2 + 1)]
+    prompts = [[5 + i, 17, 300] for i in range(len(params))]
+    together = tiny_engine.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = tiny_engine.generate([prompt], [p], use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 # ---- validation --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs", [{}, {"json": {}, "regex": "a"}, {"choice": []},
                                     {"choice": ["a", 1]}, {"regex": ""}, {"json": 3},
-                                    {"json_object": "yes"}])
+                                    {"json_object": "yes"},
+                                    {"json": {}, "disable_any_whitespace": "yes"}])
 def test_params_need_exactly_one_wellformed_constraint(kwargs):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(**kwargs)
@@ -184,7 +214,7 @@ def test_bad_constraints_raise_and_the_engine_goes_on(tiny_engine, constraint, m
                          ids=["preempting", "tp2"])
 def test_constrained_tokens_survive_preemption_and_tensor_parallelism(tiny_engine, tiny_llama,
                                                                       engine_args):
-    prompts = [[5, 17, 300, 41], [1000, 2, 77], [8, 9], [60, 61, 62]]
+    prompts = [[5, 17, 300, 41], [1000, 2, 77], [8, 9], [60, 61, 62], [70, 3], [4, 44, 444]]
     params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=c)
               for c in CONSTRAINTS * 2]
     expected = [o.outputs[0].token_ids for o in tiny_engine.generate(prompts, params,

@@ -75,7 +75,9 @@ def test_json_object_and_vllm_fields(client):
                          ({"structured_outputs": {"json": PERSON}},
                           lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
                          ({"guided_json": PERSON},
-                          lambda t: jsonschema.validate(json.loads(t), PERSON) is None)]:
+                          lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+                         ({"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}},
+                          lambda t: t == json.dumps(json.loads(t), ensure_ascii=False))]:
         text = client.completions.create(model=MODEL, prompt="The weather today:",
                                          max_tokens=48, temperature=0,
                                          extra_body=extra).choices[0].text

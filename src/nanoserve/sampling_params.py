@@ -16,13 +16,17 @@ _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """What a request's output must match, with vLLM's names; exactly one field is set:
     ``json`` a JSON schema (a dict or its text), ``regex``, ``choice`` (one of the strings),
-    ``grammar`` (EBNF, as xgrammar reads it), ``json_object`` (any JSON object)."""
+    ``grammar`` (EBNF, as xgrammar reads it), ``json_object`` (any JSON object).
+    ``disable_any_whitespace``: JSON without free whitespace (``", "`` and ``": "`` between
+    items), which fills token masks several times faster than the default's up to
+    16 whitespace characters between tokens."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
@@ -43,17 +47,20 @@ class StructuredOutputsParams:
                              f"strings, got {value!r}")
         if kind == "json_object" and value is not True:
             raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean, got "
+                             f"{self.disable_any_whitespace!r}")
 
     @property
     def kind(self) -> str:
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
-    def key(self) -> tuple[str, str]:
-        """The constraint as (kind, text): what compiled grammars are cached by."""
+    def key(self) -> tuple[str, str, bool]:
+        """The constraint as (kind, text, disable_any_whitespace): what compiled grammars are
+        cached by."""
         value = getattr(self, self.kind)
-        if isinstance(value, str):
-            return self.kind, value
-        return self.kind, json.dumps(value)
+        return (self.kind, value if isinstance(value, str) else json.dumps(value),
+                self.disable_any_whitespace)
 
 
 @dataclass

@@ -6,9 +6,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
@@ -23,13 +23,11 @@ from nanoserve.engine.spec_draft import DraftProposer
 from nanoserve.outputs import RequestOutput
 from nanoserve.pooling import Pooler, resolve_pooler
 from nanoserve.prompts import check_context_length, truncate_prompt
-from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, InFlightStep, SequenceChunk,
-                                     StepInput)
+from nanoserve.runner.inputs import (FAILED_ROW, PENDING_TOKEN, DeferredSample, InFlightStep,
+                                     SequenceChunk, StepInput)
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from nanoserve.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -301,6 +299,8 @@ class LLMEngine:
             if sched.chunks:
                 # Overlapped, a grammar's bitmask waits for the previous step's tokens.
                 step = self._step_input(sched.chunks, with_bitmask=not overlap)
+                if previous is not None and isinstance(previous[1], DeferredSample):
+                    previous[1].flush()  # its tokens feed this step's forward
                 try:
                     launched = self.executor.launch(step)
                 except Exception as exc:  # the previous step is intact: it is still collected
@@ -308,9 +308,15 @@ class LLMEngine:
                 self.in_flight = (sched.chunks, launched)
                 for chunk in sched.chunks:
                     self.scheduler.advance(chunk)
-            outputs += self._collect(previous)
+            # Overlapped, the grammar rows' bitmask is filled on a worker thread from the
+            # moment their matchers took the previous step's tokens, while this thread makes
+            # outputs and the next step; it is flushed just before the next launch.
+            fill = None
             if step is not None and step.grammar_rows and step.token_bitmask is None:
-                self.in_flight[1].apply_bitmask(self._bitmask(sched.chunks, step.grammar_rows))
+                self.in_flight[1].bitmask_source = self._structured.wait_bitmask
+                fill = (lambda: self._structured.start_bitmask(
+                    self._grammar_requests(sched.chunks, step.grammar_rows)))
+            outputs += self._collect(previous, fill)
             if not overlap:
                 current, self.in_flight = self.in_flight, None
                 outputs += self._collect(current)
@@ -350,11 +356,14 @@ class LLMEngine:
                 req.num_pending_tokens = 0
                 req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
 
-    def _collect(self, batch: tuple[list[ScheduledChunk], InFlightStep] | None
-                 ) -> list[RequestOutput]:
-        """Wait for a launched batch's tokens and turn them into outputs. A request whose
-        token cannot be taken (its logits were not finite, its detokenization raised) fails."""
+    def _collect(self, batch: tuple[list[ScheduledChunk], InFlightStep] | None,
+                 then: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Wait for a launched batch's tokens and turn them into outputs; ``then`` runs as soon
+        as the grammars took the tokens. A request whose token cannot be taken (its logits
+        were not finite, its detokenization raised) fails."""
         if batch is None:
+            if then is not None:
+                then()
             return []
         chunks, pending = batch
         step_out = pending.result()
@@ -372,6 +381,8 @@ class LLMEngine:
             c.request.request_id: t for c, t in zip(sampling, step_out.token_ids)
             if c.request.params.structured_outputs is not None and not c.request.finished
             and t != FAILED_ROW}) if self._structured else {}
+        if then is not None:
+            then()
         for i, (chunk, token) in enumerate(zip(sampling, step_out.token_ids)):
             req = chunk.request
             if req.finished:  # ended (a stop, an abort) while this step ran: drop its token
@@ -447,16 +458,15 @@ class LLMEngine:
             req.logprobs.append(token_logprobs)
         self.generation_tokens += 1
         self.output_processor.append_token(req, token, now)
-        matcher = grammar_ok and self._structured.matchers[req.request_id]
-        if matcher and matcher.is_terminated() and not req.finished:
+        if grammar_ok and req.request_id in self._structured.terminated and not req.finished:
             req.finish(FinishReason.STOP)  # the grammar ended on a stop token it ignores
         self.scheduler.register_known_blocks(req)
 
-    def _bitmask(self, chunks: list[ScheduledChunk], rows: list[int]) -> np.ndarray:
-        """The next-token bitmasks of a step's sampling ``rows`` under a grammar."""
+    def _grammar_requests(self, chunks: list[ScheduledChunk], rows: list[int]
+                          ) -> list[str | None]:
+        """The requests of a step's sampling ``rows`` under a grammar (None: ended)."""
         sampling = [c.request for c in chunks if c.samples]
-        return self._structured.bitmask(
-            [None if sampling[i].finished else sampling[i].request_id for i in rows])
+        return [None if sampling[i].finished else sampling[i].request_id for i in rows]
 
     def _step_input(self, chunks: list[ScheduledChunk], with_bitmask: bool = True
                     ) -> StepInput:
@@ -484,7 +494,8 @@ class LLMEngine:
         finished, self.finished_ids = self.finished_ids, []
         grammar_rows = [i for i, c in enumerate(c for c in chunks if c.samples)
                         if c.request.params.structured_outputs is not None]
-        bitmask = self._bitmask(chunks, grammar_rows) if grammar_rows and with_bitmask else None
+        bitmask = self._structured.bitmask(self._grammar_requests(chunks, grammar_rows)) \
+            if grammar_rows and with_bitmask else None
         return StepInput(seqs, finished, grammar_rows, bitmask)
 
     def _finalize(self, req: Request) -> RequestOutput:
@@ -518,6 +529,7 @@ class LLMEngine:
 
     def close(self) -> None:
         if self._structured is not None:
+            self._structured.close()
             self._structured.compiler.close()
         self.executor.close()
         if self.spec is not None and self.spec.draft is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -20,8 +20,8 @@ from nanoserve.sampling_params import StructuredOutputsParams
 
 CACHE_SIZE = 512  # compiled grammars kept (least recently used goes first)
 # Whitespace allowed between JSON tokens: plenty for any layout, and a sampled model cannot
-# spend its whole budget on blank lines.
-MAX_WHITESPACE = 16
+# spend its whole budget on blank lines (unbounded, small models at temperature 1 do).
+JSON_MAX_WHITESPACE = 16
 FEW_ROWS = 16  # bitmasks of fewer rows are filled one by one, of more on xgrammar's threads
 # JSON-schema keywords that xgrammar accepts but does not enforce: refused, never ignored.
 UNENFORCED_KEYWORDS = frozenset({
@@ -64,10 +64,10 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> Any:
         return self.submit(spec).result()
 
-    def _compile(self, kind: str, text: str) -> Any:
+    def _compile(self, kind: str, text: str, compact: bool) -> Any:
         if kind == "choice":
             self._check_writable(json.loads(text))
-        grammar = self._compile_text(kind, text)
+        grammar = self._compile_text(kind, text, compact)
         if not self._can_start(grammar):
             raise ValueError(f"structured_outputs.{kind} cannot be written with this model's "
                              "vocabulary: no token may come first")
@@ -89,14 +89,16 @@ class GrammarCompiler:
                 raise ValueError(f"structured_outputs.choice[{i}] cannot be written with this "
                                  "model's vocabulary")
 
-    def _compile_text(self, kind: str, text: str) -> Any:
+    def _compile_text(self, kind: str, text: str, compact: bool) -> Any:
+        whitespace = {"any_whitespace": not compact,
+                      "max_whitespace_cnt": None if compact else JSON_MAX_WHITESPACE}
         try:
             if kind == "json":
                 check_enforceable(json.loads(text))
-                return self.compiler.compile_json_schema(text, max_whitespace_cnt=MAX_WHITESPACE)
+                return self.compiler.compile_json_schema(text, **whitespace)
             if kind == "json_object":  # any object: no property is "additional" here
-                return self.compiler.compile_json_schema(
-                    '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_WHITESPACE)
+                return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                         **whitespace)
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             if kind == "choice":
@@ -135,7 +137,10 @@ def check_enforceable(schema: Any, path: str = "#") -> None:
 
 class StructuredOutputs:
     """Every constrained request's matcher: advanced on the tokens the request accepts, and
-    asked for the next-token bitmask of the rows a step samples."""
+    asked for the next-token bitmask of the rows a step samples. A step's bitmask may be
+    filled on a worker thread (``start_bitmask``, xgrammar releasing the GIL) while the engine
+    turns the previous step's tokens into outputs; nothing else touches the matchers until
+    ``wait_bitmask``, except to look up whether the last ``accept`` terminated them."""
 
     def __init__(self, compiler: GrammarCompiler):
         import xgrammar as xgr
@@ -144,8 +149,11 @@ class StructuredOutputs:
         self.compiler = compiler
         self.matchers: dict[str, Any] = {}
         self.words = -(-compiler.vocab_size // 32)
-        self.batch = xgr.BatchGrammarMatcher()
+        self.batch = xgr.BatchGrammarMatcher()  # half the hardware threads: more ran slower
         self.buffer = np.empty((0, self.words), dtype=np.int32)  # reused: no 4 MB fill a step
+        self.terminated: set[str] = set()  # the requests whose grammar the last accept ended
+        self.filler = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-bitmask")
+        self.pending: Future | None = None
 
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         """Start ``request_id``'s matcher; a constraint that does not compile raises."""
@@ -157,14 +165,18 @@ class StructuredOutputs:
     def accept(self, tokens: dict[str, int]) -> dict[str, bool]:
         """Advance the matchers of ``tokens``' requests by one token each, in one call; per
         request, False when its grammar does not allow the token."""
+        self._settle()
         ids = [rid for rid in tokens if rid in self.matchers]
         ok = self.xgr.BatchGrammarMatcher.batch_accept_token(
             [self.matchers[rid] for rid in ids], [tokens[rid] for rid in ids])
+        self.terminated = {rid for rid, good in zip(ids, ok)
+                           if good and self.matchers[rid].is_terminated()}
         return dict(zip(ids, ok))
 
     def allows_nothing(self, request_id: str) -> bool:
         """Whether ``request_id``'s grammar allows no token next (a dead end: it needs bytes
         that no token of the vocabulary holds)."""
+        self._settle()
         matcher = self.matchers.get(request_id)
         if matcher is None or matcher.is_terminated():
             return False
@@ -174,21 +186,49 @@ class StructuredOutputs:
 
     def bitmask(self, request_ids: list[str | None]) -> np.ndarray:
         """[len(request_ids), ceil(V / 32)] int32: each row's allowed next tokens, all bits
-        set for rows without a matcher (None, or an ended request). Valid until the next call.
-        A live request's matcher has not terminated: that ends the request."""
+        set for rows without a live matcher (None, an ended request, or one whose grammar the
+        last accept ended). Valid until the next call."""
+        self._settle()
+        return self._fill(*self._rows(request_ids))
+
+    def start_bitmask(self, request_ids: list[str | None]) -> None:
+        """Begin ``bitmask(request_ids)`` on the worker thread."""
+        self._settle()
+        self.pending = self.filler.submit(self._fill, *self._rows(request_ids))
+
+    def wait_bitmask(self) -> np.ndarray:
+        """The bitmask ``start_bitmask`` began."""
+        pending, self.pending = self.pending, None
+        assert pending is not None, "start_bitmask must come before wait_bitmask"
+        return pending.result()
+
+    def _settle(self) -> None:
+        """Wait for a fill under way: the matchers are not to be touched during one."""
+        if self.pending is not None:
+            wait([self.pending])
+
+    def _rows(self, request_ids: list[str | None]) -> tuple[np.ndarray, list, list[int]]:
+        """The buffer rows for ``request_ids``, rows without a live matcher all ones, and the
+        matchers and rows left to fill."""
         if len(self.buffer) < len(request_ids):
             self.buffer = np.empty((2 * len(request_ids), self.words), dtype=np.int32)
         bits = self.buffer[:len(request_ids)]
-        rows = []
+        matchers, rows = [], []
         for i, rid in enumerate(request_ids):
-            if rid in self.matchers:
+            if rid in self.matchers and rid not in self.terminated:
+                matchers.append(self.matchers[rid])
                 rows.append(i)
             else:
                 bits[i] = -1
+        return bits, matchers, rows
+
+    def _fill(self, bits: np.ndarray, matchers: list, rows: list[int]) -> np.ndarray:
         if len(rows) < FEW_ROWS:  # the batch call's threads cost more than they save here
-            for i in rows:
-                self.matchers[request_ids[i]].fill_next_token_bitmask(bits, i)
+            for matcher, i in zip(matchers, rows):
+                matcher.fill_next_token_bitmask(bits, i)
         else:
-            self.batch.batch_fill_next_token_bitmask(
-                [self.matchers[request_ids[i]] for i in rows], bits, rows)
+            self.batch.batch_fill_next_token_bitmask(matchers, bits, rows)
         return bits
+
+    def close(self) -> None:
+        self.filler.shutdown(wait=True)

@@ -75,18 +75,22 @@ class InFlightStep(Protocol):
 
 class DeferredSample:
     """A launched step whose sampling waits for its grammar rows' bitmask, which the host
-    fills while the forward runs; ``apply_bitmask`` queues the sampling, before any later
-    step is launched."""
+    fills while the forward runs: ``flush`` (at the latest before the next step is launched,
+    whose forward reads these tokens) queues the sampling with the bitmask
+    ``bitmask_source`` gives."""
 
     def __init__(self, sample: Callable[[np.ndarray], InFlightStep]):
         self.sample = sample
         self.sampled: InFlightStep | None = None
+        self.bitmask_source: Callable[[], np.ndarray] | None = None
 
-    def apply_bitmask(self, bitmask: np.ndarray) -> None:
-        self.sampled = self.sample(bitmask)
+    def flush(self) -> None:
+        if self.sampled is None:
+            assert self.bitmask_source is not None, "a deferred sample needs its bitmask"
+            self.sampled = self.sample(self.bitmask_source())
 
     def result(self) -> StepOutput:
-        assert self.sampled is not None, "apply_bitmask must come before result"
+        self.flush()
         return self.sampled.result()
 
 
