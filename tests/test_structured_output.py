@@ -161,8 +161,9 @@ def test_unconstrained_rows_keep_their_tokens(tiny_engine):
 
 
 def test_many_constrained_rows_equal_each_alone(tiny_engine):
-    """A batch with enough grammar rows that their bitmask is filled on the worker thread,
-    overlapped with the previous step's outputs, gives each the tokens it gets alone."""
+    """A batch with enough grammar rows that xgrammar's batch call fills their bitmask (on
+    the worker thread, beside the previous step's outputs) gives each the tokens it gets
+    alone."""
     from nanoserve.engine.structured_output import FEW_ROWS
 
     params = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=c)

@@ -164,7 +164,7 @@ def host_profile(enabled: bool):
         stats.sort_stats("tottime").print_stats(45)
         stats.sort_stats("cumulative").print_callees(r"model_runner.py:\d+\(launch\)")
         stats.print_callees(r"llm_engine.py:\d+\(step\)")
-        stats.print_callees(r"inputs.py:\d+\(apply_bitmask\)")
+        stats.print_callees(r"inputs.py:\d+\(flush\)")
 
 
 def device_memory_stats(device: str) -> tuple[dict, dict]:

@@ -42,7 +42,7 @@ class SequenceChunk:
 class StepInput:
     """A step's chunks; ``grammar_rows`` are the sampling rows (indices among the chunks that
     sample) under a grammar, whose next-token bitmask ([rows, ceil(V / 32)] int32) comes with
-    the step, or, when None, later through ``DeferredSample.apply_bitmask``."""
+    the step, or, when None, later through ``DeferredSample.flush``."""
 
     chunks: list[SequenceChunk]
     finished_request_ids: list[str] = field(default_factory=list)
