@@ -117,9 +117,49 @@ def test_sliding_window_under_preemption_chunking_and_prefix_hits(case):
     check_squeezed(*case)
 
 
+@pytest.mark.parametrize("case", ["mistral"], indirect=True)
+def test_sliding_window_frees_the_blocks_it_passed(case):
+    """Every layer slides: a sequence holds the blocks of its window and of one step's tokens,
+    never its whole length, so a cache far smaller than one sequence serves them all (one at
+    a time), with transformers' tokens; a prompt run again hits the blocks of its window,
+    whatever became of those before it."""
+    path, ids, want = case
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=7,
+              num_kv_blocks=6, block_size=4)
+    scheduler = llm.engine.scheduler
+    longest = max(len(i) for i in ids) + NEW_TOKENS
+    assert scheduler.bm.blocks_needed(longest) > 2 * scheduler.bm.num_blocks
+    held = []
+    schedule = scheduler.schedule
+
+    def watched(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        held.extend(len(c.request.block_table) - c.request.num_slid_blocks for c in out.chunks)
+        return out
+
+    scheduler.schedule = watched
+    try:
+        assert generate(llm, ids) == want
+        one = greedy_params(1)
+        for prompt, tokens in zip(ids, want):  # one token: its window's blocks stay cached
+            assert llm.generate([prompt], one, use_tqdm=False)[0].outputs[0].token_ids == \
+                tokens[:1]
+            hits = llm.engine.stats().prefix_cache_hits
+            again = llm.generate([prompt], one, use_tqdm=False)[0].outputs[0].token_ids
+            assert again == tokens[:1]
+            # every full block before the last token's counts, the slid ones too
+            assert llm.engine.stats().prefix_cache_hits - hits == (len(prompt) - 1) // 4 * 4
+    finally:
+        llm.close()
+    # window 6 + a 7-token step span at most 4 blocks of 4, plus the last registered one
+    assert held and max(held) <= 5
+    assert scheduler.bm.num_free_blocks == scheduler.bm.num_blocks
+
+
 def check_squeezed(path, ids: list[list[int]], want: list[list[int]]) -> None:
     """Greedy outputs stay ``want`` in an engine that must chunk prefills (7-token budget) and
-    preempt (12 blocks of 8), then again with the prompts' full blocks as prefix-cache hits."""
+    preempt (12 blocks of 8), then with the prompts' full blocks as prefix-cache hits: each
+    prompt twice in a row, alone (together, a window's freed blocks are soon reused)."""
     assert max(len(i) for i in ids) > 7
     llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=7,
               num_kv_blocks=12, block_size=8)
@@ -128,7 +168,8 @@ def check_squeezed(path, ids: list[list[int]], want: list[list[int]]) -> None:
         stats = llm.engine.stats()
         assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0
         hits = stats.prefix_cache_hits
-        assert generate(llm, ids) == want
+        for prompt, tokens in zip(ids, want):
+            assert generate(llm, [prompt, prompt]) == [tokens, tokens]
         assert llm.engine.stats().prefix_cache_hits > hits
     finally:
         llm.close()

@@ -162,6 +162,13 @@ class ModelConfig:
         """Layer ``layer``'s sliding window (0: full attention)."""
         return self.sliding_window if self.is_sliding(layer) else 0
 
+    @property
+    def uniform_window(self) -> int:
+        """The window when every layer slides (its cache can then drop what all slid past)."""
+        if self.num_layers and all(self.is_sliding(i) for i in range(self.num_layers)):
+            return self.sliding_window
+        return 0
+
     def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
         """Layer ``layer``'s RoPE (theta, scaling)."""
         if self.sliding_rope is not None and self.is_sliding(layer):

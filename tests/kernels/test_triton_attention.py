@@ -442,6 +442,40 @@ def test_prefill_window_and_softcap_match_reference(window, softcap, group):
     torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
 
 
+def poison_slid_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       q_lens: list[int], window: int) -> None:
+    """NaN in every block that each of its sequence's queries' windows has passed wholly: the
+    blocks the scheduler frees under a sliding window, maybe reused by another sequence."""
+    block_size = k_cache.shape[1]
+    for i, (n, q_len) in enumerate(zip(meta.seq_lens.tolist(), q_lens)):
+        passed = max(0, n - q_len - window + 1) // block_size
+        for block in meta.block_tables[i, :passed].tolist():
+            k_cache[block] = float("nan")
+            v_cache[block] = float("nan")
+
+
+@pytest.mark.parametrize("window", [5, 16, 23])
+def test_kernels_never_read_blocks_the_window_passed(window):
+    """Decode (split or not) and prefill tiles that start before the window mask the keys they
+    would read there, so freed blocks (NaN here) leave the outputs as the reference's."""
+    for seq_lens, q_lens in (([37, 1, 70, 100], [1] * 4), ([45, 23, 80, 9], [13, 23, 1, 9])):
+        q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, num_heads=4, num_kv_heads=2,
+                                               head_dim=32, block_size=8, seed=window)
+        want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
+                                         32 ** -0.5, window, 0.0)
+        poison_slid_blocks(k_cache, v_cache, meta, q_lens, window)
+        assert k_cache.isnan().any()
+        if max(q_lens) == 1:
+            for splits in (1, 3):
+                out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, meta.max_seq_len, 32 ** -0.5,
+                                       num_splits=splits, window=window)
+                torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+        out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, 32 ** -0.5, window=window)
+        torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_window_with_new_tokens_matches_torch_backend(num_splits):
     """The split kernel finishing the new tokens honours the window, the soft cap and the

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -64,22 +65,43 @@ class BlockManager:
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Cached blocks holding a prefix of ``token_ids``, leaving at least one to compute."""
-        if not self.enable_prefix_caching:
-            return []
         matched: list[int] = []
+        for block_id in self._cached_chain(token_ids):
+            if block_id is None:
+                break
+            matched.append(block_id)
+        return matched
+
+    def match_window(self, token_ids: list[int], window: int) -> tuple[int, list[int]]:
+        """For a model whose every layer sees the last ``window`` positions: the longest
+        prefix whose blocks inside the next query's window are cached, as (blocks before
+        them, which need not be, and the cached blocks)."""
+        found = list(self._cached_chain(token_ids))
+        run = 0  # cached blocks in a row, ending at block end - 1
+        best = (0, [])
+        for end, block_id in enumerate(found, 1):
+            run = run + 1 if block_id is not None else 0
+            first = max(0, end * self.block_size - window + 1) // self.block_size
+            if run >= end - first:
+                best = (first, found[first:end])
+        return best
+
+    def _cached_chain(self, token_ids: list[int]) -> Iterator[int | None]:
+        """Per full block of ``token_ids`` but the last token's, its cached block's id (None
+        where not cached: an unknown hash or a collision)."""
+        if not self.enable_prefix_caching:
+            return
         parent: int | None = None
         usable = (len(token_ids) - 1) // self.block_size
         for tokens in packed_blocks(token_ids, 0, usable, self.block_size):
             h = hash_block(parent, tokens)
             block_id = self.cached.get(h)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.tokens != tokens or block.parent_hash != parent:
-                break  # a hash collision, not the same prefix
-            matched.append(block_id)
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.tokens != tokens or block.parent_hash != parent:
+                    block_id = None  # a hash collision, not the same prefix
+            yield block_id
             parent = h
-        return matched
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``); only when no block is in

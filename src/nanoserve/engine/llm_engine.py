@@ -87,7 +87,7 @@ class LLMEngine:
         self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, model_config.uniform_window)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.aborted: list[Request] = []
@@ -181,7 +181,7 @@ class LLMEngine:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {outside[:5]}")
         check_context_length(len(ids), params.max_tokens, self.max_model_len)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        blocks = self.block_manager.blocks_needed(len(ids) + max_tokens)
+        blocks = self.scheduler.max_blocks_held(len(ids) + max_tokens)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"request needs {blocks} KV cache blocks for {len(ids)} prompt + {max_tokens} "

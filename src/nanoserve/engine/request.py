@@ -55,6 +55,7 @@ class Request:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
+    num_slid_blocks: int = 0  # leading blocks freed: the sliding window is past them
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     output_text: str = ""

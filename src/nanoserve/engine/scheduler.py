@@ -41,14 +41,17 @@ class Scheduler:
 
     Running requests go first, oldest first; when blocks run out the newest is preempted (to
     be recomputed later). Waiting requests are admitted in FIFO order while blocks and the
-    budget last, reusing cached prefix blocks.
+    budget last, reusing cached prefix blocks. With ``sliding_window`` (every layer sees only
+    that many positions), blocks all of whose keys every later query is past go back to the
+    free list; their ids stay in the table as placeholders, which no kernel reads.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, sliding_window: int = 0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.sliding_window = sliding_window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -76,6 +79,7 @@ class Scheduler:
                 i += 1  # not a suspect of the fault hunt: it sits this step out
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self._slide(req)
             need = self.bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
             if need > 0:  # most decode steps fit in the last block: skip the allocator
                 while not self.bm.can_allocate(need) and self.running[-1] is not req:
@@ -102,20 +106,21 @@ class Scheduler:
                 if not leader.finished and leader.num_computed_tokens < leader.num_prompt_tokens:
                     break
                 req.prefix_leader = None
-            # Prompt logprobs need every prompt position's hidden state: no cached prefix.
-            hits = [] if req.prompt_logprobs is not None else self.bm.match_prefix(req.token_ids)
-            computed = len(hits) * self.bm.block_size
+            skipped, hits = self._match(req)
+            computed = (skipped + len(hits)) * self.bm.block_size
             n = min(req.num_tokens - computed, budget)
-            need = self.bm.blocks_needed(computed + n) - len(hits)
+            need = self.bm.blocks_needed(computed + n) - skipped - len(hits)
             if not self.bm.can_allocate(need + self.bm.num_idle(hits)):
                 break
             self.waiting.remove(req)  # the first, unless a fault hunt skipped some
             if req.prompt_logprobs is None:
                 self.bm.count_prefix_lookup(req.num_tokens, computed)
             self.bm.take_cached(hits)
-            req.block_table = hits + self.bm.allocate(need)
+            req.block_table = [0] * skipped + hits + self.bm.allocate(need)
+            req.num_slid_blocks = skipped
             req.num_computed_tokens = computed
-            req.num_registered_blocks = len(hits)
+            req.num_registered_blocks = skipped + len(hits)
+            self._slide(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
                 req.num_cached_tokens = computed
@@ -125,6 +130,34 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, computed, n + len(drafts), drafts))
             budget -= n + len(drafts)
         return out
+
+    def _match(self, req: Request) -> tuple[int, list[int]]:
+        """Cached blocks to start ``req`` from, after ``skipped`` ones the window is past."""
+        if req.prompt_logprobs is not None:  # they need every prompt position's hidden state
+            return 0, []
+        if self.sliding_window:
+            return self.bm.match_window(req.token_ids, self.sliding_window)
+        return 0, self.bm.match_prefix(req.token_ids)
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once: all of them, or
+        with a window, its window's, a step's tokens' and the last registered block."""
+        blocks = self.bm.blocks_needed(num_tokens)
+        if not self.sliding_window:
+            return blocks
+        return min(blocks, self.bm.blocks_needed(self.sliding_window
+                                                 + self.max_num_batched_tokens) + 2)
+
+    def _slide(self, req: Request) -> None:
+        """Free the request's blocks wholly before the window of its next query."""
+        if not self.sliding_window:
+            return
+        end = (req.num_computed_tokens - self.sliding_window + 1) // self.bm.block_size
+        if self.bm.enable_prefix_caching:  # the next block's hash chains on the last one's
+            end = min(end, req.num_registered_blocks - 1)
+        if end > req.num_slid_blocks:
+            self.bm.free_blocks(req.block_table[req.num_slid_blocks:end])
+            req.num_slid_blocks = end
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Proposals to verify after a chunk of ``n`` tokens that reaches the request's last
@@ -185,7 +218,8 @@ class Scheduler:
         return req
 
     def _release(self, req: Request) -> None:
-        self.bm.free_blocks(req.block_table)
+        self.bm.free_blocks(req.block_table[req.num_slid_blocks:])
         req.block_table = []
+        req.num_slid_blocks = 0
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0

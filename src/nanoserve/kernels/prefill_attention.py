@@ -28,7 +28,7 @@ INTERPRETER_BLOCK_N = 16
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, q_pos, tile_start, kv_end,
+    q, m_i, l_i, acc, q_pos, tile_start, kv_start, kv_end,
     block_row, k_cache_ptr, v_cache_ptr, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     scale_log2, window, softcap_log2, d, d_mask,
@@ -36,10 +36,13 @@ def _attend_tile(
     CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """One online-softmax step of a query tile against keys ``tile_start : tile_start+BLOCK_N``."""
+    """One online-softmax step of a query tile against keys ``tile_start : tile_start+BLOCK_N``
+    (with a window, none read before ``kv_start``: their blocks may be freed)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     if CAUSAL_MASK:
         valid = pos < kv_end
+        if WINDOW:
+            valid = valid & (pos >= kv_start)
         block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         kv_mask = valid[:, None] & d_mask[None, :]
     else:  # tiles wholly before the first query: every key is in range and visible to all rows
@@ -117,22 +120,24 @@ def _prefill_kernel(
     if WINDOW:
         # Every tile masked, from the first one holding a key of the first row's window:
         # the keys before it are never read.
-        masked_start = (tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        kv_start = tl.maximum(first_q_pos - window + 1, 0)
+        masked_start = (kv_start // BLOCK_N) * BLOCK_N
         unmasked_end = 0
     else:
+        kv_start = 0
         masked_start = (first_q_pos // BLOCK_N) * BLOCK_N
         unmasked_end = masked_start
     # Key 0 is visible to every row, so m_i is finite after the first tile: no exp2(-inf - -inf).
     for tile_start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, q_pos, tile_start, kv_end, block_row, k_cache_ptr, v_cache_ptr,
-            kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            q, m_i, l_i, acc, q_pos, tile_start, kv_start, kv_end, block_row, k_cache_ptr,
+            v_cache_ptr, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             scale_log2, window, softcap_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, False,
             DOT_PRECISION, False, SOFTCAP)
     for tile_start in range(masked_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, q_pos, tile_start, kv_end, block_row, k_cache_ptr, v_cache_ptr,
-            kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            q, m_i, l_i, acc, q_pos, tile_start, kv_start, kv_end, block_row, k_cache_ptr,
+            v_cache_ptr, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             scale_log2, window, softcap_log2, d, d_mask, BLOCK_SIZE, BLOCK_N, True,
             DOT_PRECISION, WINDOW, SOFTCAP)
 
