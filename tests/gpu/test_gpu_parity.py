@@ -71,18 +71,17 @@ def random_model_dir(shape: str, tmp_path_factory) -> Path:
 
 def assert_greedy_close_to_transformers(model_dir: Path, label: str, hf_cache=None,
                                         prompt_lens: list[int] | None = None,
-                                        hf_dtype: torch.dtype = torch.bfloat16,
                                         **engine_args) -> None:
     """8 random prompts (of ``prompt_lens`` ids, default 5-300), greedy, against transformers
-    (in ``hf_dtype``) by the logprobs-close rule; ``hf_cache(config)``: a fresh cache for each
-    of transformers' generations."""
+    by the logprobs-close rule; ``hf_cache(config)``: a fresh cache for each of transformers'
+    generations."""
     from transformers import AutoModelForCausalLM
 
     random.seed(1)
     prompt_lens = prompt_lens or [random.randint(5, 300) for _ in range(8)]
     prompts = [[random.randint(0, 10000) for _ in range(n)] for n in prompt_lens]
     all_ours, all_our_top5 = engine_greedy_with_top5(model_dir, prompts, **engine_args)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype).cuda()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     exact = 0
     for prompt, ours, our_top5 in zip(prompts, all_ours, all_our_top5):
         cache = {} if hf_cache is None else {"past_key_values": hf_cache(model.config)}
@@ -110,22 +109,90 @@ LONG_PROMPTS = [5, 40, 200, 300, 520, 700, 1000, 1500]
     ("gemma-2-2b", None, False), ("gemma-2-2b-window256", LONG_PROMPTS, False),
     ("gemma-2-2b-window256", LONG_PROMPTS, True), ("gemma-3-1b", LONG_PROMPTS, False),
     ("phi-3-mini-4k-window256", LONG_PROMPTS, False), ("phi-4-mini-8l", None, False),
-    ("mixtral-small", None, False), ("gpt-oss-small", LONG_PROMPTS, False),
-    ("gpt-oss-small", LONG_PROMPTS, True), ("deepseek-v2-lite-4l", LONG_PROMPTS, False),
-    ("deepseek-v2-lite-4l", None, True)])
+    ("deepseek-v2-lite-4l", LONG_PROMPTS, False), ("deepseek-v2-lite-4l", None, True)])
 def test_bf16_newer_families_close_to_transformers(shape, prompt_lens, enforce_eager,
                                                    tmp_path_factory):
     """Gemma 2/3 (soft caps, sandwich norms folded where they are pre-norms, windows), Phi-3
-    (fused checkpoints, windows; Phi-4-mini's partial rotary and longrope), Mixtral, GPT-OSS
-    (sinks in the kernels, biases and the clamped SwiGLU in the fused MoE), DeepSeek-V2 (the
-    latent cache, absorbed decode in the decode kernel, shared experts). GPT-OSS's random
-    model is sensitive to rounding (its bf16 in transformers errs from its fp32 as much as
-    ours): its reference is transformers in fp32."""
-    hf_dtype = torch.float32 if shape.startswith("gpt-oss") else torch.bfloat16
+    (fused checkpoints, windows freed as they slide; Phi-4-mini's partial rotary and
+    longrope), DeepSeek-V2 (the latent cache, absorbed decode in the decode kernel, shared
+    experts)."""
     assert_greedy_close_to_transformers(random_model_dir(shape, tmp_path_factory),
                                         f"{shape} eager={enforce_eager}",
-                                        prompt_lens=prompt_lens, hf_dtype=hf_dtype,
-                                        enforce_eager=enforce_eager)
+                                        prompt_lens=prompt_lens, enforce_eager=enforce_eager)
+
+
+def _teacher_forced_logprobs(model_dir: Path, dtype: torch.dtype, sequences: list[list[int]]
+                             ) -> list[torch.Tensor]:
+    """transformers' log-probabilities at every position of each sequence, in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
+    with torch.no_grad():
+        out = [model(torch.tensor([s], device="cuda")).logits[0].float().log_softmax(-1).cpu()
+               for s in sequences]
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def _errors_from_exact(prompts: list[list[int]], sequences: list[list[int]], steps,
+                       exact: list[torch.Tensor]) -> tuple[int, float]:
+    """(how many sequences fail the top-5 rule at their first token unlike the exact model's
+    choice, the mean over steps of the largest logprob error among the side's top 20) for
+    ``steps[k][i]``, a side's ``{token: logprob}`` at decode step i of prompt k."""
+    fails, errors = 0, []
+    for prompt, seq, side, ref in zip(prompts, sequences, steps, exact):
+        failed = None
+        for i, dist in enumerate(side):
+            row = ref[len(prompt) + i - 1]
+            ranked = sorted(dist, key=dist.get, reverse=True)
+            errors.append(max(abs(dist[t] - row[t].item()) for t in ranked[:20]))
+            mine, best = ranked[0], int(row.argmax())
+            if failed is None and mine != best:
+                failed = not (mine in set(row.topk(5).indices.tolist())
+                              and best in set(ranked[:5]))
+        fails += bool(failed)
+    return fails, sum(errors) / len(errors)
+
+
+@pytest.mark.parametrize("shape,prompt_lens,enforce_eager", [
+    ("mixtral-small", None, False), ("gpt-oss-small", LONG_PROMPTS, False),
+    ("gpt-oss-small", LONG_PROMPTS, True)])
+def test_bf16_routed_experts_no_further_from_exact_than_transformers(
+        shape, prompt_lens, enforce_eager, tmp_path_factory):
+    """Mixtral and GPT-OSS (sinks in the kernels, biases and the clamped SwiGLU in the fused
+    MoE): their random routers pick among near-tied experts, so any bf16 rounding flips some
+    picks and greedy paths part (transformers' bf16 fails the top-5 rule against its own fp32
+    on 3-5 of 8 prompts). So both bf16 models are measured against transformers in fp32,
+    teacher-forced on our greedy tokens: ours may fail the rule no more often, and err by no
+    more than 1.5x as much on average, as transformers' bf16."""
+    from nanoserve import LLM, SamplingParams
+
+    model_dir = random_model_dir(shape, tmp_path_factory)
+    random.seed(1)
+    prompt_lens = prompt_lens or [random.randint(5, 300) for _ in range(8)]
+    prompts = [[random.randint(0, 10000) for _ in range(n)] for n in prompt_lens]
+    llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.5,
+              enforce_eager=enforce_eager)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                min_tokens=NEW_TOKENS, logprobs=20),
+                        use_tqdm=False)
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
+    sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    ours = [o.outputs[0].logprobs for o in outs]
+    exact = _teacher_forced_logprobs(model_dir, torch.float32, sequences)
+    bf16 = _teacher_forced_logprobs(model_dir, torch.bfloat16, sequences)
+    theirs = [[{t: row[t].item() for t in row.topk(20).indices.tolist()}
+               for row in logprobs[len(p) - 1:len(p) - 1 + NEW_TOKENS]]
+              for p, logprobs in zip(prompts, bf16)]
+    our_fails, our_error = _errors_from_exact(prompts, sequences, ours, exact)
+    their_fails, their_error = _errors_from_exact(prompts, sequences, theirs, exact)
+    print(f"{shape} eager={enforce_eager}: top-5 rule failures ours {our_fails} / "
+          f"transformers bf16 {their_fails}; mean error {our_error:.3f} / {their_error:.3f}")
+    assert our_fails <= their_fails
+    assert our_error <= 1.5 * their_error
 
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-1b", "qwen2.5-0.5b"])
