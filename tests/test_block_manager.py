@@ -150,6 +150,23 @@ def test_only_full_computed_blocks_are_registered():
     assert bm.match_prefix(seq + [1]) == table[:2]
 
 
+def test_window_match_needs_only_the_blocks_in_the_window():
+    bm = BlockManager(10, BS)
+    seq = list(range(17))
+    table = _computed(bm, seq)  # 4 full blocks and a partial one
+    bm.free_blocks(table[:2])  # slid past, as a window frees them
+    bm.allocate(7)  # the 5 never used, then the 2 freed: reused
+    bm.free_blocks(table[2:])
+    assert [b in bm.cached.values() for b in table[:4]] == [False, False, True, True]
+    assert bm.match_prefix(seq) == []
+    # A query at 16 with a 6-key window sees keys 11-16: blocks 2 and 3 (and the next).
+    assert bm.match_window(seq, 6) == (2, table[2:4])
+    assert bm.match_window(seq, 13) == (0, [])  # every cut's window reaches a lost block
+    # Window 1: the last block before the cut must still be cached (its hash chains on).
+    assert bm.match_window(seq, 1) == (3, table[3:4])
+    assert bm.match_window(seq[:5], 6) == (0, [])  # its one block is gone
+
+
 def test_hash_collision_with_other_tokens_is_not_a_hit(monkeypatch):
     monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: 42)
     bm = BlockManager(10, BS)

@@ -158,8 +158,9 @@ def test_sliding_window_frees_the_blocks_it_passed(case):
 
 def check_squeezed(path, ids: list[list[int]], want: list[list[int]]) -> None:
     """Greedy outputs stay ``want`` in an engine that must chunk prefills (7-token budget) and
-    preempt (12 blocks of 8), then with the prompts' full blocks as prefix-cache hits: each
-    prompt twice in a row, alone (together, a window's freed blocks are soon reused)."""
+    preempt (12 blocks of 8), then again, and with the prompts' full blocks as prefix-cache
+    hits: each prompt twice in a row, alone (together, a window's freed blocks are soon
+    reused)."""
     assert max(len(i) for i in ids) > 7
     llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=7,
               num_kv_blocks=12, block_size=8)
@@ -168,6 +169,7 @@ def check_squeezed(path, ids: list[list[int]], want: list[list[int]]) -> None:
         stats = llm.engine.stats()
         assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0
         hits = stats.prefix_cache_hits
+        assert generate(llm, ids) == want
         for prompt, tokens in zip(ids, want):
             assert generate(llm, [prompt, prompt]) == [tokens, tokens]
         assert llm.engine.stats().prefix_cache_hits > hits

@@ -135,13 +135,13 @@ def _teacher_forced_logprobs(model_dir: Path, dtype: torch.dtype, sequences: lis
     return out
 
 
-def _errors_from_exact(prompts: list[list[int]], sequences: list[list[int]], steps,
+def _errors_from_exact(prompts: list[list[int]], steps: list[list[dict[int, float]]],
                        exact: list[torch.Tensor]) -> tuple[int, float]:
     """(how many sequences fail the top-5 rule at their first token unlike the exact model's
     choice, the mean over steps of the largest logprob error among the side's top 20) for
     ``steps[k][i]``, a side's ``{token: logprob}`` at decode step i of prompt k."""
     fails, errors = 0, []
-    for prompt, seq, side, ref in zip(prompts, sequences, steps, exact):
+    for prompt, side, ref in zip(prompts, steps, exact):
         failed = None
         for i, dist in enumerate(side):
             row = ref[len(prompt) + i - 1]
@@ -187,8 +187,8 @@ def test_bf16_routed_experts_no_further_from_exact_than_transformers(
     theirs = [[{t: row[t].item() for t in row.topk(20).indices.tolist()}
                for row in logprobs[len(p) - 1:len(p) - 1 + NEW_TOKENS]]
               for p, logprobs in zip(prompts, bf16)]
-    our_fails, our_error = _errors_from_exact(prompts, sequences, ours, exact)
-    their_fails, their_error = _errors_from_exact(prompts, sequences, theirs, exact)
+    our_fails, our_error = _errors_from_exact(prompts, ours, exact)
+    their_fails, their_error = _errors_from_exact(prompts, theirs, exact)
     print(f"{shape} eager={enforce_eager}: top-5 rule failures ours {our_fails} / "
           f"transformers bf16 {their_fails}; mean error {our_error:.3f} / {their_error:.3f}")
     assert our_fails <= their_fails

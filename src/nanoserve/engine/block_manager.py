@@ -74,14 +74,15 @@ class BlockManager:
 
     def match_window(self, token_ids: list[int], window: int) -> tuple[int, list[int]]:
         """For a model whose every layer sees the last ``window`` positions: the longest
-        prefix whose blocks inside the next query's window are cached, as (blocks before
-        them, which need not be, and the cached blocks)."""
+        prefix whose blocks inside the next query's window, and at least its last block
+        (whose hash the next block's chains on), are cached, as (blocks before them, which
+        need not be, and the cached blocks)."""
         found = list(self._cached_chain(token_ids))
         run = 0  # cached blocks in a row, ending at block end - 1
         best = (0, [])
         for end, block_id in enumerate(found, 1):
             run = run + 1 if block_id is not None else 0
-            first = max(0, end * self.block_size - window + 1) // self.block_size
+            first = min(end - 1, max(0, end * self.block_size - window + 1) // self.block_size)
             if run >= end - first:
                 best = (first, found[first:end])
         return best

@@ -120,7 +120,6 @@ class Scheduler:
             req.num_slid_blocks = skipped
             req.num_computed_tokens = computed
             req.num_registered_blocks = skipped + len(hits)
-            self._slide(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
                 req.num_cached_tokens = computed
