@@ -29,7 +29,12 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     num_decode_splits,
 )
-from nanoserve.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
+from nanoserve.kernels.fused_moe import fused_experts  # noqa: E402
+from nanoserve.attention.mla_reference import mla_decode  # noqa: E402
+from nanoserve.hf_deepseek import ExpertRouting  # noqa: E402
+from nanoserve.kernels.mla_decode import mla_decode_attention  # noqa: E402
+from nanoserve.kernels.moe_route import route_top_k  # noqa: E402
+from nanoserve.layers.moe_router import GroupedRouter  # noqa: E402
 from nanoserve.kernels.skinny_gemm import MAX_ROWS, select  # noqa: E402
 from nanoserve.layers.activation import silu_and_mul_torch  # noqa: E402
 from nanoserve.layers.linear import (  # noqa: E402
@@ -284,3 +289,53 @@ def test_route_top_k_matches_softmax_topk():
     weights, experts = route_top_k(logits, 8, renormalise=True)
     assert torch.equal(experts.long(), expected_experts)
     torch.testing.assert_close(weights, expected_weights.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_grouped_router_on_cuda_matches_its_cpu_path(num_tokens):
+    """DeepSeek-V2's routing (160 experts in 8 groups, 3 kept, top 6): the layer on CUDA
+    (float32 logits, then one kernel) against its PyTorch path on the CPU, on bf16 rows whose
+    logits are 0.05 apart."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden, num_experts = 5120, 160
+    columns = torch.randperm(hidden, generator=gen)[:num_experts]
+    router = GroupedRouter(hidden, num_experts, 6,
+                           ExpertRouting(n_group=8, topk_group=3, scaling=16.0))
+    router.weight.zero_()
+    router.weight[torch.arange(num_experts), columns] = 1.0
+    x = torch.rand(num_tokens, hidden, generator=gen) - 0.5
+    ranks = torch.stack([torch.randperm(num_experts, generator=gen) for _ in range(num_tokens)])
+    x[:, columns] = 0.05 * ranks - 4.0  # over 3 bf16 steps apart: still distinct
+    x = x.to(torch.bfloat16)
+    want_weights, want_experts = router(x)
+    weights, experts = router.cuda()(x.cuda())
+    order, want_order = experts.long().cpu().sort(-1), want_experts.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.cpu().gather(1, order.indices),
+                               want_weights.gather(1, want_order.indices))
+
+
+@pytest.mark.parametrize("seq_lens,num_splits", [([700], None), ([1, 37, 2100, 260], None),
+                                                 ([513, 64], 1)])
+def test_latent_decode_matches_reference(seq_lens, num_splits):
+    """DeepSeek-V2-Lite's MLA decode (16 heads, latent 512, rope 64) through the split kernel
+    against the PyTorch absorbed form in float64."""
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    heads, nope, rope, rank, v_dim, block = 16, 128, 64, 512, 128, 16
+    blocks_per_seq = -(-max(seq_lens) // block)
+    tables = torch.randperm(len(seq_lens) * blocks_per_seq, generator=gen).view(
+        len(seq_lens), blocks_per_seq).to(torch.int32)
+    cache = torch.randn(tables.numel(), block, 1, rank + rope, generator=gen).to(torch.bfloat16)
+    b = len(seq_lens)
+    meta = AttentionMetadata(torch.arange(b + 1, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.full((b,), -1, dtype=torch.int64), tables, 1, max(seq_lens))
+    q_nope = torch.randn(b, heads, nope, generator=gen).to(torch.bfloat16)
+    q_rope = torch.randn(b, heads, rope, generator=gen).to(torch.bfloat16)
+    kv_b = (torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.05).to(torch.bfloat16)
+    want = mla_decode(*(t.double() for t in (q_nope, q_rope, cache)), meta, kv_b.double(),
+                      v_dim, 0.07)
+    got = mla_decode_attention(q_nope.cuda(), q_rope.cuda(), cache.cuda(), tables.cuda(),
+                               meta.seq_lens.cuda(), meta.query_start_loc.cuda(), max(seq_lens),
+                               kv_b.cuda(), v_dim, 0.07, num_splits=num_splits)
+    torch.testing.assert_close(got.double().cpu(), want, **BF16)

@@ -35,58 +35,6 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
-@triton.jit
-def _route_kernel(
-    logits_ptr, weights_ptr, experts_ptr, num_experts, stride_lt,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    RENORMALISE: tl.constexpr, PDL: tl.constexpr,
-):
-    """One token: float32 softmax over its experts, the TOP_K largest first, maybe renormalised."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    token = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token * stride_lt + e, mask=e < num_experts,
-                     other=float("-inf")).to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, 0))
-    probs = probs / tl.sum(probs, 0)
-    slot = tl.arange(0, BLOCK_K)
-    top_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    top_experts = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(probs, 0)  # the lowest index among ties
-        top_weights = tl.where(slot == j, tl.max(probs, 0), top_weights)
-        top_experts = tl.where(slot == j, best, top_experts)
-        probs = tl.where(e == best, -1.0, probs)
-    if RENORMALISE:
-        top_weights = top_weights / tl.sum(top_weights, 0)
-    tl.store(weights_ptr + token * TOP_K + slot,
-             top_weights.to(weights_ptr.dtype.element_ty), mask=slot < TOP_K)
-    tl.store(experts_ptr + token * TOP_K + slot, top_experts, mask=slot < TOP_K)
-
-
-def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's choice from its ``[T, E]`` logits in one launch, as ``softmax`` + ``topk``
-    (+ renormalising) give it: ``[T, top_k]`` weights in the logits' dtype and int32 experts."""
-    num_tokens, num_experts = logits.shape
-    if not 0 < top_k <= num_experts or logits.stride(-1) != 1:
-        raise ValueError(f"route_top_k needs 0 < top_k <= {num_experts} experts and logits with "
-                         f"contiguous rows; got top_k {top_k}")
-    weights = torch.empty((num_tokens, top_k), dtype=logits.dtype, device=logits.device)
-    experts = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
-    pdl = programmatic_launch(logits.device)
-    if num_tokens:
-        _route_kernel[(num_tokens,)](
-            logits, weights, experts, num_experts, logits.stride(0),
-            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(top_k), RENORMALISE=renormalise, PDL=pdl,
-            num_warps=1 if interpreted(logits.device) else 4, launch_pdl=pdl,
-        )
-    return weights, experts
-
-
 GROUP_CHUNK = 1024  # pairs the grouping kernel reads at a time
 
 
@@ -236,17 +184,50 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles:
     return out
 
 
+@triton.jit
+def _sum_pairs_kernel(pairs_ptr, residual_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
+                      BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """One token's slice of features: its TOP_K pair rows (and its residual) summed in float32."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (token * TOP_K + j) * hidden + h, mask=mask).to(tl.float32)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + token * hidden + h, mask=mask).to(tl.float32)
+    tl.store(out_ptr + token * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_pairs(pairs: torch.Tensor, top_k: int, residual: torch.Tensor | None) -> torch.Tensor:
+    """``[T, H]``: the sum of each token's ``top_k`` rows of ``pairs`` (plus ``residual``)."""
+    hidden = pairs.shape[1]
+    out = torch.empty((pairs.shape[0] // top_k, hidden), dtype=pairs.dtype, device=pairs.device)
+    block_h = 1024
+    pdl = programmatic_launch(pairs.device)
+    _sum_pairs_kernel[(out.shape[0], triton.cdiv(hidden, block_h))](
+        pairs, residual if residual is not None else pairs, out, hidden, TOP_K=top_k,
+        BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=1 if interpreted(pairs.device) else 4, launch_pdl=pdl)
+    return out
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   route_weights: torch.Tensor, experts: torch.Tensor,
                   tiles: MoeTiles | None = None,
                   activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   gate_up_bias: torch.Tensor | None = None,
-                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  down_bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j route_weights[:, j] * expert_{experts[:, j]}(x)``, each expert a gated MLP:
     ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, routing ``[T, top_k]``;
     ``activation`` maps ``[P, 2I]`` to ``[P, I]`` (default SiLU and multiply), optional biases
-    ``[E, 2I]`` and ``[E, H]`` (GPT-OSS). Rounds as ``experts_loop`` does but sums a token's
-    ``top_k`` outputs in float32, once."""
+    ``[E, 2I]`` and ``[E, H]`` (GPT-OSS), ``residual`` ``[T, H]`` added to the sum. Rounds as
+    ``experts_loop`` does but sums a token's ``top_k`` outputs (and the residual) in float32,
+    once."""
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape
     if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):
@@ -259,7 +240,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         raise ValueError("x and the experts' weights need contiguous rows")
     top_k = experts.shape[1]
     if num_tokens == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if residual is None else residual.clone()
     tiles = tiles or moe_tiles(num_tokens * top_k, num_experts, x.device)
     blocks = group_by_expert(experts, num_experts, tiles.block_m)
     h = _grouped_gemm(x, gate_up, blocks, tiles, a_row_div=top_k)
@@ -274,6 +255,5 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     else:  # the bias goes in before the routing weight
         out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1)
         out = (out + down_bias[pair_experts]) * pair_weights[:, None]
-    # Accumulated in float32 and rounded once, in one launch, for 16-bit outputs too.
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+    return _sum_pairs(out, top_k, residual)
 

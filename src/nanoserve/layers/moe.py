@@ -12,7 +12,7 @@ from torch import nn
 from nanoserve.layers.activation import silu_and_mul
 from nanoserve.layers.linear import linear
 from nanoserve.layers.norm import RMSNorm
-from nanoserve.layers.parallel_state import Narrow, divide, get_tp_group
+from nanoserve.layers.parallel_state import Narrow, TensorParallelGroup, divide, get_tp_group
 
 # One expert's checkpoint tensor: (index, "gate" | "up" | "down"); None: all experts in one.
 ExpertShard = tuple[int, str] | None
@@ -77,7 +77,7 @@ class Router(nn.Module):
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype), experts
         if x.is_cuda:
-            from nanoserve.kernels.fused_moe import route_top_k
+            from nanoserve.kernels.moe_route import route_top_k
             return route_top_k(logits, self.top_k, self.renormalise)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -134,17 +134,29 @@ class Experts(nn.Module):
             part, slice(None))  # down: the expert's whole matrix
         param.data[expert, rows].copy_(loaded)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-                ) -> torch.Tensor:
-        """This rank's share of ``sum_j weights[:, j] * expert_{experts[:, j]}(x)``."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of ``sum_j weights[:, j] * expert_{experts[:, j]}(x)``, plus
+        ``residual`` if given."""
         if x.is_cuda:
             from nanoserve.kernels.fused_moe import fused_experts
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts,
                                  activation=self.act,
                                  gate_up_bias=self.gate_up_proj_bias,
-                                 down_bias=self.down_proj_bias)
-        return experts_loop(x, self.gate_up_proj, self.down_proj, weights, experts, self.act,
-                            self.gate_up_proj_bias, self.down_proj_bias)
+                                 down_bias=self.down_proj_bias, residual=residual)
+        out = experts_loop(x, self.gate_up_proj, self.down_proj, weights, experts, self.act,
+                           self.gate_up_proj_bias, self.down_proj_bias)
+        return out if residual is None else residual + out
+
+
+def add_experts(tp: TensorParallelGroup, experts: Experts, normed: torch.Tensor,
+                routing: tuple[torch.Tensor, torch.Tensor],
+                residual: torch.Tensor) -> torch.Tensor:
+    """``residual`` plus the experts' mix of ``normed``: added inside the experts' last
+    launch on one rank, after the reduction across several."""
+    if tp.size == 1:
+        return experts(normed, *routing, residual=residual)
+    return residual + tp.all_reduce(experts(normed, *routing))
 
 
 class SparseMoeBlock(nn.Module):
@@ -161,4 +173,4 @@ class SparseMoeBlock(nn.Module):
     def forward(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """``residual`` plus the experts' mix of ``norm(residual)``."""
         normed = norm(residual)
-        return residual + self.tp.all_reduce(self.experts(normed, *self.gate(normed)))
+        return add_experts(self.tp, self.experts, normed, self.gate(normed), residual)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.hf_deepseek import ExpertRouting
-from nanoserve.layers.moe import Experts
+from nanoserve.layers.moe import Experts, add_experts
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.parallel_state import get_tp_group
 
@@ -26,7 +26,12 @@ class GroupedRouter(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+        scores = F.linear(x.float(), self.weight.float())
+        if x.is_cuda:  # softmax, groups, top k and scaling in one launch
+            from nanoserve.kernels.moe_route import route_top_k
+            return route_top_k(scores, self.top_k, False, self.routing.n_group,
+                               self.routing.topk_group, self.routing.scaling, dtype=x.dtype)
+        scores = scores.softmax(dim=-1)
         groups, keep = self.routing.n_group, self.routing.topk_group
         if keep < groups:
             by_group = scores.view(-1, groups, scores.shape[-1] // groups)
@@ -54,5 +59,5 @@ class SharedExpertsMoeBlock(nn.Module):
         """``residual`` plus the routed experts' mix and the shared experts of
         ``norm(residual)``."""
         normed = norm(residual)
-        out = residual + self.tp.all_reduce(self.experts(normed, *self.gate(normed)))
+        out = add_experts(self.tp, self.experts, normed, self.gate(normed), residual)
         return out if self.shared_experts is None else self.shared_experts.add_to(out, normed)
