@@ -12,10 +12,12 @@ pytest.importorskip("triton")
 
 from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
 from nanoserve.attention.mla_reference import (mla_decode, mla_prefill,  # noqa: E402
-                                               store_latent)
+                                               rope_and_norm, store_latent)
 from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from nanoserve.kernels.mla_decode import mla_decode_attention, store_latent_rows  # noqa: E402
+from nanoserve.kernels.mla_decode import mla_decode_attention, rope_store_latent  # noqa: E402
+from nanoserve.layers.norm import RMSNorm  # noqa: E402
+from nanoserve.layers.rotary import rope_cos_sin  # noqa: E402
 
 GARBAGE = 1e3  # cache rows no sequence owns: a kernel reading them lands far off
 
@@ -51,19 +53,32 @@ def test_mla_decode_kernel_matches_reference(num_splits):
                                atol=2e-5, rtol=1e-4)
 
 
-def test_store_latent_rows_matches_reference_and_skips_padding():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_latent_matches_reference_and_skips_padding(dtype):
+    """The one kernel against the reference's rotation, norm and store: rotated queries and
+    cache rows (from strided projection outputs); slots of -1 store nothing."""
     gen = torch.Generator().manual_seed(1)
-    rank, rope = 24, 8
-    latent = torch.randn(6, rank, generator=gen)
-    k_rope = torch.randn(6, 2, rope, generator=gen)[:, 0]  # strided, as the layer hands it
+    heads, nope, rope, rank = 3, 8, 8, 24
+    tokens = 6
+    q = torch.randn(tokens, heads, nope + rope, generator=gen).to(dtype)
+    kv = torch.randn(tokens, 2, rank + rope, generator=gen).to(dtype)[:, 0]  # strided rows
+    positions = torch.tensor([0, 5, 17, 3, 40, 9])
+    cos_sin = rope_cos_sin(rope, 64, 1e4, None)
+    norm = RMSNorm(rank, 1e-6).to(dtype)
+    norm.weight.copy_(torch.rand(rank, generator=gen) + 0.5)
     slots = torch.tensor([3, -1, 17, 0, -1, 9])
-    want = torch.full((5, 4, 1, rank + rope), GARBAGE)
+    want = torch.full((5, 4, 1, rank + rope), GARBAGE, dtype=dtype)
     got = want.clone()
+    _, want_q, latent, k_rope = rope_and_norm(q, kv, positions, cos_sin, norm)
     store_latent(latent, k_rope, want, slots)
-    store_latent_rows(latent, k_rope, got, slots)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    got_q = rope_store_latent(q, kv, positions, cos_sin, norm.weight, norm.eps, got, slots)
+    # float32: torch.rms_norm sums in its own order, a rounding apart
+    close = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, want, **close)
+    torch.testing.assert_close(got_q, want_q, **close)
     with pytest.raises(ValueError, match="cache rows"):
-        store_latent_rows(latent, k_rope[:, :4], got, slots)
+        rope_store_latent(q, kv[:, :rank], positions, cos_sin, norm.weight, norm.eps, got,
+                          slots)
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
@@ -89,11 +104,16 @@ def test_triton_backend_mla_attention_matches_torch_backend(decode_only):
                              torch.tensor(slots, dtype=torch.int64), tables, max(new),
                              max(seq_lens))
     assert meta.decode_only == decode_only
-    args = (torch.randn(t, heads, nope, generator=gen), torch.randn(t, heads, rope, generator=gen),
-            torch.randn(t, rank, generator=gen), torch.randn(t, rope, generator=gen))
+    q = torch.randn(t, heads, nope + rope, generator=gen)
+    kv = torch.randn(t, rank + rope, generator=gen)
+    positions = torch.tensor([n - q_len + j for n, q_len in zip(seq_lens, new)
+                              for j in range(q_len)])
+    norm = RMSNorm(rank, 1e-6)
+    norm.weight.copy_(torch.rand(rank, generator=gen) + 0.5)
+    args = (q, kv, positions, rope_cos_sin(rope, 32, 1e4, None), norm)
     kv_b = torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.3
     want_cache, got_cache = cache.clone(), cache.clone()
     want = TorchAttentionBackend().mla_attention(*args, want_cache, meta, kv_b, v_dim, 0.2)
     got = TritonAttentionBackend().mla_attention(*args, got_cache, meta, kv_b, v_dim, 0.2)
-    torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0)
+    torch.testing.assert_close(got_cache, want_cache, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -90,7 +90,8 @@ def test_tuner_times_every_projection_the_decoder_fuses():
     assert projection_shapes(cfg, tp=2)["qkv_proj"] == (2048, 1024, {"norm_eps": 1e-6})
     deepseek = ModelConfig.from_hf(_deepseek_v2_lite())
     assert projection_shapes(deepseek, tp=2) == {
-        "q_proj": (8 * 192, 2048, {}), "kv_a_proj_with_mqa": (576, 2048, {}),
+        "q_proj": (8 * 192, 2048, {"norm_eps": 1e-6}),
+        "kv_a_proj_with_mqa": (576, 2048, {"norm_eps": 1e-6}),
         "o_proj": (2048, 8 * 128, {"residual": True}),
         "gate_up_proj": (10944, 2048, {"norm_eps": 1e-6, "activate": True}),
         "down_proj": (2048, 5472, {"residual": True}), "router": (64, 2048, {}),

@@ -10,6 +10,29 @@ import torch.nn.functional as F
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.attention.torch_backend import paged_attention_reference
+from nanoserve.layers.norm import RMSNorm
+from nanoserve.layers.rotary import rotary_embedding_torch
+
+
+def halves(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE rotates interleaved pairs (0, 1), (2, 3), ...: as even then odd
+    features those are the half-split pairs the rotary formula rotates. q and k are permuted
+    alike, so their dot products are DeepSeek's."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def rope_and_norm(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, latent_norm: RMSNorm
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The projections' outputs made ready to attend and store: ``q`` ``[T, H, nope + rope]``
+    and ``kv`` ``[T, rank + rope]`` (rope parts interleaved, rotated here by ``cos_sin``'s
+    rows) give ``(q_nope, q_rope, normed latent, k_rope)``."""
+    rope = cos_sin.shape[-1]
+    q_nope, q_rope = q.split([q.shape[-1] - rope, rope], dim=-1)
+    latent, k_rope = kv.split([kv.shape[-1] - rope, rope], dim=-1)
+    q_rope, k_rope = rotary_embedding_torch(positions, halves(q_rope), halves(k_rope)[:, None],
+                                            cos_sin)
+    return q_nope, q_rope, latent_norm(latent), k_rope[:, 0]
 
 
 def store_latent(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor,

@@ -79,13 +79,17 @@ class TorchAttentionBackend:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap,
                                          sinks, plan)
 
-    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                      k_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                      kv_b: torch.Tensor, v_head_dim: int, scale: float) -> torch.Tensor:
-        """Multi-head latent attention (rotated inputs): the latent rows stored, then decode
-        steps in the absorbed form, others over decompressed keys and values."""
+    def mla_attention(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, latent_norm: RMSNorm, cache: torch.Tensor,
+                      meta: AttentionMetadata, kv_b: torch.Tensor, v_head_dim: int,
+                      scale: float) -> torch.Tensor:
+        """Multi-head latent attention from the projections' outputs (``q`` ``[T, H, nope +
+        rope]``, ``kv`` ``[T, rank + rope]``): rotated and normed, the latent rows stored, then
+        decode steps in the absorbed form, others over decompressed keys and values."""
         from nanoserve.attention import mla_reference as mla
 
+        q_nope, q_rope, latent, k_rope = mla.rope_and_norm(q, kv, positions, cos_sin,
+                                                           latent_norm)
         mla.store_latent(latent, k_rope, cache, meta.slot_mapping)
         run = mla.mla_decode if meta.decode_only else mla.mla_prefill
         return run(q_nope, q_rope, cache, meta, kv_b, v_head_dim, scale)

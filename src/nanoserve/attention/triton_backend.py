@@ -10,7 +10,7 @@ from nanoserve.attention.mla_reference import mla_prefill
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
                                                 decode_attention, num_decode_splits)
-from nanoserve.kernels.mla_decode import mla_decode_attention, store_latent_rows
+from nanoserve.kernels.mla_decode import mla_decode_attention, rope_store_latent
 from nanoserve.kernels.prefill_attention import prefill_attention, query_tile
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
@@ -92,18 +92,22 @@ class TritonAttentionBackend:
                                  meta.query_start_loc, scale, work=meta.prefill_work,
                                  window=window, softcap=softcap, sinks=sinks)
 
-    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                      k_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                      kv_b: torch.Tensor, v_head_dim: int, scale: float) -> torch.Tensor:
-        """Multi-head latent attention (rotated inputs): the latent rows stored by a kernel,
-        decode in the absorbed form through the decode kernel (both graph-safe); other steps
-        over the decompressed keys and values of the blocks they read, in PyTorch."""
-        store_latent_rows(latent, k_rope, cache, meta.slot_mapping)
-        if meta.decode_only:
-            return mla_decode_attention(q_nope, q_rope, cache, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, meta.max_seq_len, kv_b,
-                                        v_head_dim, scale, seq_order=meta.seq_order)
-        return mla_prefill(q_nope, q_rope, cache, meta, kv_b, v_head_dim, scale)
+    def mla_attention(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, latent_norm: RMSNorm, cache: torch.Tensor,
+                      meta: AttentionMetadata, kv_b: torch.Tensor, v_head_dim: int,
+                      scale: float) -> torch.Tensor:
+        """Multi-head latent attention from the projections' outputs, as the PyTorch
+        backend's: one kernel rotates and stores; decode in the absorbed form through the
+        decode kernel (both graph-safe), other steps over the decompressed keys and values
+        of the blocks they read, in PyTorch."""
+        nope = q.shape[-1] - cos_sin.shape[-1]
+        q_rope = rope_store_latent(q, kv, positions, cos_sin, latent_norm.weight,
+                                   latent_norm.eps, cache, meta.slot_mapping)
+        if not meta.decode_only:
+            return mla_prefill(q[..., :nope], q_rope, cache, meta, kv_b, v_head_dim, scale)
+        return mla_decode_attention(q[..., :nope], q_rope, cache, meta.block_tables,
+                                    meta.seq_lens, meta.query_start_loc, meta.max_seq_len, kv_b,
+                                    v_head_dim, scale, seq_order=meta.seq_order)
 
 
 def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int

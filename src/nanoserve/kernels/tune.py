@@ -28,18 +28,18 @@ def projection_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, int
     """The decode projections of one rank: name -> (N, K, fusions of ``linear``)."""
     heads, kv_heads = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
     hidden, norm = cfg.hidden_size, {"norm_eps": cfg.rms_norm_eps}
-    if cfg.mla:  # latent attention: its input normed apart (q and the latent read it)
+    if cfg.mla:  # latent attention: q and the latent each apply the folded pre-norm
         from nanoserve.layers.mla import LATENT_NORM_EPS
 
         mla = cfg.mla
-        shapes = {"kv_a_proj_with_mqa": (mla.cache_width, hidden, {}),
+        shapes = {"kv_a_proj_with_mqa": (mla.cache_width, hidden, norm),
                   "o_proj": (hidden, heads * mla.v_head_dim, {"residual": True})}
         q_out = heads * mla.qk_head_dim
         if mla.q_lora_rank:
-            shapes["q_a_proj"] = (mla.q_lora_rank, hidden, {})
+            shapes["q_a_proj"] = (mla.q_lora_rank, hidden, norm)
             shapes["q_b_proj"] = (q_out, mla.q_lora_rank, {"norm_eps": LATENT_NORM_EPS})
         else:
-            shapes["q_proj"] = (q_out, hidden, {})
+            shapes["q_proj"] = (q_out, hidden, norm)
     else:
         q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
         shapes = {"qkv_proj": (q + 2 * kv, hidden, norm),

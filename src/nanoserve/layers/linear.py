@@ -154,14 +154,17 @@ class ColumnParallelLinear(_Linear):
         return linear(x, self.weight, self.bias, activate=activate)
 
     @torch.no_grad()
-    def fold_norm(self, norm: RMSNorm) -> None:
+    def fold_norm(self, norm: RMSNorm, *others: ColumnParallelLinear) -> None:
         """Carry ``norm``'s weight in this projection's columns (``W[:, k] * g[k]``, in
-        float32), leaving the norm each row's 1 / rms, which the projection op applies.
-        A quantized weight's codes cannot carry it: the norm then stays as it is."""
-        if self.packed is not None:
+        float32), and in those of ``others`` that read the same norm, leaving the norm each
+        row's 1 / rms, which the projection ops apply. A quantized weight's codes cannot
+        carry it: the norm then stays as it is."""
+        readers = (self, *others)
+        if any(p.packed is not None for p in readers):
             return
-        folded = self.weight.float() * norm.weight.float()[None, :]
-        self.weight.copy_(folded.to(self.weight.dtype))
+        for proj in readers:
+            folded = proj.weight.float() * norm.weight.float()[None, :]
+            proj.weight.copy_(folded.to(proj.weight.dtype))
         norm.weight.fill_(1.0)
         norm.folded = True
 

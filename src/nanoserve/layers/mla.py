@@ -19,13 +19,6 @@ from nanoserve.layers.rotary import RotaryEmbedding
 LATENT_NORM_EPS = 1e-6
 
 
-def halves(x: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's RoPE rotates interleaved pairs (0, 1), (2, 3), ...: as even then odd
-    features those are the half-split pairs the rotary module rotates. q and k are permuted
-    alike, so their dot products are DeepSeek's."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
 class MLAttention(nn.Module):
     """Multi-head latent attention: q from ``q_proj`` or the ``q_a_proj`` -> norm ->
     ``q_b_proj`` bottleneck; ``kv_a_proj_with_mqa`` gives each token's latent (normed by
@@ -64,23 +57,26 @@ class MLAttention(nn.Module):
         """One row of ``kv_lora_rank + qk_rope_head_dim`` per token, on every rank."""
         return CacheSpec(1, self.dims.cache_width, separate_values=False)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query(self, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         if self.dims.q_lora_rank:
-            return self.q_b_proj(self.q_a_proj(x), norm=self.q_a_layernorm)
-        return self.q_proj(x)
+            return self.q_b_proj(self.q_a_proj(x, norm=norm), norm=self.q_a_layernorm)
+        return self.q_proj(x, norm=norm)
+
+    def input_projections(self) -> list[ColumnParallelLinear]:
+        """The projections that read the layer's pre-norm: a folded norm goes into both."""
+        return [self.q_a_proj if self.dims.q_lora_rank else self.q_proj,
+                self.kv_a_proj_with_mqa]
 
     def forward(self, positions: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                 post_norm: RMSNorm | None = None) -> torch.Tensor:
         """``residual + o_proj(attention(norm(residual)))``."""
-        dims, x = self.dims, norm(residual)
-        q = self._query(x).view(-1, self.num_heads, dims.qk_head_dim)
-        q_nope, q_rope = q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
-            [dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
-        q_rope, k_rope = self.rotary(positions, halves(q_rope), halves(k_rope)[:, None])
-        out = self.backend.mla_attention(q_nope, q_rope, self.kv_a_layernorm(latent),
-                                         k_rope[:, 0], self.k_cache, get_attention_metadata(),
-                                         self.kv_b_proj.weight, dims.v_head_dim,
-                                         dims.softmax_scale)
+        dims = self.dims
+        # A folded norm is applied by each projection; otherwise once, for both.
+        x, folded = (residual, norm) if norm.folded else (norm(residual), None)
+        q = self._query(x, folded).view(-1, self.num_heads, dims.qk_head_dim)
+        out = self.backend.mla_attention(q, self.kv_a_proj_with_mqa(x, norm=folded), positions,
+                                         self.rotary.cos_sin, self.kv_a_layernorm, self.k_cache,
+                                         get_attention_metadata(), self.kv_b_proj.weight,
+                                         dims.v_head_dim, dims.softmax_scale)
         return self.o_proj(out.reshape(-1, self.num_heads * dims.v_head_dim),
                            residual=residual)

@@ -210,13 +210,19 @@ class DecoderForCausalLM(nn.Module):
         return self.model(ids, positions, token_table)
 
     def fold_norm_weights(self) -> None:
-        """Fold each layer's pre-norm weights into qkv and a dense MLP's gate/up (GPU path; a
-        router reads the normalised row, the LM head may share the embedding's weights; a
-        post-norm reads no projection's input, and Gemma's hold 1 + w already)."""
+        """Fold each layer's pre-norm weights into the projections reading it: qkv (MLA: q and
+        the latent's) and a dense MLP's gate/up (GPU path; a router reads the normalised row,
+        the LM head may share the embedding's weights; a post-norm reads no projection's
+        input, and Gemma's hold 1 + w already)."""
         for layer in self.model.layers:
-            if not isinstance(layer.self_attn, Attention):  # MLA: two projections read it
-                continue
-            layer.self_attn.qkv_proj.fold_norm(layer.input_layernorm)
+            attn = layer.self_attn
+            if isinstance(attn, Attention):
+                attn.qkv_proj.fold_norm(layer.input_layernorm)
+            else:  # MLA: two projections read the pre-norm; q_b_proj its bottleneck's
+                first, *others = attn.input_projections()
+                first.fold_norm(layer.input_layernorm, *others)
+                if attn.dims.q_lora_rank:
+                    attn.q_b_proj.fold_norm(attn.q_a_layernorm)
             if isinstance(layer.mlp, MLP):
                 layer.mlp.gate_up_proj.fold_norm(layer.mlp_norm)
 
