@@ -1,5 +1,6 @@
 """`nanoserve bench`: throughput on the CPU with a tiny model prints one JSON line and draws a
-real PNG; serve against a running server (the in-process fake engine) does too."""
+real PNG; latency profiles its steps on request; serve against a running server (the
+in-process fake engine) plots too."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,21 @@ def test_bench_throughput_prints_one_json_line_and_plots(tmp_path):
     assert record["bench"] == "throughput" and record["num_seqs"] == 3
     assert record["output_tok_s"] > 0 and record["floor_tok_s"] > 0
     _check_png(out)
+
+
+def test_bench_latency_profiles_each_step_on_request(tmp_path):
+    """``--profile-kernels``: each context's record says how many launches and how much time a
+    decode step takes, and stderr lists them by kernel (on the CPU: by op)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanoserve.entrypoints.cli", "bench", "latency",
+         "--device", "cpu", "--shapes", "tiny-qwen3", "--contexts", "16", "--new-tokens", "8",
+         "--repeats", "1", "--profile-kernels"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.splitlines()[-1])
+    assert record["bench"] == "latency" and record["context"] == 16
+    assert record["launches_per_step"] > 10 and record["kernel_us_per_step"] > 0
+    assert "calls/step" in proc.stderr and "aten::" in proc.stderr
 
 
 def test_bench_serve_against_a_server_plots_its_latencies(fake, tmp_path, capsys):  # noqa: F811

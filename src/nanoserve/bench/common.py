@@ -171,3 +171,25 @@ def kernel_us(events: list) -> float:
               "NANOSERVE_DISABLE_PDL=1 gives additive times", file=sys.stderr)
     return sum(e.self_device_time_total for e in events
                if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def step_kernel_table(run: Callable[[], object], steps: int, on_cuda: bool,
+                      rows: int = 30) -> dict:
+    """Where a run's time goes, per step of ``steps``: launches and time of each kernel (on
+    the CPU: each op's own time), the largest ``rows`` printed to stderr as a table. Returns
+    the totals (``launches_per_step``, ``kernel_us_per_step``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        run()
+    device = torch.autograd.DeviceType.CUDA if on_cuda else torch.autograd.DeviceType.CPU
+    kernels = [(e.key, e.count / steps, (e.self_device_time_total if on_cuda
+                                         else e.self_cpu_time_total) / steps)
+               for e in prof.key_averages() if e.device_type == device]
+    kernels.sort(key=lambda k: -k[2])
+    print(f"{'us/step':>9} {'calls/step':>10}  kernel", file=sys.stderr)
+    for name, calls, us in kernels[:rows]:
+        print(f"{us:9.1f} {calls:10.1f}  {name[:100]}", file=sys.stderr)
+    return {"launches_per_step": round(sum(k[1] for k in kernels), 1),
+            "kernel_us_per_step": round(sum(k[2] for k in kernels), 1)}

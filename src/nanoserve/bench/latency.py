@@ -14,14 +14,17 @@ once per run; ``fraction_of_floor`` is floor / measured. One JSON line per (shap
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import random
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from nanoserve.bench.common import (GCTimer, add_deadline_argument, emit, environment, free_device_memory, on_gpu,
-                    replay_ms, run_shapes, sync)
+from nanoserve.bench.common import (GCTimer, add_deadline_argument, emit, environment,
+                                    free_device_memory, on_gpu, replay_ms, run_shapes,
+                                    step_kernel_table, sync)
 from nanoserve.bench.floor import DEFAULT_CEILINGS, latency_floor, measure_ceilings
 from nanoserve.bench.shapes import DENSE, SHAPES, config_of, make_model_dir, tokenizer_kind
 
@@ -143,6 +146,11 @@ def run_shape(name: str, args: argparse.Namespace, ceilings, env: dict, tmp: Pat
             }
             if args.graph_times:
                 record.update(step_graph_ms(llm, context + args.new_tokens))
+            if args.profile_kernels:
+                print(f"latency: {name} at {context} keys, per decode step:", file=sys.stderr)
+                run = functools.partial(time_generate, llm, prompt, args.new_tokens, 1,
+                                        args.device)
+                record.update(step_kernel_table(run, args.new_tokens, on_gpu(args.device)))
             records.append({**record, "num_hidden_layers": shape["num_hidden_layers"],
                             "load_seconds": round(load_s, 1),
                             "cuda_graphs": on_gpu(args.device) and not args.enforce_eager,
@@ -176,6 +184,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     parser.add_argument("--graph-times", action="store_true",
                         help="also replay the batch-1 decode graph alone (the runner's internals)")
+    parser.add_argument("--profile-kernels", action="store_true",
+                        help="also profile one generation per context: each kernel's launches "
+                             "and time per step on stderr (NANOSERVE_DISABLE_PDL=1 makes the "
+                             "times add up)")
     parser.add_argument("--no-measure", action="store_true",
                         help="take the H200's default ceilings instead of measuring them")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
