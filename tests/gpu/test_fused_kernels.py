@@ -319,7 +319,8 @@ def test_grouped_router_on_cuda_matches_its_cpu_path(num_tokens):
                                                  ([513, 64], 1)])
 def test_latent_decode_matches_reference(seq_lens, num_splits):
     """DeepSeek-V2-Lite's MLA decode (16 heads, latent 512, rope 64) through the split kernel
-    against the PyTorch absorbed form in float64."""
+    against the PyTorch absorbed form in float64, the block tables column-major as the decode
+    graphs hold them."""
     gen = torch.Generator().manual_seed(len(seq_lens))
     heads, nope, rope, rank, v_dim, block = 16, 128, 64, 512, 128, 16
     blocks_per_seq = -(-max(seq_lens) // block)
@@ -335,7 +336,8 @@ def test_latent_decode_matches_reference(seq_lens, num_splits):
     kv_b = (torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.05).to(torch.bfloat16)
     want = mla_decode(*(t.double() for t in (q_nope, q_rope, cache)), meta, kv_b.double(),
                       v_dim, 0.07)
-    got = mla_decode_attention(q_nope.cuda(), q_rope.cuda(), cache.cuda(), tables.cuda(),
+    graph_tables = tables.T.contiguous().T.cuda()  # [B, width], column-major
+    got = mla_decode_attention(q_nope.cuda(), q_rope.cuda(), cache.cuda(), graph_tables,
                                meta.seq_lens.cuda(), meta.query_start_loc.cuda(), max(seq_lens),
                                kv_b.cuda(), v_dim, 0.07, num_splits=num_splits)
     torch.testing.assert_close(got.double().cpu(), want, **BF16)

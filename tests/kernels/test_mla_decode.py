@@ -22,13 +22,16 @@ from nanoserve.layers.rotary import rope_cos_sin  # noqa: E402
 GARBAGE = 1e3  # cache rows no sequence owns: a kernel reading them lands far off
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_mla_decode_kernel_matches_reference(num_splits):
+@pytest.mark.parametrize("num_splits,column_major", [(1, False), (3, False), (3, True)])
+def test_mla_decode_kernel_matches_reference(num_splits, column_major):
+    """Row-major block tables (a step's) and column-major ones (the decode graphs' arena)."""
     gen = torch.Generator().manual_seed(0)
     heads, nope, rope, rank, v_dim, block = 4, 8, 8, 24, 6, 4
     seq_lens = [5, 13, 1, 9]
     tables = torch.tensor([[2, 7, 0, 0], [1, 4, 5, 8], [3, 0, 0, 0], [6, 9, 10, 0]],
                           dtype=torch.int32)
+    if column_major:
+        tables = tables.T.contiguous().T
     cache = torch.full((11, block, 1, rank + rope), GARBAGE)
     for i, n in enumerate(seq_lens):
         pos = torch.arange(n)

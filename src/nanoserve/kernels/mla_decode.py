@@ -99,13 +99,13 @@ def rope_store_latent(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     return q_rope
 
 
-# Split counts vary with the batch: as a runtime value they do not compile a variant each.
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+# Split counts and table widths vary with the batch: runtime values, not a variant each.
+@triton.jit(do_not_specialize=["stride_bt", "stride_btc", "num_splits"])
 def _mla_split_kernel(
     q_latent_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     seq_order_ptr, out_ptr, part_lse_ptr, part_o_ptr, scale_log2, num_heads, num_splits,
-    stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt, stride_ot,
-    stride_oh,
+    stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt, stride_btc,
+    stride_ot, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, ORDERED: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -141,7 +141,9 @@ def _mla_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
-        block = tl.load(block_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        # Column-major tables too (the decode graphs' arena): the column stride is an input.
+        block = tl.load(block_row + (pos // BLOCK_SIZE) * stride_btc, mask=valid,
+                        other=0).to(tl.int64)
         rows = cache_ptr + block * stride_cb + (pos % BLOCK_SIZE) * stride_cs
         latent = tl.load(rows[:, None] + r[None, :], mask=valid[:, None] & r_mask[None, :],
                          other=0.0).to(q_latent.dtype)
@@ -202,9 +204,9 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     _mla_split_kernel[(num_seqs, head_blocks, num_splits)](
         q_latent, q_rope, cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order, out, part_lse, part_o,
-        scale * LOG2E, heads, num_splits, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0),
-        q_rope.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        scale * LOG2E, heads, num_splits, q_latent.stride(0), q_latent.stride(1),
+        q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1),
+        block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank),
         BLOCK_P=max(triton.next_power_of_2(rope), 16), BLOCK_H=block_h,
         BLOCK_SIZE=block_size, BLOCK_N=INTERPRETER_BLOCK_N if interpreter else BLOCK_N,
