@@ -98,8 +98,8 @@ class TritonAttentionBackend:
                       scale: float) -> torch.Tensor:
         """Multi-head latent attention from the projections' outputs, as the PyTorch
         backend's: one kernel rotates and stores; decode in the absorbed form through the
-        decode kernel (both graph-safe), other steps over the decompressed keys and values
-        of the blocks they read, in PyTorch."""
+        latent split kernel (both graph-safe), other steps over the decompressed keys and
+        values of the blocks they read, in PyTorch."""
         nope = q.shape[-1] - cos_sin.shape[-1]
         q_rope = rope_store_latent(q, kv, positions, cos_sin, latent_norm.weight,
                                    latent_norm.eps, cache, meta.slot_mapping)

@@ -81,8 +81,10 @@ def rope_store_latent(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     tokens, heads, width = q.shape
     rope = cos_sin.shape[-1]
     rank = kv.shape[-1] - rope
-    if cache.shape[-1] != rank + rope or rope % 2 or width <= rope:
+    if cache.shape[-1] != rank + rope:
         raise ValueError(f"cache rows hold {cache.shape[-1]} values, not {rank} + {rope}")
+    if rope % 2 or width <= rope:
+        raise ValueError(f"the rope part ({rope}) must be even and narrower than q ({width})")
     q_rope = torch.empty((tokens, heads, rope), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_rope
@@ -178,8 +180,8 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     tokens, heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     num_seqs, block_size = seq_lens.shape[0], cache.shape[1]
-    if cache.shape[-1] != rank + rope or cache.shape[2] != 1 or q_rope.shape[:2] != (tokens,
-                                                                                    heads):
+    if (cache.shape[-1] != rank + rope or cache.shape[2] != 1
+            or q_rope.shape[:2] != (tokens, heads)):
         raise ValueError(f"queries [T, H, {rank}] and [T, H, {rope}] read a latent cache of "
                          f"rows {rank} + {rope} wide, one head; got cache {tuple(cache.shape)}")
     if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1:
