@@ -9,8 +9,8 @@ the measured copy bandwidth.
 
     python benchmarks/fused_moe.py [--tokens 1 16 256] [--tiles BM:BN:BK:WARPS:STAGES ...]
 
-The first line per batch size has ``moe_tiles``' tiles, then one per ``--tiles`` override;
-``group_us`` is the grouping launch alone.
+The first line per batch size has ``select``'s tiles (gate_up's, then down's), then one per
+``--tiles`` override (both GEMMs'); ``group_us`` is the grouping launch alone.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import argparse
 import torch
 from nanoserve.bench.common import copy_bandwidth_gbs, emit, environment, graph_us
 
-from nanoserve.kernels.fused_moe import MoeTiles, fused_experts, group_by_expert, moe_tiles
+from nanoserve.kernels.fused_moe import MoeTiles, fused_experts, group_by_expert, select
 from nanoserve.layers.moe import experts_loop
 
 
@@ -64,16 +64,19 @@ def main() -> None:
         weights = weights.to(torch.bfloat16)
         touched = torch.unique(experts).numel()
         floor_us = touched * expert_bytes / (bandwidth * 1e3)
-        blocks_tiles = moe_tiles(tokens * args.top_k, e, x.device)
+        pairs = tokens * args.top_k
+        selected = (select(pairs, e, 2 * i, h, x.device), select(pairs, e, h, i, x.device))
         loop = None
         if not args.no_loop:
             loop = loop_us([lambda g=g, d=d: experts_loop(x, g, d, weights, experts)
                             for g, d in zip(gate_ups, downs)])
-        group = graph_us([lambda: group_by_expert(experts, e, blocks_tiles.block_m)])
-        for tiles in [blocks_tiles] + [MoeTiles(*map(int, t.split(":"))) for t in args.tiles]:
-            fused = graph_us([lambda g=g, d=d: fused_experts(x, g, d, weights, experts, tiles)
+        group = graph_us([lambda: group_by_expert(experts, e, selected[0].block_m)])
+        overrides = [MoeTiles(*map(int, t.split(":"))) for t in args.tiles]
+        for up, down in [selected] + [(t, t) for t in overrides]:
+            fused = graph_us([lambda g=g, d=d: fused_experts(x, g, d, weights, experts, up, down)
                               for g, d in zip(gate_ups, downs)])
-            emit({"bench": "fused_moe", "tokens": tokens, "tiles": ":".join(map(str, tiles)),
+            tiles = " ".join(":".join(map(str, t)) for t in (up, down))
+            emit({"bench": "fused_moe", "tokens": tokens, "tiles": tiles,
                   "experts_touched": touched, "fused_us": round(fused, 2),
                   "group_us": round(group, 2), "loop_us": loop and round(loop, 1),
                   "floor_us": round(floor_us, 2), "fraction_of_floor": round(floor_us / fused, 3),

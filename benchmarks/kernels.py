@@ -23,6 +23,7 @@ from nanoserve.attention.torch_backend import paged_attention_reference
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.decode_attention import decode_attention, num_decode_splits
 from nanoserve.kernels.prefill_attention import prefill_attention, work_on_device
+from nanoserve.kernels.prefill_attention import select as select_prefill
 from nanoserve.runner.cuda_graph import context_caps
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -143,7 +144,8 @@ def bench_prefill(seq_lens: list[int], q_lens: list[int], block_size: int, iters
                   gen: torch.Generator, kind: str) -> dict:
     q, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, block_size, gen)
     # The runner builds the work list with the step's inputs: outside the timed call here too.
-    work = work_on_device(q_lens, seq_lens, q.shape[1], k_cache.shape[2], q.device)
+    config = select_prefill(q.shape[1], k_cache.shape[2], q.shape[2], q.device)
+    work = work_on_device(q_lens, seq_lens, q.shape[1], k_cache.shape[2], q.device, config)
 
     def run() -> torch.Tensor:
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

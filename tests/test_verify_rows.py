@@ -71,7 +71,7 @@ def test_verify_rows_attend_as_causal_chunks(device, contexts, drafts):
                for h in (heads, kv_heads, kv_heads))
     scale = head_dim ** -0.5
 
-    tile = backend.prefill_tile(heads, kv_heads, device)
+    tile = backend.prefill_tile(heads, kv_heads, head_dim, device)
     _, positions, meta, _ = prepare_inputs(chunks, BLOCK_SIZE, device, None, {},
                                            prefill_tile=tile)
     want_cache = cache.clone()

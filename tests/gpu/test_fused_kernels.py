@@ -19,12 +19,10 @@ if not torch.cuda.is_available():
 
 from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
 from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from nanoserve.attention.triton_backend import (  # noqa: E402
-    SPLIT_DECODE_TUNING,
-    TritonAttentionBackend,
-)
+from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from nanoserve.kernels.common import device_sm_count  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
+    SPLIT_DECODE_TUNING,
     NewTokens,
     decode_attention,
     num_decode_splits,

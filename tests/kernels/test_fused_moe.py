@@ -90,8 +90,9 @@ def test_fused_experts_in_16_bits_and_64_row_blocks_added_to_a_residual():
     down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).half()
     weights, experts = random_routing(num_tokens, num_experts, top_k, gen, torch.float16)
     residual = torch.randn(num_tokens, hidden, generator=gen).half()
-    out = fused_experts(x, gate_up, down, weights, experts, tiles=MoeTiles(64, 16, 16, 1, 1),
-                        residual=residual)
+    tiles = MoeTiles(64, 16, 16, 1, 1)
+    out = fused_experts(x, gate_up, down, weights, experts, gate_up_config=tiles,
+                        down_config=tiles, residual=residual)
     expected = residual.double() + reference(x, gate_up, down, weights, experts)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), expected, atol=5e-3, rtol=5e-3)

@@ -10,7 +10,14 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
-from nanoserve.kernels.fused_ops import rms_norm, silu_and_mul  # noqa: E402
+from nanoserve.kernels.fused_ops import (  # noqa: E402
+    RmsNormConfig,
+    SiluAndMulConfig,
+    rms_norm,
+    rms_norm_candidates,
+    silu_and_mul,
+    silu_and_mul_candidates,
+)
 
 # fp32 differs from PyTorch only by summation order and exp/rsqrt rounding; 16-bit outputs may
 # flip one ulp (~1e-3 relative) where the fp32 value sits near a rounding boundary.
@@ -109,6 +116,22 @@ def test_silu_and_mul(dtype, n):
     out = silu_and_mul(x)
     assert out.shape == (5, n) and out.dtype == dtype
     assert_matches(out, F.silu(gate) * up)
+
+
+def test_every_candidate_launch_computes_the_same():
+    """A tuner times each candidate launch: each must compute the op (SiLU tiles of 256 split
+    a 300-wide row into a whole tile and a partial one)."""
+    gen = torch.Generator().manual_seed(6)
+    x = (3 * torch.randn(3, 600, generator=gen)).half()
+    w = random_weight(300, torch.float16, gen)
+    norm_launches = rms_norm_candidates(300)
+    silu_launches = silu_and_mul_candidates(300)
+    assert RmsNormConfig(16) in norm_launches and SiluAndMulConfig(256, 2) in silu_launches
+    for config in norm_launches:
+        assert_matches(rms_norm(x[:, :300], w, EPS, config), ref_rms_norm(x[:, :300], w, EPS))
+    gate, up = x.chunk(2, dim=-1)
+    for config in silu_launches:
+        assert_matches(silu_and_mul(x, config), F.silu(gate) * up)
 
 
 def test_empty_batch():

@@ -11,7 +11,12 @@ pytest.importorskip("triton")
 
 from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
+from nanoserve.kernels.qk_norm_rope import (  # noqa: E402
+    QkNormRopeConfig,
+    candidates,
+    heuristic_config,
+    qk_norm_rope_store,
+)
 from nanoserve.layers.norm import RMSNorm, rms_norm_torch  # noqa: E402
 from nanoserve.layers.rotary import RotaryEmbedding, rotary_embedding_torch  # noqa: E402
 
@@ -96,6 +101,21 @@ def test_matches_torch_composition(qk_norm, dtype, num_kv_heads, group, head_dim
     assert_matches(k_cache.view(flat)[written], expected_k_cache.view(flat)[written])
     assert torch.equal(k_cache.view(flat)[~written], expected_k_cache.view(flat)[~written])
     assert torch.equal(v_cache, expected_v_cache)
+
+
+def test_a_candidate_launch_computes_the_same():
+    """A tuner times each candidate launch: a non-default one computes the op too."""
+    config = QkNormRopeConfig(num_warps=16)
+    assert config in candidates(4, 2, 64) and config != heuristic_config(4, 2, 64)
+    inp = make_inputs(7, 4, 2, 64, torch.float16, seed=5)
+    cos_sin = RotaryEmbedding(64, MAX_POSITIONS, 1e6, None).cos_sin
+    expected_q, expected_k_cache, expected_v_cache = reference(inp, cos_sin, qk_norm=True)
+    qk_norm_rope_store(inp["positions"], inp["q"], inp["k"], inp["v"], cos_sin, inp["k_cache"],
+                       inp["v_cache"], inp["slots"], inp["q_weight"], inp["k_weight"], EPS,
+                       config=config)
+    assert_matches(inp["q"], expected_q)
+    assert_matches(inp["k_cache"], expected_k_cache)
+    assert torch.equal(inp["v_cache"], expected_v_cache)
 
 
 def test_empty_batch():

@@ -13,6 +13,8 @@ pytest.importorskip("triton")
 from nanoserve.kernels.sampling import (  # noqa: E402
     INTERPRETER_TILE,
     TILES_PER_CHUNK,
+    SamplingConfig,
+    candidates,
     sample_tokens,
 )
 from nanoserve.runner.sampler import _fused_path_applies, _fused_sample  # noqa: E402
@@ -252,6 +254,20 @@ def test_tokens_do_not_depend_on_how_the_batch_is_chunked():
         assert torch.equal(sample_tokens(logits[:rows], temperature[:rows], seed=99),
                            whole[:rows])
     assert len(set(whole.tolist())) > 50  # draws, not one argmax repeated
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(16, 3, 8), candidates(1)[1]],
+                         ids=["small-tiles", "candidate"])
+def test_other_launches_draw_the_same_tokens(config):
+    """A tuner times other tiles and chunks: greedy rows still take the argmax, and sampled
+    rows the same tokens (the draw is by cumulative mass, whatever the tiles; only a rounding
+    at a token's boundary could differ). 16-logit tiles, 3 a program: the last chunk partial."""
+    gen = torch.Generator().manual_seed(8)
+    logits = 2 * torch.randn(16, 7 * 16 * 3 - 5, generator=gen)
+    temperature = torch.where(torch.arange(16) % 4 == 0, 0.0, 0.8)
+    drawn = sample_tokens(logits, temperature, seed=11, config=config)
+    assert torch.equal(drawn, sample_tokens(logits, temperature, seed=11))
+    assert torch.equal(drawn[::4], logits[::4].argmax(-1))
 
 
 def test_start_up_compile_runs_every_chunk_width_once(monkeypatch):

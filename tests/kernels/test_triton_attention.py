@@ -16,22 +16,23 @@ from nanoserve.attention.torch_backend import (  # noqa: E402
     TorchAttentionBackend,
     paged_attention_reference,
 )
-from nanoserve.attention.triton_backend import (  # noqa: E402
-    ONE_TILE_SPLIT_TUNING,
-    SPLIT_DECODE_TUNING,
-    TritonAttentionBackend,
-    split_decode_tuning,
-)
+from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from nanoserve.kernels.decode_attention import (  # noqa: E402
     BALANCE_TARGET,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
+    ONE_TILE_SPLIT_TUNING,
     PROGRAMS_PER_SM,
+    SPLIT_DECODE_TUNING,
     DecodeTuning,
     NewTokens,
     decode_attention,
     num_decode_splits,
+    split_decode_tuning,
 )
+from nanoserve.kernels.decode_attention import candidates as decode_candidates  # noqa: E402
+from nanoserve.kernels.decode_attention import from_table as decode_select_from_table  # noqa: E402
+from nanoserve.kernels.decode_attention import shape_key as decode_shape_key  # noqa: E402
 from nanoserve.kernels.prefill_attention import prefill_attention, work_on_device  # noqa: E402
 from nanoserve.layers.norm import RMSNorm  # noqa: E402
 from nanoserve.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -577,3 +578,91 @@ def test_gemma_head_dim_256_with_window_and_softcap():
     want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta,
                                      256 ** -0.5, 9, 5.0)
     torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+
+
+SHAPE = dict(num_heads=16, num_kv_heads=8, head_dim=128)
+
+
+@pytest.mark.parametrize("num_seqs,max_seq_len", [(1, 128), (1, 8192), (4, 2048), (64, 4096)])
+@pytest.mark.parametrize("fp8,new_tokens", [(False, False), (True, False), (False, True)])
+def test_decode_select_without_an_entry_is_the_heuristic(num_seqs, max_seq_len, fp8,
+                                                          new_tokens):
+    """An untuned shape launches as the rules above say: their splits, the finishing launch's
+    tiles with new tokens, two warps over fp8, the defaults otherwise."""
+    config = decode_select_from_table({}, num_seqs, *SHAPE.values(), max_seq_len, fp8,
+                                      new_tokens, num_sms=132)
+    splits = num_decode_splits(num_seqs, 8, max_seq_len, num_sms=132)
+    if new_tokens:
+        tiles = split_decode_tuning(num_seqs * 8 * splits, max_seq_len, splits, 132)
+    else:
+        tiles = DecodeTuning(num_warps=2) if fp8 else DecodeTuning()
+    assert config == tiles._replace(num_splits=splits)
+
+
+def test_decode_select_takes_the_entry_of_its_heads_batch_and_context():
+    key = decode_shape_key(*SHAPE.values(), fp8=False, new_tokens=False)
+    table = {key: {"1x2048": {"num_splits": 20, "block_n": 32, "num_warps": 8},
+                   "2x2048": {"num_stages": 2}, "1x8192": {"num_splits": 1000}}}
+
+    def pick(num_seqs, max_seq_len, **kw):
+        return decode_select_from_table(table, num_seqs, *SHAPE.values(), max_seq_len,
+                                        kw.get("fp8", False), kw.get("new_tokens", False), 132)
+
+    heuristic = decode_select_from_table({}, 1, *SHAPE.values(), 2048, False, False, 132)
+    # Contexts 513-2048 share a bucket, as batches of 2 do (an entry may tune a few fields).
+    for context in (1280, 2048):
+        assert pick(1, context) == DecodeTuning(num_splits=20, block_n=32, num_warps=8)
+    assert pick(2, 2000) == decode_select_from_table({}, 2, *SHAPE.values(), 2000, False,
+                                                     False, 132)._replace(num_stages=2)
+    # A split count past what the context holds is cut to its slices of 64 keys.
+    assert pick(1, 8192).num_splits == 8192 // MIN_TOKENS_PER_SPLIT
+    # Other buckets, other heads, an fp8 cache or the finishing launch: untouched.
+    assert pick(1, 300) != pick(1, 1280) and pick(4, 2048).block_n == heuristic.block_n
+    assert pick(1, 2048, fp8=True).num_warps == 2
+    assert pick(1, 2048, new_tokens=True).prefetch_kv
+    table[key]["1x2048"]["block_m"] = 16
+    with pytest.raises(ValueError, match="block_m"):
+        pick(1, 2048)
+
+
+def test_decode_candidates_are_launchable_and_correct():
+    """Every split count the tuner may time computes the same attention (tiles are fixed
+    under the interpreter)."""
+    q, k_cache, v_cache, meta = make_batch([300, 17, 64], [1, 1, 1], num_heads=4,
+                                           num_kv_heads=2, head_dim=32, block_size=16, seed=9)
+    found = decode_candidates(3, 2, 300, False, False, num_sms=4)
+    assert found[0] == decode_select_from_table({}, 3, 4, 2, 32, 300, False, False, 4)
+    assert len(found) == len(set(found)) and len({c.num_splits for c in found}) > 1
+    for splits in sorted({c.num_splits for c in found}):
+        config = next(c for c in found if c.num_splits == splits)
+        assert_matches_reference(run_decode(q, k_cache, v_cache, meta, tuning=config),
+                                 q, k_cache, v_cache, meta)
+
+
+def test_backend_launches_the_tuned_split_count(monkeypatch):
+    """The backend's decode goes through select: a tuned entry sets its split count, here one
+    that makes a batch the rules would not split finish its new tokens in the split kernel."""
+    import nanoserve.kernels.decode_attention as decode
+
+    seq_lens = [29, 12, 200, 5, 70, 130, 64, 8]  # 8 x 2 programs fill the 4 nominal SMs
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 8, num_heads=8, num_kv_heads=2,
+                                           head_dim=32, block_size=16, dtype=torch.float16,
+                                           seed=5)
+    k, v, positions, rotary, norms = new_token_inputs(q, 2, meta, True, seed=6)
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    expected = TorchAttentionBackend().attention(positions, q.clone(), k.clone(), v.clone(),
+                                                 *expected_caches, meta, rotary, 32 ** -0.5,
+                                                 *norms)
+    key = decode_shape_key(8, 2, 32, fp8=False, new_tokens=True)
+    assert decode.select(8, 8, 2, 32, 200, q.dtype, True, q.device).num_splits == 1
+    monkeypatch.setattr(decode, "load_table", lambda op, device: {key: {"8x512": {
+        "num_splits": 3}}})
+    launched = []
+    real = decode.decode_attention
+    monkeypatch.setattr("nanoserve.attention.triton_backend.decode_attention",
+                        lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    out = TritonAttentionBackend().attention(positions, q, k, v, k_cache, v_cache, meta, rotary,
+                                             32 ** -0.5, *norms)
+    assert launched[0]["tuning"].num_splits == 3 and launched[0]["new_tokens"] is not None
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float16])
+    torch.testing.assert_close(k_cache, expected_caches[0], **TOLERANCE[torch.float16])

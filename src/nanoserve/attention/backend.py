@@ -35,7 +35,8 @@ class AttentionBackend(Protocol):
         more logit, ``sinks[head]``, attached to no value, when ``sinks`` is given. ``q``,
         ``k`` and ``v`` may be modified in place: do not use them afterwards."""
 
-    def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
+    def prefill_tile(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                     device: torch.device) -> int:
         """Tokens of a sequence per prefill program, for the runner to list the programs of a
         step that is not decode-only (``AttentionMetadata.prefill_work``); 0: no list needed."""
 

@@ -29,7 +29,8 @@ class TorchAttentionBackend:
             self._plan = (meta, block_size, plan_attention(meta, block_size))
         return self._plan[2]
 
-    def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
+    def prefill_tile(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                     device: torch.device) -> int:
         return 0  # attends sequence by sequence: no work list
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -7,11 +7,11 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.attention.mla_reference import mla_prefill
-from nanoserve.kernels.common import device_sm_count
-from nanoserve.kernels.decode_attention import (LATENCY_MAX_SEQS, DecodeTuning, NewTokens,
-                                                decode_attention, num_decode_splits)
+from nanoserve.kernels.decode_attention import LATENCY_MAX_SEQS, NewTokens, decode_attention
+from nanoserve.kernels.decode_attention import select as select_decode
 from nanoserve.kernels.mla_decode import mla_decode_attention, rope_store_latent
 from nanoserve.kernels.prefill_attention import prefill_attention, query_tile
+from nanoserve.kernels.prefill_attention import select as select_prefill
 from nanoserve.kernels.qk_norm_rope import qk_norm_rope_store
 
 if TYPE_CHECKING:
@@ -19,21 +19,15 @@ if TYPE_CHECKING:
     from nanoserve.layers.rotary import RotaryEmbedding
 
 
-SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False, prefetch_kv=True)
-# A split of one tile has nothing to pipeline: without stages the programs start sooner.
-ONE_TILE_SPLIT_TUNING = SPLIT_DECODE_TUNING._replace(num_stages=1)
-# The prefetched tile costs registers: launches larger than this many programs per SM skip it.
-PREFETCH_PROGRAMS_PER_SM = 3
-# An fp8 cache's K/V are read faster by two warps per program than by four.
-FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
-
-
 class TritonAttentionBackend:
     """GPU path: flash-decoding for decode-only batches (no host reads: CUDA-graph capturable),
     paged varlen prefill for the rest."""
 
-    def prefill_tile(self, num_heads: int, num_kv_heads: int, device: torch.device) -> int:
-        return query_tile(num_heads, num_kv_heads, device)
+    def prefill_tile(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                     device: torch.device) -> int:
+        # The config prefill_attention launches with for these heads: the same tile.
+        return query_tile(num_heads, num_kv_heads,
+                          select_prefill(num_heads, num_kv_heads, head_dim, device))
 
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,22 +52,20 @@ class TritonAttentionBackend:
                   q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                   window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
-        if meta.decode_only and not rotary.partial:
-            num_sms = device_sm_count(q.device)
-            splits = num_decode_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
-                                       num_sms)
-            # Small batches are launch-bound: the split kernel finishes the new tokens itself.
-            fused = meta.num_seqs <= LATENCY_MAX_SEQS and not meta.rows_share_sequences
-            if splits > 1 and fused:
+        # Small batches are launch-bound: where it splits, the decode kernel finishes the new
+        # tokens itself (one launch fewer).
+        if (meta.decode_only and not rotary.partial and not meta.rows_share_sequences
+                and meta.num_seqs <= LATENCY_MAX_SEQS):
+            tuning = select_decode(meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2],
+                                   meta.max_seq_len, k_cache.dtype, True, q.device)
+            if tuning.num_splits > 1:
                 new = NewTokens(k, v, positions, meta.slot_mapping, rotary.cos_sin,
                                 *_norm_args(q_norm, k_norm))
-                tuning = split_decode_tuning(meta.num_seqs * k_cache.shape[2] * splits,
-                                             meta.max_seq_len, splits, num_sms)
                 return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_seq_len, scale,
-                                        num_splits=splits, seq_order=meta.seq_order,
-                                        new_tokens=new, tuning=tuning, window=window,
-                                        softcap=softcap, sinks=sinks)
+                                        seq_order=meta.seq_order, new_tokens=new,
+                                        tuning=tuning, window=window, softcap=softcap,
+                                        sinks=sinks)
         q = self.rope_and_store(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary,
                                 q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
@@ -82,12 +74,10 @@ class TritonAttentionBackend:
                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if meta.decode_only:
-            fp8 = k_cache.dtype == torch.float8_e4m3fn
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_seq_len, scale,
-                                    seq_order=meta.seq_order,
-                                    tuning=FP8_DECODE_TUNING if fp8 else DecodeTuning(),
-                                    window=window, softcap=softcap, sinks=sinks)
+                                    seq_order=meta.seq_order, window=window, softcap=softcap,
+                                    sinks=sinks)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, scale, work=meta.prefill_work,
                                  window=window, softcap=softcap, sinks=sinks)
@@ -108,16 +98,6 @@ class TritonAttentionBackend:
         return mla_decode_attention(q[..., :nope], q_rope, cache, meta.block_tables,
                                     meta.seq_lens, meta.query_start_loc, meta.max_seq_len, kv_b,
                                     v_head_dim, scale, seq_order=meta.seq_order)
-
-
-def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int
-                        ) -> DecodeTuning:
-    """The split kernel's tuning: the prefetch only within ``PREFETCH_PROGRAMS_PER_SM``, and
-    then one stage where a split is at most one tile."""
-    if programs > PREFETCH_PROGRAMS_PER_SM * num_sms:
-        return SPLIT_DECODE_TUNING._replace(prefetch_kv=False)
-    tiles = -(-max_seq_len // SPLIT_DECODE_TUNING.block_n)
-    return ONE_TILE_SPLIT_TUNING if tiles <= splits else SPLIT_DECODE_TUNING
 
 
 def _norm_args(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> tuple:

@@ -3,7 +3,9 @@
 Flash-decoding (docs/kernels.md): each program attends one KV head's query group to one slice of
 a sequence's context; ``merge_splits`` merges the slices by their softmax denominators. Given
 ``NewTokens`` the split kernel also does ``qk_norm_rope_store``'s work (one launch per layer
-fewer), attending to the new k/v from registers.
+fewer), attending to the new k/v from registers. :func:`select` picks the split count and tiles
+for a launch: the device's tuning file's where it has the heads and the batch and context
+buckets, else :func:`heuristic_config`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import triton
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, device_sm_count,
                                       dot_precision, fp16_products, interpreted,
                                       programmatic_launch)
+from nanoserve.kernels.tuning import BATCH_BUCKETS, bucket, load_table, tuned
 from nanoserve.kernels.decode_kernels import _decode_reduce_kernel, _decode_split_kernel
 from nanoserve.kernels.qk_norm_rope import NewTokens
 
@@ -23,6 +26,7 @@ from nanoserve.kernels.qk_norm_rope import NewTokens
 class DecodeTuning(NamedTuple):
     """Launch options of the split kernel (docs/kernels.md explains the defaults)."""
 
+    num_splits: int | None = None  # slices of the context; None: num_decode_splits'
     block_n: int = 64  # keys per inner-loop tile
     num_warps: int = 4
     # Block-table loads get (num_stages - 1) // 2 buffers: 3 keeps one K/V tile in flight.
@@ -47,6 +51,17 @@ WIDE_HEAD_DIM = 128
 # Small tiles on CPU: a fast interpreter, and short test sequences span several tiles.
 INTERPRETER_BLOCK_N = 16
 
+# With new tokens to finish, a split's first K/V tile is read before waiting for qkv.
+SPLIT_DECODE_TUNING = DecodeTuning(narrow_offsets=False, prefetch_kv=True)
+# A split of one tile has nothing to pipeline: without stages the programs start sooner.
+ONE_TILE_SPLIT_TUNING = SPLIT_DECODE_TUNING._replace(num_stages=1)
+# The prefetched tile costs registers: launches larger than this many programs per SM skip it.
+PREFETCH_PROGRAMS_PER_SM = 3
+# An fp8 cache's K/V are read faster by two warps per program than by four.
+FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
+# Tuning-table buckets besides the batch's: the context caps decode graphs are captured for
+# (runner/cuda_graph.py), the last for any longer context.
+CONTEXT_BUCKETS = (512, 2048, 8192, 32768, 131072)
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """How many context splits a decode launch uses, from host-side ints only: up to
@@ -63,11 +78,81 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
 
 
+def split_decode_tuning(programs: int, max_seq_len: int, splits: int, num_sms: int
+                        ) -> DecodeTuning:
+    """The tiles of a launch that finishes new tokens: the prefetch only within
+    ``PREFETCH_PROGRAMS_PER_SM``, and then one stage where a split is at most one tile."""
+    if programs > PREFETCH_PROGRAMS_PER_SM * num_sms:
+        return SPLIT_DECODE_TUNING._replace(prefetch_kv=False)
+    tiles = -(-max_seq_len // SPLIT_DECODE_TUNING.block_n)
+    return ONE_TILE_SPLIT_TUNING if tiles <= splits else SPLIT_DECODE_TUNING
+
+
+def heuristic_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, fp8: bool,
+                     new_tokens: bool, num_sms: int) -> DecodeTuning:
+    """Splits and tiles for heads nobody tuned: :func:`num_decode_splits`' splits; with new
+    tokens :func:`split_decode_tuning`'s tiles, else the defaults (two warps over fp8)."""
+    splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    if new_tokens:
+        tiles = split_decode_tuning(num_seqs * num_kv_heads * splits, max_seq_len, splits,
+                                    num_sms)
+    else:
+        tiles = FP8_DECODE_TUNING if fp8 else DecodeTuning()
+    return tiles._replace(num_splits=splits)
+
+
+def shape_key(num_heads: int, num_kv_heads: int, head_dim: int, fp8: bool,
+              new_tokens: bool) -> str:
+    """A tuning table's key: the heads, the cache's dtype and whether new tokens are finished."""
+    return (f"{num_heads}x{num_kv_heads}x{head_dim}" + (",fp8" if fp8 else "")
+            + (",new_tokens" if new_tokens else ""))
+
+
+def bucket_key(num_seqs: int, max_seq_len: int) -> str:
+    return f"{bucket(num_seqs, BATCH_BUCKETS)}x{bucket(max_seq_len, CONTEXT_BUCKETS)}"
+
+
+def most_splits(max_seq_len: int) -> int:
+    return max(1, min(max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+
+
+def from_table(table: dict, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               max_seq_len: int, fp8: bool, new_tokens: bool, num_sms: int) -> DecodeTuning:
+    """:func:`select`'s rule over one tuning table (``{shape_key: {bucket_key: entry}}``); a
+    tuned split count is kept within what the context allows."""
+    config = tuned(table, shape_key(num_heads, num_kv_heads, head_dim, fp8, new_tokens),
+                   bucket_key(num_seqs, max_seq_len),
+                   heuristic_config(num_seqs, num_kv_heads, max_seq_len, fp8, new_tokens,
+                                    num_sms))
+    return config._replace(num_splits=max(1, min(config.num_splits, most_splits(max_seq_len))))
+
+
+def select(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+           kv_dtype: torch.dtype, new_tokens: bool, device: torch.device) -> DecodeTuning:
+    """The split count and tiles of a decode launch of ``num_seqs`` sequences whose longest
+    context is at most ``max_seq_len``, finishing their new tokens or not."""
+    return from_table(load_table("decode_attention", device), num_seqs, num_heads,
+                      num_kv_heads, head_dim, max_seq_len, kv_dtype == torch.float8_e4m3fn,
+                      new_tokens, device_sm_count(device))
+
+
+def candidates(num_seqs: int, num_kv_heads: int, max_seq_len: int, fp8: bool,
+               new_tokens: bool, num_sms: int) -> list[DecodeTuning]:
+    """Launches worth timing for one bucket: the heuristic's, and its split count, halved and
+    doubled, with key tiles of 32 or 64 over 2 or 4 warps, pipelined or not."""
+    base = heuristic_config(num_seqs, num_kv_heads, max_seq_len, fp8, new_tokens, num_sms)
+    splits = sorted({max(1, min(base.num_splits * f // 2, most_splits(max_seq_len)))
+                     for f in (1, 2, 4)})
+    found = [base] + [base._replace(num_splits=n, block_n=b, num_warps=w, num_stages=stages)
+                      for n in splits for b in (32, 64) for w in (2, 4) for stages in (1, 3)]
+    return list(dict.fromkeys(found))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
                      num_splits: int | None = None,
-                     tuning: DecodeTuning = DecodeTuning(),
+                     tuning: DecodeTuning | None = None,
                      seq_order: torch.Tensor | None = None,
                      new_tokens: NewTokens | None = None, window: int = 0,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,7 +160,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Sequence ``i``'s token is row ``query_start_loc[i]`` of ``q [T, H, D]``, its keys the first
     ``seq_lens[i]`` cache entries through ``block_tables[i]``. ``max_seq_len`` (a Python int)
-    only sizes the split count (``num_splits`` overrides it). ``seq_order`` (``[B]`` int32,
+    only sizes the launch: ``tuning`` (default: :func:`select`'s; ``num_splits`` overrides its
+    split count). ``seq_order`` (``[B]`` int32,
     longest context first) is the order programs take sequences in (default: batch order).
     With ``new_tokens``, ``q`` is the projection's raw q (left unmodified) and the kernel
     finishes and stores each new k/v itself, at ``seq_lens[i] - 1``. ``window`` > 0: only the
@@ -89,8 +175,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     check_attention_inputs(q, k_cache, v_cache)
     group = num_heads // num_kv_heads
     device = q.device
-    if num_splits is None:
-        num_splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
+    if tuning is None:
+        tuning = select(num_seqs, num_heads, num_kv_heads, head_dim, max_seq_len, k_cache.dtype,
+                        new_tokens is not None, device)
+    num_splits = num_splits or tuning.num_splits or num_decode_splits(
+        num_seqs, num_kv_heads, max_seq_len, device_sm_count(device))
     block_n = INTERPRETER_BLOCK_N if interpreted(device) else tuning.block_n
     if head_dim > WIDE_HEAD_DIM:  # Gemma's 256: half the keys per tile keeps K/V in SRAM
         block_n = min(block_n, 32)

@@ -4,7 +4,8 @@ The routing stays on the device (vLLM's design), so the chain is CUDA-graph capt
 ``group_by_expert`` groups the (token, slot) pairs by expert in blocks of ``block_m`` rows, in one
 launch of fixed shape; ``_moe_gemm_kernel`` multiplies each block by its expert's weights; each
 token's ``top_k`` results are summed. Every kernel waits (PDL) first thing: all its inputs come
-from the kernels before it.
+from the kernels before it. Each GEMM's tiles are data: :func:`select` (``configs/fused_moe/``,
+keyed by the GEMM's shape as vLLM's fused-MoE configs are).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import dot_precision, interpreted, programmatic_launch
 from nanoserve.kernels.fused_ops import silu_and_mul
+from nanoserve.kernels.tuning import bucket, load_table, tuned
 
 
 class ExpertBlocks(NamedTuple):
@@ -101,7 +103,8 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
 
 
 class MoeTiles(NamedTuple):
-    """Tile sizes of both grouped GEMMs for one batch size."""
+    """Tiles and launch options of one grouped GEMM. The pairs must be grouped by
+    ``block_m`` (:func:`group_by_expert`): a program multiplies one block of rows."""
 
     block_m: int
     block_n: int
@@ -110,10 +113,19 @@ class MoeTiles(NamedTuple):
     num_stages: int
 
 
-def moe_tiles(num_pairs: int, num_experts: int, device: torch.device) -> MoeTiles:
-    """Taller blocks as experts get more pairs: 16 rows (``tl.dot``'s least) to 128."""
-    if interpreted(device):
-        return MoeTiles(16, 16, 32, 1, 1)
+INTERPRETER_TILES = MoeTiles(16, 16, 32, 1, 1)
+# Tuning-table buckets of (token, slot) pairs: a batch's tokens times top_k.
+PAIR_BUCKETS = tuple(2 ** i for i in range(17))  # 1 .. 65536
+
+
+def shape_key(num_experts: int, n: int, k: int) -> str:
+    """A tuning table's key: one grouped GEMM's experts and their ``[N, K]`` weights."""
+    return f"E={num_experts},N={n},K={k}"
+
+
+def heuristic_config(num_pairs: int, num_experts: int) -> MoeTiles:
+    """Tiles for a shape nobody tuned: taller blocks as experts get more pairs, 16 rows
+    (``tl.dot``'s least) to 128."""
     per_expert = num_pairs / num_experts
     if per_expert <= 4:
         return MoeTiles(16, 64, 128, 4, 4)
@@ -122,6 +134,37 @@ def moe_tiles(num_pairs: int, num_experts: int, device: torch.device) -> MoeTile
     if per_expert <= 64:
         return MoeTiles(64, 128, 64, 8, 3)
     return MoeTiles(128, 128, 64, 8, 3)
+
+
+def from_table(table: dict, num_pairs: int, num_experts: int, n: int, k: int) -> MoeTiles:
+    """:func:`select`'s rule over one tuning table (``{shape_key: {pair bucket: entry}}``)."""
+    return tuned(table, shape_key(num_experts, n, k), bucket(num_pairs, PAIR_BUCKETS),
+                 heuristic_config(num_pairs, num_experts))
+
+
+def select(num_pairs: int, num_experts: int, n: int, k: int, device: torch.device) -> MoeTiles:
+    """The tiles of a grouped GEMM of ``num_pairs`` pairs by ``num_experts`` experts' ``[n, k]``
+    weights: the device's tuning file's entry for the shape and pair bucket, else the
+    heuristic's."""
+    if interpreted(device):
+        return INTERPRETER_TILES
+    return from_table(load_table("fused_moe", device), num_pairs, num_experts, n, k)
+
+
+# Tiles beside the block height that are worth timing: (block_n, block_k, warps, stages).
+CANDIDATE_TILES = ((64, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (32, 128, 4, 4),
+                   (128, 128, 8, 3), (64, 256, 4, 3))
+
+
+def candidates(num_pairs: int, num_experts: int, n: int, k: int) -> list[MoeTiles]:
+    """Tiles worth timing for one pair bucket: the heuristic's, and its block height, half and
+    double it (16 to 128 rows), by :data:`CANDIDATE_TILES` (none wider than the weights)."""
+    base = heuristic_config(num_pairs, num_experts)
+    heights = sorted({min(max(base.block_m * f // 2, 16), 128) for f in (1, 2, 4)})
+    found = [base] + [MoeTiles(block_m, min(bn, max(16, triton.next_power_of_2(n))),
+                               min(bk, max(16, triton.next_power_of_2(k))), warps, stages)
+                      for block_m in heights for bn, bk, warps, stages in CANDIDATE_TILES]
+    return list(dict.fromkeys(found))
 
 
 # num_pairs changes with every batch: specialising on it would compile new variants mid-run.
@@ -166,7 +209,8 @@ def _moe_gemm_kernel(
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, tiles: MoeTiles,
                   a_row_div: int, route_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``[num_pairs, N]``: each pair's row of ``a`` times its expert's ``w[e]`` (``[N, K]``)."""
+    """``[num_pairs, N]``: each pair's row of ``a`` times its expert's ``w[e]`` (``[N, K]``),
+    on ``tiles`` but for the block height, which is the grouping's."""
     n, k = w.shape[1:]
     out = torch.empty((blocks.num_pairs, n), dtype=a.dtype, device=a.device)
     grid = (blocks.block_expert.shape[0], triton.cdiv(n, tiles.block_n))
@@ -217,7 +261,8 @@ def _sum_pairs(pairs: torch.Tensor, top_k: int, residual: torch.Tensor | None) -
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   route_weights: torch.Tensor, experts: torch.Tensor,
-                  tiles: MoeTiles | None = None,
+                  gate_up_config: MoeTiles | None = None,
+                  down_config: MoeTiles | None = None,
                   activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   gate_up_bias: torch.Tensor | None = None,
                   down_bias: torch.Tensor | None = None,
@@ -227,7 +272,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     ``activation`` maps ``[P, 2I]`` to ``[P, I]`` (default SiLU and multiply), optional biases
     ``[E, 2I]`` and ``[E, H]`` (GPT-OSS), ``residual`` ``[T, H]`` added to the sum. Rounds as
     ``experts_loop`` does but sums a token's ``top_k`` outputs (and the residual) in float32,
-    once."""
+    once. ``gate_up_config``, ``down_config``: each GEMM's tiles (default: :func:`select`'s for
+    its shape)."""
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape
     if gate_up.shape[2] != hidden or down.shape != (num_experts, hidden, width // 2):
@@ -241,9 +287,15 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     top_k = experts.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(x) if residual is None else residual.clone()
-    tiles = tiles or moe_tiles(num_tokens * top_k, num_experts, x.device)
-    blocks = group_by_expert(experts, num_experts, tiles.block_m)
-    h = _grouped_gemm(x, gate_up, blocks, tiles, a_row_div=top_k)
+    num_pairs = num_tokens * top_k
+    up_tiles = gate_up_config or select(num_pairs, num_experts, width, hidden, x.device)
+    down_tiles = down_config or select(num_pairs, num_experts, hidden, width // 2, x.device)
+    up_blocks = group_by_expert(experts, num_experts, up_tiles.block_m)
+    # One grouping serves both GEMMs where their block heights agree (the heuristic's always
+    # do); else the down GEMM's pairs are grouped again by its own.
+    down_blocks = up_blocks if down_tiles.block_m == up_tiles.block_m else \
+        group_by_expert(experts, num_experts, down_tiles.block_m)
+    h = _grouped_gemm(x, gate_up, up_blocks, up_tiles, a_row_div=top_k)
     # Row p of h and out is pair p (token p // top_k, its slot p % top_k): biases gather by it.
     pair_experts = experts.reshape(-1)
     if gate_up_bias is not None:
@@ -251,9 +303,10 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     h = silu_and_mul(h) if activation is None else activation(h)
     pair_weights = route_weights.reshape(-1).contiguous()
     if down_bias is None:
-        out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1, route_weights=pair_weights)
+        out = _grouped_gemm(h, down, down_blocks, down_tiles, a_row_div=1,
+                            route_weights=pair_weights)
     else:  # the bias goes in before the routing weight
-        out = _grouped_gemm(h, down, blocks, tiles, a_row_div=1)
+        out = _grouped_gemm(h, down, down_blocks, down_tiles, a_row_div=1)
         out = (out + down_bias[pair_experts]) * pair_weights[:, None]
     return _sum_pairs(out, top_k, residual)
 

@@ -1,7 +1,11 @@
 """Fused elementwise kernels for the decode hot path: RMSNorm and SiLU*mul, one launch each
 instead of a chain (launches bound batch-1 decode), in fp32 rounded where the PyTorch reference
-(``layers/norm.py``, ``activation.py``) rounds. CUDA-graph capturable."""
+(``layers/norm.py``, ``activation.py``) rounds. CUDA-graph capturable. Launch options:
+each op's ``*_select`` (the tuning files ``configs/rms_norm|silu_and_mul/<device>.json``, keyed
+by the row width and bucketed by rows, else the ``*_heuristic_config``)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -9,16 +13,85 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
+from nanoserve.kernels.tuning import bucket, load_table, tuned
 
 # SiLU*mul works on column tiles rather than whole rows: MLP widths reach tens of thousands.
 SILU_BLOCK_N = 1024
 # Roughly 8 elements per thread (a 16-byte vector of 16-bit values) up to this many warps.
 MAX_WARPS = 8
+# Warp counts worth timing for a program of a row's (or a tile's) elements.
+WARP_CHOICES = (1, 2, 4, 8, 16)
+# One program a row (or row tile): few rows want many warps each for latency, many rows fewer
+# for occupancy, so tunings are per row count (prefill reaches thousands of rows, times heads).
+ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 
 
 def num_warps_for(block: int) -> int:
     """Warps for a program that touches ``block`` elements per tensor (untuned heuristic)."""
     return min(max(block // 256, 1), MAX_WARPS)
+
+
+class RmsNormConfig(NamedTuple):
+    """Launch options of one RMSNorm launch (a program holds a whole row: no tile to choose)."""
+
+    num_warps: int
+
+
+def rms_norm_heuristic_config(dim: int) -> RmsNormConfig:
+    """The launch for a width nobody tuned: :func:`num_warps_for` the row."""
+    return RmsNormConfig(num_warps_for(triton.next_power_of_2(dim)))
+
+
+def rms_norm_from_table(table: dict, rows: int, dim: int) -> RmsNormConfig:
+    """:func:`rms_norm_select`'s rule over one tuning table (``{"D": {"row bucket": entry}}``)."""
+    return tuned(table, str(dim), bucket(rows, ROW_BUCKETS), rms_norm_heuristic_config(dim))
+
+
+def rms_norm_select(rows: int, dim: int, device: torch.device) -> RmsNormConfig:
+    """The launch for ``rows`` rows of ``dim``: the device's tuning file's entry, else the
+    heuristic's (always off CUDA, whose table is empty: the interpreter ignores warps)."""
+    return rms_norm_from_table(load_table("rms_norm", device), rows, dim)
+
+
+def rms_norm_candidates(dim: int) -> list[RmsNormConfig]:
+    """Launches worth timing for rows of ``dim``, the heuristic's first."""
+    return list(dict.fromkeys([rms_norm_heuristic_config(dim),
+                               *(RmsNormConfig(w) for w in WARP_CHOICES)]))
+
+
+class SiluAndMulConfig(NamedTuple):
+    """Column tile and warps of one SiLU*mul launch (a program a row and tile of columns)."""
+
+    block_n: int = SILU_BLOCK_N
+    num_warps: int = num_warps_for(SILU_BLOCK_N)
+
+
+def silu_and_mul_heuristic_config(n: int) -> SiluAndMulConfig:
+    """The launch for a width nobody tuned: tiles of :data:`SILU_BLOCK_N` columns (the whole
+    row if shorter), :func:`num_warps_for` the tile."""
+    block_n = min(triton.next_power_of_2(n), SILU_BLOCK_N)
+    return SiluAndMulConfig(block_n, num_warps_for(block_n))
+
+
+def silu_and_mul_from_table(table: dict, rows: int, n: int) -> SiluAndMulConfig:
+    """:func:`silu_and_mul_select`'s rule over one tuning table (``{"N": {"row bucket":
+    entry}}``, N the output's width)."""
+    return tuned(table, str(n), bucket(rows, ROW_BUCKETS), silu_and_mul_heuristic_config(n))
+
+
+def silu_and_mul_select(rows: int, n: int, device: torch.device) -> SiluAndMulConfig:
+    """The launch for ``rows`` rows of ``n`` outputs: the device's tuning file's entry, else
+    the heuristic's (always off CUDA)."""
+    return silu_and_mul_from_table(load_table("silu_and_mul", device), rows, n)
+
+
+def silu_and_mul_candidates(n: int) -> list[SiluAndMulConfig]:
+    """Launches worth timing for rows of ``n`` outputs, the heuristic's first: column tiles
+    up to the row (fewer, longer programs as they grow), each with the heuristic's warps and
+    twice as many."""
+    tiles = dict.fromkeys(min(b, triton.next_power_of_2(n)) for b in (256, 512, 1024, 2048, 4096))
+    return list(dict.fromkeys([silu_and_mul_heuristic_config(n), *(
+        SiluAndMulConfig(b, w) for b in tiles for w in (num_warps_for(b), 2 * num_warps_for(b)))]))
 
 
 @triton.jit
@@ -58,10 +131,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-2], t.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             config: RmsNormConfig | None = None) -> torch.Tensor:
     """RMSNorm of ``x [..., D]`` (any 2-D or 3-D view with a contiguous last dimension), rounded
     as ``rms_norm_torch``, into a new tensor in ``promote_types(x.dtype, weight.dtype)``.
-    ``weight`` is read before waiting for the kernel before (PDL): it must not be its output."""
+    ``weight`` is read before waiting for the kernel before (PDL): it must not be its output.
+    ``config``: the launch (default: :func:`rms_norm_select`'s)."""
     dim = x.shape[-1]
     assert weight is None or (weight.shape == (dim,) and weight.is_contiguous()), \
         "weight must be a contiguous [D]"
@@ -71,13 +146,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if x.numel() == 0:
         return out
     x3, o3 = _rows(x), _rows(out)
-    block_d = triton.next_power_of_2(dim)
+    config = config or rms_norm_select(x3.shape[0] * x3.shape[1], dim, x.device)
     pdl = programmatic_launch(x.device)
     _rms_norm_kernel[(x3.shape[0], x3.shape[1])](
         x3, weight if weight is not None else x3, o3, eps,
         x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
-        DIM=dim, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
-        PDL=pdl, num_warps=num_warps_for(block_d), launch_pdl=pdl,
+        DIM=dim, BLOCK_D=triton.next_power_of_2(dim), HAS_WEIGHT=weight is not None,
+        PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
 
@@ -108,9 +183,10 @@ def silu_times(gate, up):
     return (act * up.to(tl.float32)).to(gate.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, config: SiluAndMulConfig | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` ``[..., 2N]`` (rows may be strided) into a new
-    ``[..., N]``, rounded as :func:`silu_times` (rare one-ulp ties apart: Triton's ``exp``)."""
+    ``[..., N]``, rounded as :func:`silu_times` (rare one-ulp ties apart: Triton's ``exp``).
+    ``config``: the launch (default: :func:`silu_and_mul_select`'s)."""
     width = x.shape[-1]
     assert width % 2 == 0 and x.stride(-1) == 1, "x is [..., 2N] with a contiguous last dimension"
     n = width // 2
@@ -118,10 +194,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     x2, o2 = x.view(-1, width), out.view(-1, n)
-    block_n = min(triton.next_power_of_2(n), SILU_BLOCK_N)
+    config = config or silu_and_mul_select(x2.shape[0], n, x.device)
     pdl = programmatic_launch(x.device)
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block_n))](
-        x2, o2, x2.stride(0), o2.stride(0), N=n, BLOCK_N=block_n, PDL=pdl,
-        num_warps=num_warps_for(block_n), launch_pdl=pdl,
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, config.block_n))](
+        x2, o2, x2.stride(0), o2.stride(0), N=n, BLOCK_N=config.block_n, PDL=pdl,
+        num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out

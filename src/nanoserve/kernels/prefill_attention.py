@@ -3,8 +3,11 @@
 A program runs an fp32 online softmax for ``BLOCK_Q`` new tokens of one sequence times one KV
 head's query group (each K/V tile serves the group), taking its (sequence, tile) from a host-built
 list, most keys first (``prefill_work``): none idles, no long tile runs last (docs/kernels.md).
+The launch's tiles, warps and stages are data: :func:`select` (``configs/prefill_attention/``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -15,15 +18,65 @@ from nanoserve.kernels.decode_attention import WIDE_HEAD_DIM
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision,
                                       fp16_products, interpreted, masked_softmax_step,
                                       online_softmax_step, soft_cap)
+from nanoserve.kernels.tuning import load_table, tuned
 
-# Tuning (see docs/kernels.md): query rows (tokens x group heads) and keys per tile.
-BLOCK_M = 64
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
+
+class PrefillConfig(NamedTuple):
+    """Launch options of one prefill-attention launch (docs/kernels.md). ``block_m`` also
+    sets the query tile the runner lists the programs by (:func:`query_tile`): the work list
+    and the launch must come from the same config."""
+
+    block_m: int = 64  # query rows (tokens x group heads) a program
+    block_n: int = 64  # keys a tile
+    num_warps: int = 4
+    num_stages: int = 3
+
+
 # Small tiles under TRITON_INTERPRET: faster on CPU, and short test sequences span many tiles.
-INTERPRETER_BLOCK_M = 16
-INTERPRETER_BLOCK_N = 16
+INTERPRETER_CONFIG = PrefillConfig(block_m=16, block_n=16)
+
+
+def shape_key(num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """A tuning table's key: the heads (one rank's). Its one bucket is ``"all"``: the tile is
+    fixed for the run (the runner plans every step's work list with it)."""
+    return f"{num_heads}x{num_kv_heads}x{head_dim}"
+
+
+def heuristic_config(head_dim: int) -> PrefillConfig:
+    """The launch for heads nobody tuned: the defaults; heads wider than ``WIDE_HEAD_DIM``
+    (Gemma's 256) take half the keys a tile and one stage fewer, keeping K/V in SRAM."""
+    if head_dim > WIDE_HEAD_DIM:
+        return PrefillConfig(block_n=32, num_stages=2)
+    return PrefillConfig()
+
+
+def from_table(table: dict, num_heads: int, num_kv_heads: int, head_dim: int) -> PrefillConfig:
+    """:func:`select`'s rule over one tuning table (``{shape_key: {"all": entry}}``)."""
+    return tuned(table, shape_key(num_heads, num_kv_heads, head_dim), "all",
+                 heuristic_config(head_dim))
+
+
+def select(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+           ) -> PrefillConfig:
+    """The launch for these heads on ``device``: its tuning file's entry, else the heuristic's."""
+    if interpreted(device):
+        return INTERPRETER_CONFIG
+    return from_table(load_table("prefill_attention", device), num_heads, num_kv_heads,
+                      head_dim)
+
+
+def candidates(num_heads: int, num_kv_heads: int, head_dim: int) -> list[PrefillConfig]:
+    """Launches worth timing for these heads: the heuristic's, then 32-128 query rows (at
+    least a token's group) by key tiles of 32-128 (16-32 for wide heads, whose tiles fill
+    SRAM sooner), two pipeline depths each."""
+    group_rows = triton.next_power_of_2(num_heads // num_kv_heads)
+    wide = head_dim > WIDE_HEAD_DIM
+    found = [heuristic_config(head_dim)] + [
+        PrefillConfig(block_m, block_n, 8 if block_m >= 128 else 4, stages)
+        for block_m in sorted({max(m, group_rows) for m in (32, 64, 128)})
+        for block_n in ((16, 32) if wide else (32, 64, 128))
+        for stages in ((1, 2) if wide else (2, 3))]
+    return list(dict.fromkeys(found))
 
 
 @triton.jit
@@ -146,17 +199,25 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def query_tile(num_heads: int, num_kv_heads: int, device: torch.device) -> int:
-    """New tokens of one sequence per program: its ``BLOCK_M`` rows hold a KV head's query group
-    per token, so large groups take fewer tokens (``tl.dot`` needs 16 rows or more)."""
-    block_m = INTERPRETER_BLOCK_M if interpreted(device) else BLOCK_M
-    return max(block_m // triton.next_power_of_2(num_heads // num_kv_heads), 1)
+def query_tile(num_heads: int, num_kv_heads: int, config: PrefillConfig) -> int:
+    """New tokens of one sequence per program: the ``config.block_m`` rows hold a KV head's
+    query group per token, so large groups take fewer tokens (``tl.dot`` needs 16 rows or
+    more)."""
+    return max(config.block_m // triton.next_power_of_2(num_heads // num_kv_heads), 1)
 
 
 def work_on_device(query_lens: list[int], seq_lens: list[int], num_heads: int,
-                   num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """:func:`prefill_work` for this kernel's query tile on ``device`` (tests, benchmarks)."""
-    tile = query_tile(num_heads, num_kv_heads, device)
+                   num_kv_heads: int, device: torch.device,
+                   config: PrefillConfig | None = None) -> torch.Tensor:
+    """:func:`prefill_work` for ``config``'s query tile on ``device`` (tests, benchmarks).
+    ``config``: the launch's; the interpreter's by default, required on CUDA, where
+    :func:`select`'s depends on the head size."""
+    if config is None:
+        if not interpreted(device):
+            raise ValueError("on CUDA the query tile depends on the head size: pass the "
+                             "launch's config (select's)")
+        config = INTERPRETER_CONFIG
+    tile = query_tile(num_heads, num_kv_heads, config)
     return torch.from_numpy(prefill_work(query_lens, seq_lens, tile)).to(device)
 
 
@@ -164,25 +225,26 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float,
                       work: torch.Tensor | None = None, window: int = 0,
-                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                      config: PrefillConfig | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged keys; ``[T, H, D]``.
 
     Sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q`` (later rows
     stay unwritten), its keys the first ``seq_lens[i]`` cache entries, new tokens stored. ``work``:
-    :func:`prefill_work` for :func:`query_tile`'s tile (default: from lengths read back).
+    :func:`prefill_work` for ``config``'s :func:`query_tile` (default: from lengths read back).
     ``window`` > 0: a token sees the last ``window`` positions only; ``softcap`` > 0: scores
     soft-capped; ``sinks`` ([H]): one more logit per head's softmax, as
-    ``paged_attention_reference``."""
+    ``paged_attention_reference``. ``config``: the launch (default: :func:`select`'s)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_attention_inputs(q, k_cache, v_cache)
     group = num_heads // num_kv_heads
-    block_q = query_tile(num_heads, num_kv_heads, q.device)
+    config = config or select(num_heads, num_kv_heads, head_dim, q.device)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if work is None:
         starts = query_start_loc.tolist()
         work = work_on_device([b - a for a, b in zip(starts, starts[1:])], seq_lens.tolist(),
-                              num_heads, num_kv_heads, q.device)
+                              num_heads, num_kv_heads, q.device, config)
     num_work = work.shape[1]
     if num_work == 0:
         return out
@@ -196,13 +258,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=triton.next_power_of_2(group),
-        BLOCK_Q=block_q,
+        BLOCK_Q=query_tile(num_heads, num_kv_heads, config),
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=INTERPRETER_BLOCK_N if interpreted(q.device) else (
-            BLOCK_N if head_dim <= WIDE_HEAD_DIM else 32),
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), FP16_PRODUCTS=fp16_products(q, k_cache),
         WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES if head_dim <= WIDE_HEAD_DIM else 2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

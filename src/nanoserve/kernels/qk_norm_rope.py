@@ -1,6 +1,8 @@
 """One Triton launch for everything between the qkv projection and attention, instead of four
 or five: Qwen3's optional per-head q/k RMSNorm, RoPE on q (in place) and k, and the KV-cache
 store, rounded as the PyTorch reference (``rms_norm_torch``, ``rotary_embedding_torch``).
+Launch options: :func:`select` (the tuning file ``configs/qk_norm_rope/<device>.json``, keyed by
+the head counts and size and bucketed by tokens, else :func:`heuristic_config`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,49 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
-from nanoserve.kernels.fused_ops import num_warps_for
+from nanoserve.kernels.fused_ops import ROW_BUCKETS, WARP_CHOICES, num_warps_for
+from nanoserve.kernels.tuning import bucket, load_table, tuned
+
+
+class QkNormRopeConfig(NamedTuple):
+    """Launch options of one q/k-norm + RoPE + store launch (a program holds all of a token's
+    q heads or K/V heads: no tile to choose)."""
+
+    num_warps: int
+
+
+def shape_key(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    return f"{num_q_heads}x{num_kv_heads}x{head_dim}"
+
+
+def heuristic_config(num_q_heads: int, num_kv_heads: int, head_dim: int) -> QkNormRopeConfig:
+    """The launch for a shape nobody tuned: fused_ops' rule (~8 elements a thread) on the
+    largest tile, one half of the q heads."""
+    return QkNormRopeConfig(num_warps_for(triton.next_power_of_2(num_q_heads)
+                                          * triton.next_power_of_2(head_dim // 2)))
+
+
+def from_table(table: dict, num_tokens: int, num_q_heads: int, num_kv_heads: int,
+               head_dim: int) -> QkNormRopeConfig:
+    """:func:`select`'s rule over one tuning table (``{"HqxHkvxD": {"token bucket": entry}}``,
+    tokens bucketed as fused_ops' rows: two programs a token)."""
+    return tuned(table, shape_key(num_q_heads, num_kv_heads, head_dim),
+                 bucket(num_tokens, ROW_BUCKETS),
+                 heuristic_config(num_q_heads, num_kv_heads, head_dim))
+
+
+def select(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+           device: torch.device) -> QkNormRopeConfig:
+    """The launch for ``num_tokens`` tokens: the device's tuning file's entry, else the
+    heuristic's (always off CUDA, whose table is empty: the interpreter ignores warps)."""
+    return from_table(load_table("qk_norm_rope", device), num_tokens, num_q_heads, num_kv_heads,
+                      head_dim)
+
+
+def candidates(num_q_heads: int, num_kv_heads: int, head_dim: int) -> list[QkNormRopeConfig]:
+    """Launches worth timing for the shape, the heuristic's first."""
+    return list(dict.fromkeys([heuristic_config(num_q_heads, num_kv_heads, head_dim),
+                               *(QkNormRopeConfig(w) for w in WARP_CHOICES)]))
 
 
 class NewTokens(NamedTuple):
@@ -157,12 +201,14 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                        v: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                       eps: float = 0.0) -> torch.Tensor:
+                       eps: float = 0.0, config: QkNormRopeConfig | None = None
+                       ) -> torch.Tensor:
     """Optional per-head q/k RMSNorm, RoPE, then the KV-cache store, in one launch; returns q.
 
     ``q [T, Hq, D]`` is normalised and rotated IN PLACE; the rotated k and v (untouched) go to
     the caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (see :class:`NewTokens`).
-    Positions are not bounds-checked. CUDA-graph capturable."""
+    Positions are not bounds-checked. CUDA-graph capturable. ``config``: the launch (default:
+    :func:`select`'s)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     NewTokens(k, v, positions, slot_mapping, cos_sin, q_weight, k_weight).check(
@@ -177,9 +223,8 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             assert w.shape == (head_dim,) and w.is_contiguous() and w.dtype == q.dtype == k.dtype
     if num_tokens == 0:
         return q
+    config = config or select(num_tokens, num_q_heads, num_kv_heads, head_dim, q.device)
     half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_kv_heads)
     pdl = programmatic_launch(q.device)
     _qk_norm_rope_store_kernel[(num_tokens, 2)](
         positions, slot_mapping, q, k, v, cos_sin,
@@ -191,9 +236,9 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm, PDL=pdl,
-        # fused_ops' RoPE rule (~8 elements per thread) on the largest tile, one half of q.
-        num_warps=num_warps_for(block_hq * block_half), launch_pdl=pdl,
+        num_warps=config.num_warps, launch_pdl=pdl,
     )
     return q

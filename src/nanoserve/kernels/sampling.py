@@ -4,14 +4,19 @@ Two launches read the logits once (docs/kernels.md): (row, chunk) programs store
 largest score ``s = x log2(e) / T`` and the sum of ``2^(s - max)`` (greedy rows: the argmax);
 then per row, the tile where the running weight passes ``u`` times the total is reread for the
 token. ``u`` is Philox keyed by a seed in device memory: a CUDA graph draws anew as it changes.
+Launch options: :func:`select` (the tuning file ``configs/sampling/<device>.json``, keyed by the
+vocabulary size and bucketed by batch rows, else :func:`heuristic_config`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from nanoserve.kernels.common import LOG2E, interpreted
+from nanoserve.kernels.tuning import BATCH_BUCKETS, bucket, load_table, tuned
 
 # Tiles per program: few at small batches, spread over the SMs, more at large (tiles_per_chunk).
 TILE = 2048
@@ -20,6 +25,15 @@ MAX_TILES_PER_CHUNK = 16
 NUM_WARPS = 4
 # Small tiles on CPU so that short test rows still span several tiles and chunks.
 INTERPRETER_TILE = 32
+
+
+class SamplingConfig(NamedTuple):
+    """Launch options shared by a draw's two kernels: the first's chunks and the second's
+    reread tile are of the same tiles, so one config serves both."""
+
+    tile: int = TILE  # logits a tile: a power of two
+    tiles_per_chunk: int = TILES_PER_CHUNK  # tiles a first-kernel program
+    num_warps: int = NUM_WARPS
 _LOG2E = tl.constexpr(LOG2E)
 # Scores clamp at float32's max (inf logits, tiny temperatures) so that score - max is defined.
 _MAX_SCORE = tl.constexpr(3.4028234663852886e38)
@@ -216,13 +230,45 @@ def tiles_per_chunk(batch: int) -> int:
     return min(MAX_TILES_PER_CHUNK, max(TILES_PER_CHUNK, triton.next_power_of_2(batch) // 8))
 
 
+def heuristic_config(batch: int) -> SamplingConfig:
+    """The launch for a vocabulary nobody tuned: :data:`TILE`, :func:`tiles_per_chunk`."""
+    return SamplingConfig(TILE, tiles_per_chunk(batch), NUM_WARPS)
+
+
+def from_table(table: dict, batch: int, vocab_size: int) -> SamplingConfig:
+    """:func:`select`'s rule over one tuning table (``{"V": {"batch bucket": entry}}``)."""
+    return tuned(table, str(vocab_size), bucket(batch, BATCH_BUCKETS), heuristic_config(batch))
+
+
+def select(batch: int, vocab_size: int, device: torch.device) -> SamplingConfig:
+    """The launch for ``batch`` rows of ``vocab_size`` logits: the device's tuning file's entry,
+    else the heuristic's; under the interpreter the heuristic's on :data:`INTERPRETER_TILE`."""
+    if interpreted(device):
+        return heuristic_config(batch)._replace(tile=INTERPRETER_TILE)
+    return from_table(load_table("sampling", device), batch, vocab_size)
+
+
+def candidates(batch: int) -> list[SamplingConfig]:
+    """Launches worth timing for ``batch`` rows, the heuristic's first: other tiles and warps
+    over the heuristic's chunk of logits a program, then half and twice its chunk."""
+    default = heuristic_config(batch)
+    span = default.tile * default.tiles_per_chunk
+    return list(dict.fromkeys([
+        default,
+        *(SamplingConfig(tile, max(1, span // tile), warps)
+          for tile in (1024, 2048, 4096) for warps in (4, 8)),
+        *(default._replace(tiles_per_chunk=width)
+          for width in (default.tiles_per_chunk // 2, 2 * default.tiles_per_chunk) if width)]))
+
+
 def compile_for_batches(max_batch: int, vocab_size: int, dtype: torch.dtype,
                         device: torch.device) -> None:
-    """Compile the kernels for each chunk width of batches up to ``max_batch`` rows, up front,
-    with and without a grammar's bitmask (a compile in the middle of a run stalls its batch)."""
-    first_batch: dict[int, int] = {}
+    """Compile the kernels for each launch (:func:`select`) of batches up to ``max_batch`` rows,
+    up front, with and without a grammar's bitmask (a compile in the middle of a run stalls its
+    batch). ``sample_tokens`` selects the same launch for each batch compiled."""
+    first_batch: dict[SamplingConfig, int] = {}
     for batch in range(1, max_batch + 1):
-        first_batch.setdefault(tiles_per_chunk(batch), batch)
+        first_batch.setdefault(select(batch, vocab_size, device), batch)
     bits = torch.full((1, triton.cdiv(vocab_size, 32)), -1, dtype=torch.int32, device=device)
     rows = torch.zeros(1, dtype=torch.int64, device=device)
     for batch in first_batch.values():
@@ -235,7 +281,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
                   seed: int | torch.Tensor, out: torch.Tensor | None = None,
                   checked_out: torch.Tensor | None = None, void_id: int = -1,
                   bitmask: tuple[torch.Tensor | None, torch.Tensor] | None = None,
-                  mask_rows: torch.Tensor | None = None) -> torch.Tensor:
+                  mask_rows: torch.Tensor | None = None,
+                  config: SamplingConfig | None = None) -> torch.Tensor:
     """Draw one token per row of ``logits [B, V]``: ``[B]`` int64 token ids (into ``out`` if given).
     With ``checked_out`` ([B] int64), the same ids go there too, ``void_id`` in rows with a NaN or
     +inf logit or none finite (the rows ``runner.sampler.mark_failed_rows`` marks).
@@ -248,7 +295,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     ``runner.sampler.apply_bitmask`` takes it): those rows draw only the tokens whose bit is 1,
     read inside the kernels (the same tokens as sampling the masked logits). ``mask_rows``
     (``[B]`` int32, each row's index among the bitmask's rows, -1 for none) may replace
-    ``rows`` (then None), saving the launches that derive it."""
+    ``rows`` (then None), saving the launches that derive it. ``config``: both kernels' launch
+    (default: :func:`select`'s)."""
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
     assert temperature.shape == (batch,) and temperature.dtype == torch.float32 \
@@ -262,13 +310,12 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     assert token_ids.shape == (batch,) and token_ids.dtype == torch.int64
     if batch == 0:
         return token_ids
-    tile = INTERPRETER_TILE if interpreted(logits.device) else TILE
-    num_tiles = triton.cdiv(vocab_size, tile)
-    tiles = tiles_per_chunk(batch)
+    config = config or select(batch, vocab_size, logits.device)
+    num_tiles = triton.cdiv(vocab_size, config.tile)
     tile_max = torch.empty(batch, num_tiles, dtype=torch.float32, device=logits.device)
     tile_sum = torch.empty_like(tile_max)
     tile_arg = torch.empty(batch, num_tiles, dtype=torch.int32, device=logits.device)
-    num_chunks = triton.cdiv(num_tiles, tiles)
+    num_chunks = triton.cdiv(num_tiles, config.tiles_per_chunk)
     check = checked_out is not None
     if check:
         assert checked_out.shape == (batch,) and checked_out.dtype == torch.int64
@@ -290,14 +337,15 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor,
                                           device=logits.device)
     common = (logits, temperature, tile_max, tile_sum, tile_arg, seed, unusable, bits, mask_row)
     _tile_stats_kernel[(batch, num_chunks)](
-        *common, vocab_size, logits.stride(0), bits.stride(0), num_tiles, TILE=tile,
-        TILES_PER_CHUNK=tiles, CHECK=check, HAS_MASK=bitmask is not None, num_warps=NUM_WARPS,
+        *common, vocab_size, logits.stride(0), bits.stride(0), num_tiles, TILE=config.tile,
+        TILES_PER_CHUNK=config.tiles_per_chunk, CHECK=check, HAS_MASK=bitmask is not None,
+        num_warps=config.num_warps,
     )
     _pick_kernel[(batch,)](
         *common, token_ids, checked_out if check else token_ids, vocab_size, logits.stride(0),
-        bits.stride(0), num_tiles, num_chunks, TILE=tile,
+        bits.stride(0), num_tiles, num_chunks, TILE=config.tile,
         BLOCK_T=triton.next_power_of_2(num_tiles), CHECK=check,
         BLOCK_C=triton.next_power_of_2(num_chunks), VOID=void_id, HAS_MASK=bitmask is not None,
-        num_warps=NUM_WARPS,
+        num_warps=config.num_warps,
     )
     return token_ids

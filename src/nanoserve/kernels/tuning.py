@@ -1,21 +1,31 @@
 """Kernel launch configurations as data: ``configs/<op>/<device>.json`` beside this file holds
-``{shape key: {row bucket: entry}}``, written by ``nanoserve tune MODEL``, read by an op's
-``select`` (:func:`load_table`), which has its own heuristic for shapes it lacks."""
+``{shape key: {bucket: entry}}``, written by ``nanoserve tune MODEL``, read by an op's
+``select`` (:func:`load_table`, :func:`tuned`), which has its own heuristic for shapes it
+lacks. The bucket is of what else the launch depends on (rows, batch and context), ``"all"``
+where nothing else."""
 from __future__ import annotations
 
 import functools
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 CONFIG_DIR = Path(__file__).with_name("configs")
+Config = TypeVar("Config", bound=tuple)  # a NamedTuple of launch options
+# Buckets of sequences a step: a decode graph's batch sizes.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 @functools.cache  # an op's select asks on every eager call: the driver is asked once
 def device_key(device: torch.device) -> str:
-    """The file name a device's tunings go under, e.g. ``NVIDIA_H200``."""
+    """The file name a device's tunings go under, e.g. ``NVIDIA_H200`` (``CPU`` for Triton's
+    interpreter, whose tunings no launch reads)."""
+    if device.type != "cuda":
+        return "CPU"
     return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
 
 
@@ -46,3 +56,22 @@ def save_entries(op: str, key: str, entries: dict) -> Path:
     path.write_text(json.dumps(dict(sorted(table.items())), indent=1, sort_keys=True) + "\n")
     _load.cache_clear()
     return path
+
+
+def bucket(value: int, buckets: Sequence[int]) -> int:
+    """The smallest of ``buckets`` (ascending) that holds ``value``; past them, the largest."""
+    return next((b for b in buckets if b >= value), buckets[-1])
+
+
+def tuned(table: dict, shape: str, bucket_key: int | str, default: Config) -> Config:
+    """``default`` with the fields ``table[shape][bucket_key]`` sets (an entry may tune a few of
+    them); ``default`` itself where the table lacks the shape or bucket. A field the config does
+    not have raises ``ValueError`` naming it: a stale file fails loudly, never silently."""
+    entry = table.get(shape, {}).get(str(bucket_key))
+    if entry is None:
+        return default
+    unknown = set(entry) - set(default._fields)
+    if unknown:
+        raise ValueError(f"tuning entry {shape}/{bucket_key} has fields {sorted(unknown)} that "
+                         f"{type(default).__name__} lacks ({', '.join(default._fields)})")
+    return default._replace(**entry)

@@ -104,7 +104,7 @@ class ModelRunner:
         self.attention = [layer.self_attn for layer in self.model.model.layers]
         attn = self.attention[0]
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
-                                                      self.device)
+                                                      attn.head_dim, self.device)
         self.draft_model_config = draft_model_config
         with phase("sized the KV cache", logger):
             self.num_kv_blocks = self._decide_num_blocks()
