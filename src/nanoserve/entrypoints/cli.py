@@ -159,9 +159,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         tune_int4_model(args.model, tuple(args.rows), args.tensor_parallel_size)
         return 0
-    from nanoserve.kernels.tune import tune_model
+    from nanoserve.kernels.tune import OPS, tune_model
 
-    tune_model(args.model, tuple(args.rows), args.tensor_parallel_size)
+    tune_model(args.model, tuple(args.rows), args.tensor_parallel_size, ops=args.ops or OPS)
     return 0
 
 
@@ -183,13 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    tune = sub.add_parser("tune", help="time the decode GEMV's tiles for a model's projections "
-                                       "on this GPU and write them to its tuning file")
+    tune = sub.add_parser("tune", help="time the kernels' launch configurations at a model's "
+                                       "shapes on this GPU and write them to its tuning files")
     tune.add_argument("model", help="local HF folder or .gguf file (only its config is read)")
     tune.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8],
                       choices=[1, 2, 4, 8], help="decode batch sizes to tune")
     tune.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="tune the projections one rank holds at this TP size")
+    tune.add_argument("--ops", nargs="+", default=None,
+                      help="the ops to tune (default: all; an unknown one lists them)")
     tune.add_argument("--int4", action="store_true",
                       help="tune the int4 GEMV (AWQ / GPTQ / GGUF 4-bit weights) instead")
     tune.set_defaults(func=cmd_tune)

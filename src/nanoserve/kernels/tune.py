@@ -1,13 +1,15 @@
-"""``nanoserve tune MODEL``: the skinny GEMV's tiles for a model's decode projections, as data.
+"""``nanoserve tune MODEL``: launch configurations for a model's real shapes on this GPU, as data.
 
-For each projection and decode row bucket it times cuBLAS and every tiling whose output matches,
-fusions included, as CUDA graphs through enough copies of W that none is read from L2, and
-writes the fastest into ``configs/skinny_gemm/<device>.json``.
+For the decode projections' GEMV (each row bucket) it times cuBLAS and every tiling whose output
+matches, fusions included, as CUDA graphs through enough copies of W that none is read from L2;
+for the other ops (``sweeps.py``) every candidate launch of ``candidates`` whose output matches
+the heuristic's. The fastest go into ``configs/<op>/<device>.json``, which each op's ``select``
+reads.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,17 @@ import torch
 import triton
 
 from nanoserve.config import ModelConfig
-from nanoserve.kernels import skinny_gemm
+from nanoserve.kernels import skinny_gemm, sweeps
 from nanoserve.kernels.skinny_gemm import CUBLAS, ROW_BUCKETS, SkinnyConfig
 from nanoserve.kernels.tuning import device_key, save_entries
 
 # Bytes of W a timing graph walks through: several times any GPU's L2.
-STREAMED_BYTES = 512 << 20
-MAX_COPIES = 64
+STREAMED_BYTES = sweeps.STREAMED_BYTES
+MAX_COPIES = sweeps.MAX_COPIES
+OPS = ("skinny_gemm",) + sweeps.OPS
+# Decode attention's buckets timed by default: a graph's batch sizes up to 256, its context caps.
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_CONTEXTS = (512, 2048, 8192, 32768)
 
 
 def projection_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, int, dict]]:
@@ -128,21 +134,22 @@ def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.devi
     return min(times, key=times.get), times
 
 
-def model_to_tune(model: str | Path) -> tuple[ModelConfig, torch.device]:
-    """``model``'s config and the GPU to tune on (an error without one)."""
+def model_to_tune(model: str | Path, device: torch.device | None = None
+                  ) -> tuple[ModelConfig, torch.device]:
+    """``model``'s config and the device to tune on (a GPU: an error without one, unless a
+    device is given, as tests do under Triton's interpreter)."""
     from nanoserve.config import resolve_model_path
     from nanoserve.models.loader import load_hf_config
 
-    if not torch.cuda.is_available():
+    if device is None and not torch.cuda.is_available():
         raise ValueError("nanoserve tune needs a CUDA device")
     return (ModelConfig.from_hf(load_hf_config(resolve_model_path(str(model)))),
-            torch.device("cuda"))
+            device or torch.device("cuda"))
 
 
-def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
-               log: Callable[[str], None] = print) -> Path:
-    """Tune every decode projection of ``model`` on the current GPU; returns the file written."""
-    cfg, device = model_to_tune(model)
+def tune_projections(cfg: ModelConfig, device: torch.device, rows: tuple[int, ...], tp: int,
+                     log: Callable[[str], None]) -> Path:
+    """Tune every decode projection of ``cfg``; returns the file written."""
     entries: dict[str, dict[str, Any]] = {}
     for name, (n, k, fusions) in projection_shapes(cfg, tp).items():
         for bucket in rows:
@@ -153,6 +160,29 @@ def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int =
             log(f"{name} {n}x{k} rows={bucket}: {best} {min(times.values()):.2f} us "
                 f"(cuBLAS {times[CUBLAS]:.2f} us, {len(times)} timed, "
                 f"{time.perf_counter() - began:.0f} s)")
-    path = save_entries("skinny_gemm", device_key(device), entries)
-    log(f"wrote {path}")
-    return path
+    return save_entries("skinny_gemm", device_key(device), entries)
+
+
+def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int = 1,
+               log: Callable[[str], None] = print, ops: Sequence[str] = OPS,
+               device: torch.device | None = None, timer: sweeps.Timer = _graph_us,
+               batches: Sequence[int] = DECODE_BATCHES,
+               contexts: Sequence[int] = DECODE_CONTEXTS) -> list[Path]:
+    """Tune ``ops`` for ``model``'s shapes (the GEMV at ``rows``, decode attention at
+    ``batches`` x ``contexts``); returns the files written."""
+    cfg, device = model_to_tune(model, device)
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}; tunable: {', '.join(OPS)}")
+    paths = [tune_projections(cfg, device, rows, tp, log)] if "skinny_gemm" in ops else []
+    for op, found in sweeps.op_sweeps(cfg, tp, device, ops, batches, contexts):
+        for sweep in found:  # each entry saved as it is found: a cut-off run keeps its part
+            best, times = sweeps.best_launch(sweep, timer)
+            path = save_entries(op, device_key(device), {sweep.shape: {
+                sweep.bucket: best._asdict()}})
+            paths += [path] if path not in paths else []
+            log(f"{op} {sweep.shape} {sweep.bucket}: {best} {times[best]:.2f} us (heuristic "
+                f"{times.get(sweep.candidates[0], float('nan')):.2f} us, {len(times)} timed)")
+    for path in paths:
+        log(f"wrote {path}")
+    return paths

@@ -1,0 +1,124 @@
+"""``nanoserve tune`` end to end on Triton's interpreter: the sweeps of a model's shapes run
+every candidate, the fastest (by an injected clock) goes into the op's table, and the op's
+select reads it back."""
+import os
+
+# Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from nanoserve.kernels import decode_attention, tuning  # noqa: E402
+from nanoserve.kernels.tune import tune_model  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def qwen3_config(tmp_path):
+    """A Qwen3 config (q/k norms: the finishing decode launch normalises) and no weights:
+    the tuner reads shapes only."""
+    from transformers import Qwen3Config
+
+    folder = tmp_path / "model"
+    Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                max_position_embeddings=4096,
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(folder)
+    return folder
+
+
+def later_is_faster():
+    """A clock under which each timed candidate is faster than the ones before it."""
+    timed = []
+
+    def timer(call, copies):
+        call(copies - 1)  # the timed call runs, on the last input copy too
+        timed.append(call)
+        return 1000.0 - len(timed)
+    return timer
+
+
+def test_tuning_decode_attention_writes_what_select_then_launches(qwen3_config, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path / "configs")
+    # Three of each bucket's candidates (the interpreter is slow): the heuristic's and two more.
+    every = decode_attention.candidates
+    monkeypatch.setattr(decode_attention, "candidates", lambda *a: [*every(*a)[:1],
+                                                                    *every(*a)[-2:]])
+    logged = []
+    # 200 keys: in the 512-key bucket, and up to 3 splits (no slice under 64 keys).
+    paths = tune_model(qwen3_config, ops=["decode_attention"], device=CPU,
+                       timer=later_is_faster(), batches=(1,), contexts=(200,), log=logged.append)
+    assert paths == [tmp_path / "configs" / "decode_attention" / "CPU.json"]
+    table = json.loads(paths[0].read_text())
+    # Batch 1 is latency-bound: the plain launch and the one finishing new tokens.
+    assert table.keys() == {"4x2x16", "4x2x16,new_tokens"}
+    sms = 4  # the interpreter's nominal SMs
+    for new_tokens in (False, True):
+        assert table[decode_attention.shape_key(4, 2, 16, False, new_tokens)].keys() == {"1x512"}
+        found = decode_attention.candidates(1, 2, 200, False, new_tokens, sms)
+        chosen = decode_attention.from_table(table, 1, 4, 2, 16, 200, False, new_tokens, sms)
+        assert chosen == found[-1] != found[0]  # every candidate matched; the last was fastest
+    assert any(line.startswith("decode_attention 4x2x16 1x512") for line in logged)
+
+
+def test_tuning_an_unknown_op_names_the_tunable_ones(qwen3_config):
+    with pytest.raises(ValueError, match="decode_attention"):
+        tune_model(qwen3_config, ops=["flash_attention"], device=CPU)
+
+
+@pytest.fixture
+def small_sweeps(monkeypatch):
+    """The sweeps' buckets and sizes cut to what the interpreter runs in seconds."""
+    from nanoserve.kernels import fused_ops, sweeps
+
+    monkeypatch.setattr(fused_ops, "ROW_BUCKETS", (1, 4))
+    monkeypatch.setattr(sweeps, "BATCH_BUCKETS", (1, 4))
+    monkeypatch.setattr(sweeps, "MOE_TOKENS", (2, 8))
+    monkeypatch.setattr(sweeps, "PREFILL_SEQS", 2)
+    monkeypatch.setattr(sweeps, "PREFILL_TOKENS", 48)
+
+
+def test_every_op_is_tuned_at_the_models_shapes(qwen3_config, tmp_path, monkeypatch,
+                                                small_sweeps):
+    """Each op's sweep runs every candidate at the model's shapes and its table's entries are
+    what its select reads back: the fastest (here the last) for that shape and bucket."""
+    from transformers import Qwen3MoeConfig
+
+    from nanoserve.kernels import fused_moe, fused_ops, prefill_attention, qk_norm_rope, sampling
+
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path / "configs")
+    ops = ["prefill_attention", "rms_norm", "silu_and_mul", "qk_norm_rope", "sampling"]
+    tune_model(qwen3_config, ops=ops, device=CPU, timer=later_is_faster(), log=lambda _: None)
+    moe = tmp_path / "moe"
+    Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=300,
+                   num_experts=4, num_experts_per_tok=2,
+                   architectures=["Qwen3MoeForCausalLM"]).save_pretrained(moe)
+    tune_model(moe, ops=["fused_moe"], device=CPU, timer=later_is_faster(), log=lambda _: None)
+
+    def table(op):
+        return json.loads((tmp_path / "configs" / op / "CPU.json").read_text())
+
+    assert prefill_attention.from_table(table("prefill_attention"), 4, 2, 16) == \
+        prefill_attention.candidates(4, 2, 16)[-1]
+    for rows in (1, 4):
+        assert fused_ops.rms_norm_from_table(table("rms_norm"), rows, 64) == \
+            fused_ops.rms_norm_candidates(64)[-1]
+        assert fused_ops.silu_and_mul_from_table(table("silu_and_mul"), rows, 128) == \
+            fused_ops.silu_and_mul_candidates(128)[-1]
+        assert qk_norm_rope.from_table(table("qk_norm_rope"), rows, 4, 2, 16) == \
+            qk_norm_rope.candidates(4, 2, 16)[-1]
+    for batch in (1, 4):
+        assert sampling.from_table(table("sampling"), batch, 300) == \
+            sampling.candidates(batch)[-1]
+    for tokens in (2, 8):  # gate_up is [4, 32, 32], down [4, 32, 16]
+        for n, k in ((32, 32), (32, 16)):
+            assert fused_moe.from_table(table("fused_moe"), 2 * tokens, 4, n, k) == \
+                fused_moe.candidates(2 * tokens, 4, n, k)[-1]
