@@ -245,12 +245,14 @@ def qk_norm_rope_sweeps(cfg: ModelConfig, tp: int, device: torch.device) -> Iter
 def sampling_sweeps(vocab_size: int, device: torch.device) -> Iterator[Sweep]:
     """The fused sampler per batch bucket: half the rows greedy, half drawn (seeded: every
     launch draws the same tokens)."""
+    # On the device: an int seed would be copied there inside the timed graph's capture.
+    seed = torch.tensor([1234], dtype=torch.int64, device=device)
     for batch in BATCH_BUCKETS:
         logits = _randn(batch, vocab_size, device=device)
         temperature = torch.tensor([0.0, 0.7] * (batch // 2) + [0.7] * (batch % 2),
                                    device=device)
 
         def run(config: tuple, i: int, logits=logits, temperature=temperature) -> torch.Tensor:
-            return sampling.sample_tokens(logits, temperature, 1234, config=config)
+            return sampling.sample_tokens(logits, temperature, seed, config=config)
 
         yield Sweep("sampling", str(vocab_size), str(batch), sampling.candidates(batch), run, 1)
