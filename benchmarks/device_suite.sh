@@ -22,8 +22,9 @@
 #
 # Expected on one H200 (estimates from earlier runs' load and run times, not yet measured as a
 # suite): tests 3-6 min (19 tests on one GPU, transformers' parity on shapes up to 8B); tune
-# ~1-2 min for a first shape (Triton compiles every candidate tiling), less for later ones, a
-# shape's table written only when it finishes (so the cap, 3 min, tunes the first few shapes);
+# ~1-2 min for a first shape's GEMV (Triton compiles every candidate tiling), its table written
+# when the shape finishes; then every other op (not yet timed on a GPU; TUNE_ARGS="--ops
+# skinny_gemm decode_attention" narrows it), each entry saved as it is found;
 # latency 15-40 s a shape (start-up, mostly Triton compiling for the shape's sizes, then 3
 # contexts: ~3 s of timing for 0.6B, ~20 s for 14B), 3-4.5 min for the 7 dense shapes;
 # throughput 25-55 s a shape (0.6B, 3B, 8B), 1.5-2.5 min. All four: 10-16 min, more than one
