@@ -31,6 +31,7 @@ from nanoserve.kernels.decode_attention import (  # noqa: E402
     split_decode_tuning,
 )
 from nanoserve.kernels.decode_attention import candidates as decode_candidates  # noqa: E402
+from nanoserve.kernels.tuning import clear_caches  # noqa: E402
 from nanoserve.kernels.decode_attention import from_table as decode_select_from_table  # noqa: E402
 from nanoserve.kernels.decode_attention import shape_key as decode_shape_key  # noqa: E402
 from nanoserve.kernels.prefill_attention import prefill_attention, work_on_device  # noqa: E402
@@ -657,6 +658,7 @@ def test_backend_launches_the_tuned_split_count(monkeypatch):
     assert decode.select(8, 8, 2, 32, 200, q.dtype, True, q.device).num_splits == 1
     monkeypatch.setattr(decode, "load_table", lambda op, device: {key: {"8x512": {
         "num_splits": 3}}})
+    clear_caches()  # select's answer above was remembered
     launched = []
     real = decode.decode_attention
     monkeypatch.setattr("nanoserve.attention.triton_backend.decode_attention",

@@ -18,7 +18,7 @@ import triton
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, device_sm_count,
                                       dot_precision, fp16_products, interpreted,
                                       programmatic_launch)
-from nanoserve.kernels.tuning import BATCH_BUCKETS, bucket, load_table, tuned
+from nanoserve.kernels.tuning import BATCH_BUCKETS, bucket, load_table, memoised, tuned
 from nanoserve.kernels.decode_kernels import _decode_reduce_kernel, _decode_split_kernel
 from nanoserve.kernels.qk_norm_rope import NewTokens
 
@@ -127,6 +127,7 @@ def from_table(table: dict, num_seqs: int, num_heads: int, num_kv_heads: int, he
     return config._replace(num_splits=max(1, min(config.num_splits, most_splits(max_seq_len))))
 
 
+@memoised
 def select(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
            kv_dtype: torch.dtype, new_tokens: bool, device: torch.device) -> DecodeTuning:
     """The split count and tiles of a decode launch of ``num_seqs`` sequences whose longest

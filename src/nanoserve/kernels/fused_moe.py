@@ -19,7 +19,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import dot_precision, interpreted, programmatic_launch
 from nanoserve.kernels.fused_ops import silu_and_mul
-from nanoserve.kernels.tuning import bucket, load_table, tuned
+from nanoserve.kernels.tuning import bucket, load_table, memoised, tuned
 
 
 class ExpertBlocks(NamedTuple):
@@ -142,6 +142,7 @@ def from_table(table: dict, num_pairs: int, num_experts: int, n: int, k: int) ->
                  heuristic_config(num_pairs, num_experts))
 
 
+@memoised
 def select(num_pairs: int, num_experts: int, n: int, k: int, device: torch.device) -> MoeTiles:
     """The tiles of a grouped GEMM of ``num_pairs`` pairs by ``num_experts`` experts' ``[n, k]``
     weights: the device's tuning file's entry for the shape and pair bucket, else the

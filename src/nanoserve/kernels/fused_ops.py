@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
-from nanoserve.kernels.tuning import bucket, load_table, tuned
+from nanoserve.kernels.tuning import bucket, load_table, memoised, tuned
 
 # SiLU*mul works on column tiles rather than whole rows: MLP widths reach tens of thousands.
 SILU_BLOCK_N = 1024
@@ -47,6 +47,7 @@ def rms_norm_from_table(table: dict, rows: int, dim: int) -> RmsNormConfig:
     return tuned(table, str(dim), bucket(rows, ROW_BUCKETS), rms_norm_heuristic_config(dim))
 
 
+@memoised
 def rms_norm_select(rows: int, dim: int, device: torch.device) -> RmsNormConfig:
     """The launch for ``rows`` rows of ``dim``: the device's tuning file's entry, else the
     heuristic's (always off CUDA, whose table is empty: the interpreter ignores warps)."""
@@ -79,6 +80,7 @@ def silu_and_mul_from_table(table: dict, rows: int, n: int) -> SiluAndMulConfig:
     return tuned(table, str(n), bucket(rows, ROW_BUCKETS), silu_and_mul_heuristic_config(n))
 
 
+@memoised
 def silu_and_mul_select(rows: int, n: int, device: torch.device) -> SiluAndMulConfig:
     """The launch for ``rows`` rows of ``n`` outputs: the device's tuning file's entry, else
     the heuristic's (always off CUDA)."""

@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import device_sm_count, interpreted, programmatic_launch
 from nanoserve.kernels.skinny_gemm import MAX_ROWS, row_bucket, shape_key
-from nanoserve.kernels.tuning import load_table
+from nanoserve.kernels.tuning import load_table, memoised
 
 # A tuning entry that leaves the row bucket to the tensor-core kernel (int4_gemm.py).
 TENSOR_CORE = "tensor_core"
@@ -73,6 +73,7 @@ def heuristic_config(rows: int, n: int, k: int, sms: int) -> Int4GemvConfig:
     return Int4GemvConfig(block_n, block_k, max(1, split))
 
 
+@memoised
 def select(rows: int, n: int, k: int, device: torch.device) -> Int4GemvConfig | None:
     """The tiles for ``rows`` rows by an ``n x k`` int4 weight, or None for the tensor-core
     kernel: the device's tuning file's where it has the shape and row bucket, else the

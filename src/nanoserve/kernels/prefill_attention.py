@@ -18,7 +18,7 @@ from nanoserve.kernels.decode_attention import WIDE_HEAD_DIM
 from nanoserve.kernels.common import (LOG2E, check_attention_inputs, dot_precision,
                                       fp16_products, interpreted, masked_softmax_step,
                                       online_softmax_step, soft_cap)
-from nanoserve.kernels.tuning import load_table, tuned
+from nanoserve.kernels.tuning import load_table, memoised, tuned
 
 
 class PrefillConfig(NamedTuple):
@@ -56,6 +56,7 @@ def from_table(table: dict, num_heads: int, num_kv_heads: int, head_dim: int) ->
                  heuristic_config(head_dim))
 
 
+@memoised
 def select(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
            ) -> PrefillConfig:
     """The launch for these heads on ``device``: its tuning file's entry, else the heuristic's."""

@@ -15,7 +15,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import programmatic_launch
 from nanoserve.kernels.fused_ops import ROW_BUCKETS, WARP_CHOICES, num_warps_for
-from nanoserve.kernels.tuning import bucket, load_table, tuned
+from nanoserve.kernels.tuning import bucket, load_table, memoised, tuned
 
 
 class QkNormRopeConfig(NamedTuple):
@@ -45,6 +45,7 @@ def from_table(table: dict, num_tokens: int, num_q_heads: int, num_kv_heads: int
                  heuristic_config(num_q_heads, num_kv_heads, head_dim))
 
 
+@memoised
 def select(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
            device: torch.device) -> QkNormRopeConfig:
     """The launch for ``num_tokens`` tokens: the device's tuning file's entry, else the

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.common import LOG2E, interpreted
-from nanoserve.kernels.tuning import BATCH_BUCKETS, bucket, load_table, tuned
+from nanoserve.kernels.tuning import BATCH_BUCKETS, bucket, load_table, memoised, tuned
 
 # Tiles per program: few at small batches, spread over the SMs, more at large (tiles_per_chunk).
 TILE = 2048
@@ -240,6 +240,7 @@ def from_table(table: dict, batch: int, vocab_size: int) -> SamplingConfig:
     return tuned(table, str(vocab_size), bucket(batch, BATCH_BUCKETS), heuristic_config(batch))
 
 
+@memoised
 def select(batch: int, vocab_size: int, device: torch.device) -> SamplingConfig:
     """The launch for ``batch`` rows of ``vocab_size`` logits: the device's tuning file's entry,
     else the heuristic's; under the interpreter the heuristic's on :data:`INTERPRETER_TILE`."""

@@ -18,7 +18,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import interpreted, programmatic_launch
 from nanoserve.kernels.fused_ops import silu_times
-from nanoserve.kernels.tuning import load_table
+from nanoserve.kernels.tuning import load_table, memoised
 
 # Largest batch served: a broadcast [rows, BLOCK_N, BLOCK_K] product of more rows would spill.
 MAX_ROWS = 8
@@ -57,6 +57,7 @@ def heuristic_config(rows: int, n: int, k: int, weight_bytes: int = 2) -> Skinny
     return SkinnyConfig(max(1, elements // block_k), block_k, 4, 4)
 
 
+@memoised
 def select(rows: int, n: int, k: int, device: torch.device) -> SkinnyConfig | None:
     """The tiles for a ``rows x k`` by ``k x n`` product, or None for cuBLAS: the device's tuning
     file's where it has the shape and row bucket, else the heuristic's for one row."""

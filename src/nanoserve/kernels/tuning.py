@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,6 +16,7 @@ import torch
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 Config = TypeVar("Config", bound=tuple)  # a NamedTuple of launch options
+Select = TypeVar("Select", bound=Callable)
 # Buckets of sequences a step: a decode graph's batch sizes.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -27,6 +28,25 @@ def device_key(device: torch.device) -> str:
     if device.type != "cuda":
         return "CPU"
     return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
+
+
+_select_caches: list = []
+
+
+def memoised(select: Select) -> Select:
+    """``select`` answering a repeated launch from memory: an eager step asks for every layer's
+    launches, and the answer depends only on the arguments (host ints, dtypes, devices) and on
+    the tables, which change only through :func:`save_entries` (it clears these caches)."""
+    cached = functools.lru_cache(maxsize=1 << 14)(select)
+    _select_caches.append(cached)
+    return cached
+
+
+def clear_caches() -> None:
+    """Forget the tables read and every memoised select's answers."""
+    _load.cache_clear()
+    for cached in _select_caches:
+        cached.cache_clear()
 
 
 def table_path(op: str, key: str) -> Path:
@@ -54,7 +74,7 @@ def save_entries(op: str, key: str, entries: dict) -> Path:
         table.setdefault(shape, {}).update(buckets)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(sorted(table.items())), indent=1, sort_keys=True) + "\n")
-    _load.cache_clear()
+    clear_caches()
     return path
 
 
