@@ -68,9 +68,14 @@ def test_tuning_decode_attention_writes_what_select_then_launches(qwen3_config, 
     assert any(line.startswith("decode_attention 4x2x16 1x512") for line in logged)
 
 
-def test_tuning_an_unknown_op_names_the_tunable_ones(qwen3_config):
+def test_tuning_an_unknown_op_names_the_tunable_ones(qwen3_config, capsys):
+    from nanoserve.entrypoints.cli import main
+
     with pytest.raises(ValueError, match="decode_attention"):
         tune_model(qwen3_config, ops=["flash_attention"], device=CPU)
+    assert main(["tune", str(qwen3_config), "--ops", "rms_norm", "flash"]) == 2
+    assert "unknown ops ['flash']; tunable: skinny_gemm, decode_attention" in \
+        capsys.readouterr().err
 
 
 @pytest.fixture

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "shapes on this GPU and write them to its tuning files")
     tune.add_argument("model", help="local HF folder or .gguf file (only its config is read)")
     tune.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8],
-                      choices=[1, 2, 4, 8], help="decode batch sizes to tune")
+                      choices=[1, 2, 4, 8], help="the GEMV's decode batch sizes to tune")
     tune.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="tune the projections one rank holds at this TP size")
     tune.add_argument("--ops", nargs="+", default=None,

@@ -170,10 +170,10 @@ def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int =
                contexts: Sequence[int] = DECODE_CONTEXTS) -> list[Path]:
     """Tune ``ops`` for ``model``'s shapes (the GEMV at ``rows``, decode attention at
     ``batches`` x ``contexts``); returns the files written."""
-    cfg, device = model_to_tune(model, device)
     unknown = set(ops) - set(OPS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; tunable: {', '.join(OPS)}")
+    cfg, device = model_to_tune(model, device)
     paths = [tune_projections(cfg, device, rows, tp, log)] if "skinny_gemm" in ops else []
     for op, found in sweeps.op_sweeps(cfg, tp, device, ops, batches, contexts):
         for sweep in found:  # each entry saved as it is found: a cut-off run keeps its part
