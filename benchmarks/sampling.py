@@ -6,7 +6,7 @@ across the whole vocabulary follow ``softmax(logits / T)``. Then times the kerne
 ``[B, 151936]`` bf16 logits (Qwen3's vocabulary): eagerly with CUDA events (host launch time
 included, against the general path), and as a CUDA graph replay, which is what a decode step
 pays. One JSON line per check and per batch size; with ``--widths``, one more per batch size
-timing the replay at each fixed number of tiles per program (``tiles_per_chunk``).
+timing the replay at each fixed number of tiles per program (``SamplingConfig``'s).
 
     python benchmarks/sampling.py [--widths 2 4 8 16]
 """
@@ -111,16 +111,13 @@ def bench_widths(batch: int, widths: list[int], gen: torch.Generator) -> dict:
     temperature = torch.full((batch,), TEMPERATURE, device="cuda")
     seed = torch.tensor([7], device="cuda")
     tokens = torch.empty(batch, dtype=torch.int64, device="cuda")
-    default = sampling.tiles_per_chunk
+    default = sampling.select(batch, VOCAB, logits.device)
     replays = {}
-    try:
-        for width in widths:
-            sampling.tiles_per_chunk = lambda _batch, width=width: width
-            replays[width] = round(replay_us(
-                lambda: sample_tokens(logits, temperature, seed, out=tokens)), 2)
-    finally:
-        sampling.tiles_per_chunk = default
-    return {"bench": "sampling_widths", "batch": batch, "default_width": default(batch),
+    for width in widths:
+        config = default._replace(tiles_per_chunk=width)
+        replays[width] = round(replay_us(
+            lambda: sample_tokens(logits, temperature, seed, out=tokens, config=config)), 2)
+    return {"bench": "sampling_widths", "batch": batch, "default_width": default.tiles_per_chunk,
             "replay_us_by_width": replays}
 
 
