@@ -66,6 +66,13 @@ def test_tuning_decode_attention_writes_what_select_then_launches(qwen3_config, 
         chosen = decode_attention.from_table(table, 1, 4, 2, 16, 200, False, new_tokens, sms)
         assert chosen == found[-1] != found[0]  # every candidate matched; the last was fastest
     assert any(line.startswith("decode_attention 4x2x16 1x512") for line in logged)
+    # Over an fp8 cache: entries of their own, beside the 16-bit cache's.
+    tune_model(qwen3_config, ops=["decode_attention"], device=CPU, timer=later_is_faster(),
+               batches=(1,), contexts=(200,), kv_cache_dtype="fp8", log=logged.append)
+    table = json.loads(paths[0].read_text())
+    assert table.keys() == {"4x2x16", "4x2x16,new_tokens", "4x2x16,fp8", "4x2x16,fp8,new_tokens"}
+    assert decode_attention.from_table(table, 1, 4, 2, 16, 200, True, False, sms) == \
+        decode_attention.candidates(1, 2, 200, True, False, sms)[-1]
 
 
 def test_tuning_an_unknown_op_names_the_tunable_ones(qwen3_config, capsys):

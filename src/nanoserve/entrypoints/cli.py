@@ -161,7 +161,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 0
     from nanoserve.kernels.tune import OPS, tune_model
 
-    tune_model(args.model, tuple(args.rows), args.tensor_parallel_size, ops=args.ops or OPS)
+    tune_model(args.model, tuple(args.rows), args.tensor_parallel_size, ops=args.ops or OPS,
+               kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tune the projections one rank holds at this TP size")
     tune.add_argument("--ops", nargs="+", default=None,
                       help="the ops to tune (default: all; an unknown one lists them)")
+    tune.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                      help="the cache decode attention is tuned over")
     tune.add_argument("--int4", action="store_true",
                       help="tune the int4 GEMV (AWQ / GPTQ / GGUF 4-bit weights) instead")
     tune.set_defaults(func=cmd_tune)

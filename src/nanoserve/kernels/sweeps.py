@@ -55,11 +55,13 @@ def best_launch(sweep: Sweep, timer: Timer, atol: float = 2e-2
 
 
 def op_sweeps(cfg: ModelConfig, tp: int, device: torch.device, ops: Sequence[str],
-              batches: Sequence[int], contexts: Sequence[int]
+              batches: Sequence[int], contexts: Sequence[int], fp8_cache: bool = False
               ) -> Iterator[tuple[str, Iterator[Sweep]]]:
     """Each of ``ops`` (in :data:`OPS`' order) with the sweeps of ``cfg``'s shapes, built lazily
-    (one bucket's inputs on the device at a time)."""
-    builders = {"decode_attention": lambda: decode_sweeps(cfg, tp, device, batches, contexts),
+    (one bucket's inputs on the device at a time); decode attention over an fp8 cache with
+    ``fp8_cache``."""
+    builders = {"decode_attention": lambda: decode_sweeps(cfg, tp, device, batches, contexts,
+                                                          fp8_cache),
                 "prefill_attention": lambda: prefill_sweeps(cfg, tp, device),
                 "fused_moe": lambda: moe_sweeps(cfg, tp, device),
                 "rms_norm": lambda: row_sweeps("rms_norm", cfg.hidden_size, device),
@@ -77,10 +79,11 @@ def copies_for(nbytes: int) -> int:
 
 
 def decode_sweeps(cfg: ModelConfig, tp: int, device: torch.device, batches: Sequence[int],
-                  contexts: Sequence[int], dtype: torch.dtype = torch.bfloat16
-                  ) -> Iterator[Sweep]:
+                  contexts: Sequence[int], fp8: bool = False,
+                  dtype: torch.dtype = torch.bfloat16) -> Iterator[Sweep]:
     """Decode attention at each batch and context bucket (full contexts: a graph's worst
-    case), plain and, for latency-bound batches, finishing the new tokens."""
+    case), plain and, for latency-bound batches, finishing the new tokens; over an fp8 cache
+    with ``fp8``."""
     heads, kv_heads = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
     head_dim, sms = cfg.head_dim, device_sm_count(device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -89,11 +92,11 @@ def decode_sweeps(cfg: ModelConfig, tp: int, device: torch.device, batches: Sequ
             if context > cfg.max_position_embeddings or batch * context > MAX_BATCH_TOKENS:
                 continue
             blocks = math.ceil(context / BLOCK_SIZE)
-            kv_bytes = 2 * batch * blocks * BLOCK_SIZE * kv_heads * head_dim * 2
+            kv_bytes = 2 * batch * blocks * BLOCK_SIZE * kv_heads * head_dim * (1 if fp8 else 2)
             copies = copies_for(kv_bytes)
             shape = (copies * batch * blocks, BLOCK_SIZE, kv_heads, head_dim)
-            k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-            v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+            k_cache, v_cache = (torch.randn(shape, generator=gen, device=device, dtype=dtype)
+                                .to(torch.float8_e4m3fn if fp8 else dtype) for _ in range(2))
             order = torch.randperm(shape[0], generator=gen, device=device).to(torch.int32)
             tables = order.view(copies, batch, blocks)
             q = torch.randn(batch, heads, head_dim, generator=gen, device=device, dtype=dtype)
@@ -110,9 +113,9 @@ def decode_sweeps(cfg: ModelConfig, tp: int, device: torch.device, batches: Sequ
                         tuning=config, new_tokens=new if new is None else new(i))
 
                 yield Sweep("decode_attention",
-                            decode.shape_key(heads, kv_heads, head_dim, False, new_tokens),
+                            decode.shape_key(heads, kv_heads, head_dim, fp8, new_tokens),
                             decode.bucket_key(batch, context),
-                            decode.candidates(batch, kv_heads, context, False, new_tokens, sms),
+                            decode.candidates(batch, kv_heads, context, fp8, new_tokens, sms),
                             run, copies)
 
 

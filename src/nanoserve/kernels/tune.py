@@ -167,15 +167,19 @@ def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int =
                log: Callable[[str], None] = print, ops: Sequence[str] = OPS,
                device: torch.device | None = None, timer: sweeps.Timer = _graph_us,
                batches: Sequence[int] = DECODE_BATCHES,
-               contexts: Sequence[int] = DECODE_CONTEXTS) -> list[Path]:
+               contexts: Sequence[int] = DECODE_CONTEXTS,
+               kv_cache_dtype: str = "auto") -> list[Path]:
     """Tune ``ops`` for ``model``'s shapes (the GEMV at ``rows``, decode attention at
-    ``batches`` x ``contexts``); returns the files written."""
+    ``batches`` x ``contexts`` over a ``kv_cache_dtype`` cache); returns the files written."""
     unknown = set(ops) - set(OPS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; tunable: {', '.join(OPS)}")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
     cfg, device = model_to_tune(model, device)
     paths = [tune_projections(cfg, device, rows, tp, log)] if "skinny_gemm" in ops else []
-    for op, found in sweeps.op_sweeps(cfg, tp, device, ops, batches, contexts):
+    for op, found in sweeps.op_sweeps(cfg, tp, device, ops, batches, contexts,
+                                      kv_cache_dtype == "fp8"):
         for sweep in found:  # each entry saved as it is found: a cut-off run keeps its part
             best, times = sweeps.best_launch(sweep, timer)
             path = save_entries(op, device_key(device), {sweep.shape: {
