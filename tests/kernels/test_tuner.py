@@ -134,3 +134,56 @@ def test_every_op_is_tuned_at_the_models_shapes(qwen3_config, tmp_path, monkeypa
         for n, k in ((32, 32), (32, 16)):
             assert fused_moe.from_table(table("fused_moe"), 2 * tokens, 4, n, k) == \
                 fused_moe.candidates(2 * tokens, 4, n, k)[-1]
+
+
+def test_latent_attention_block_fp8_and_int4_gemms_are_tuned(tmp_path, monkeypatch):
+    """The sweeps of the kernels only some models run: latent attention (DeepSeek-V2), the
+    block-fp8 GEMM (a checkpoint with fp8 scale blocks) and the int4 tensor-core GEMM
+    (``tune --int4``)."""
+    from transformers import DeepseekV2Config, Qwen3Config
+
+    from nanoserve.config import ModelConfig
+    from nanoserve.kernels import fp8_block_gemm, int4_gemm, mla_decode, sweeps
+    from nanoserve.kernels.tune_int4 import gemm_sweeps
+
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path / "configs")
+    monkeypatch.setattr(fp8_block_gemm, "ROW_BUCKETS", (16,))
+    deepseek = tmp_path / "deepseek"
+    config = DeepseekV2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                              num_key_value_heads=4, num_hidden_layers=1, vocab_size=64,
+                              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                              v_head_dim=12, q_lora_rank=None, n_routed_experts=4,
+                              moe_intermediate_size=32, num_experts_per_tok=2,
+                              n_shared_experts=1, first_k_dense_replace=1)
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    config.save_pretrained(deepseek)
+    tune_model(deepseek, ops=["mla_decode", "fp8_block_gemm"], device=CPU,
+               timer=later_is_faster(), batches=(2,), contexts=(100,), log=lambda _: None)
+    table = json.loads((tmp_path / "configs" / "mla_decode" / "CPU.json").read_text())
+    assert mla_decode.from_table(table, 2, 4, 32, 8, 100, 4) == \
+        mla_decode.candidates(2, 4, 100, 4)[-1]
+    assert not (tmp_path / "configs" / "fp8_block_gemm").exists()  # no fp8 weights: no sweep
+
+    fp8 = tmp_path / "fp8"
+    Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64,
+                architectures=["Qwen3ForCausalLM"],
+                quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}).save_pretrained(fp8)
+    tune_model(fp8, ops=["fp8_block_gemm"], device=CPU, timer=later_is_faster(),
+               log=lambda _: None)
+    table = json.loads((tmp_path / "configs" / "fp8_block_gemm" / "CPU.json").read_text())
+    for n, k in ((128, 64), (64, 64), (256, 64), (64, 128)):  # qkv, o, gate/up, down
+        assert fp8_block_gemm.from_table(table, 16, n, k, (16, 16)) == \
+            fp8_block_gemm.candidates(16, n, (16, 16))[-1]
+
+    cfg = ModelConfig.from_hf(Qwen3Config(hidden_size=128, intermediate_size=256,
+                                          num_hidden_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=32, vocab_size=64))
+    monkeypatch.setattr(int4_gemm, "ROW_BUCKETS", (16,))
+    found = list(gemm_sweeps(cfg, 1, CPU, torch.float16))
+    assert {s.shape for s in found} == {  # qkv, o, gate/up, down
+        "256x128,group=128", "128x128,group=128", "512x128,group=128", "128x256,group=128"}
+    timer = later_is_faster()
+    best, times = sweeps.best_launch(found[0], timer, atol=5e-2)
+    assert best == found[0].candidates[-1] and len(times) == len(found[0].candidates)

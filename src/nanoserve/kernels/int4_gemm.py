@@ -7,9 +7,12 @@ and GGUF's 4-bit types repacked at load, ``layers/quantization/packed.py``).
 whose programs turn a group of W's codes into 16-bit floats in registers and multiply a
 ``BLOCK_M`` row block of x by them (the weight crosses memory once, in 4 bits); from
 ``DEQUANT_ROWS`` the weight dequantized to x's dtype a chunk of output rows at a time, then cuBLAS (compute-bound
-territory, where writing and rereading W costs little against the product).
+territory, where writing and rereading W costs little against the product). The tensor-core
+kernel's tiles are data: :func:`select` (``configs/int4_gemm/``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +27,77 @@ from nanoserve.kernels.int4_gemv import (
     dequantize_chunk,
     int4_gemv,
     load_chunk,
-    select,
 )
+from nanoserve.kernels.int4_gemv import select as select_gemv
+from nanoserve.kernels.tuning import bucket, load_table, memoised, tuned
 
 GEMV, DEQUANT = "gemv", "dequant"  # and TENSOR_CORE, the tuning tables' word for this kernel
 DEQUANT_ROWS = 256  # where vLLM's AWQ dequantizes for cuBLAS too
 DEQUANT_CHUNK_ELEMENTS = 1 << 26  # weights dequantized at once: 128 MB of scratch in 16 bits
+# Tuning-table buckets of rows: those the tensor-core kernel serves, 9 to 255.
+ROW_BUCKETS = (16, 32, 64, 128, 256)
+INTERPRETER_BLOCK_N = 32  # narrow tiles on the CPU: the tests' few features span programs
+
+
+class Int4GemmConfig(NamedTuple):
+    """Tiles and launch options of one tensor-core int4 GEMM launch (:func:`int4_gemm`)."""
+
+    block_m: int  # rows of x a program: a power of two, at least 16 (tl.dot's least)
+    block_n: int  # output features a program: a power of two, at least 16
+    split_k: int = 1  # K slices wanted (whole groups each, at most the groups), summed in fp32
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def heuristic_config(rows: int, n: int, k: int, group_size: int, sms: int,
+                     block_n: int = 128) -> Int4GemmConfig:
+    """The launch for a shape nobody tuned: blocks of 16 to 64 rows by ``block_n`` features
+    (the interpreter's are fewer), K split in up to 4 where fewer programs than two an SM
+    would run."""
+    block_m = min(max(16, triton.next_power_of_2(rows)), 64)
+    programs = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
+    return Int4GemmConfig(block_m, block_n,
+                          min(4, k // group_size, triton.cdiv(2 * sms, programs)))
+
+
+def shape_key(n: int, k: int, group_size: int) -> str:
+    """A tuning table's key: the weight's ``[N, K]`` and its group, the kernel's step along K
+    (and the split's unit). Its buckets are rows, :data:`ROW_BUCKETS`."""
+    return f"{n}x{k},group={group_size}"
+
+
+def from_table(table: dict, rows: int, n: int, k: int, group_size: int, sms: int
+               ) -> Int4GemmConfig:
+    """:func:`select`'s rule over one tuning table (``{shape_key: {row bucket: entry}}``)."""
+    return tuned(table, shape_key(n, k, group_size), bucket(rows, ROW_BUCKETS),
+                 heuristic_config(rows, n, k, group_size, sms))
+
+
+@memoised
+def select(rows: int, n: int, k: int, group_size: int, device: torch.device) -> Int4GemmConfig:
+    """The tiles for ``rows`` rows by an ``n x k`` int4 weight on the tensor cores: the
+    device's tuning file's entry for the shape and row bucket, else the heuristic's."""
+    sms = device_sm_count(device)
+    if interpreted(device):
+        return heuristic_config(rows, n, k, group_size, sms, INTERPRETER_BLOCK_N)._replace(
+            num_warps=1, num_stages=1)
+    return from_table(load_table("int4_gemm", device), rows, n, k, group_size, sms)
+
+
+def candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list[Int4GemmConfig]:
+    """Launches worth timing for one row bucket: the heuristic's, and its block height (and
+    128 rows past 64: W read half as often) by 64 or 128 features (none wider than the
+    weight), its split count and one other, two pipeline depths; 8 warps for 128 x 128
+    tiles, whose accumulator would not fit 4 warps' registers."""
+    base = heuristic_config(rows, n, k, group_size, sms)
+    heights = (base.block_m, 128) if rows > 64 else (base.block_m,)
+    splits = (base.split_k, 1 if base.split_k > 1 else min(2, k // group_size))
+    widths = sorted({min(block_n, max(16, triton.next_power_of_2(n))) for block_n in (64, 128)})
+    found = [base] + [
+        Int4GemmConfig(block_m, block_n, split, 8 if block_m * block_n >= 128 * 128 else 4,
+                       stages)
+        for block_m in heights for block_n in widths for split in splits for stages in (2, 3)]
+    return list(dict.fromkeys(found))
 
 
 def int4_path(rows: int, n: int, k: int, device: torch.device) -> str:
@@ -42,7 +110,7 @@ def _plan(rows: int, n: int, k: int, device: torch.device
     """:func:`int4_path`'s answer and, for the GEMV, the tiles it was chosen with."""
     if rows >= DEQUANT_ROWS:
         return DEQUANT, None
-    config = select(rows, n, k, device)
+    config = select_gemv(rows, n, k, device)
     return (GEMV if config is not None else TENSOR_CORE), config
 
 
@@ -97,19 +165,16 @@ def _int4_gemm_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, stride_xm, stride_wn
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-              group_size: int) -> torch.Tensor:
+              group_size: int, config: Int4GemmConfig | None = None) -> torch.Tensor:
     """The tensor-core path of :func:`int4_linear` (any row count; meant for 9 to 255): one
-    group of K a step, 128 output features a program (32 under the interpreter), K split in up
-    to 4 where fewer programs than two per SM would run."""
+    group of K a step, ``config``'s tiles (default: :func:`select`'s), K split in whole groups
+    (the slices as even as the groups allow, so maybe fewer than ``config.split_k``)."""
     m, k = x.shape
     n = packed.shape[0]
-    small = interpreted(x.device)
-    block_m = min(max(16, triton.next_power_of_2(m)), 64)  # tl.dot's least is 16 rows
-    block_n = 32 if small else 128
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    config = config or select(m, n, k, group_size, x.device)
+    block_m, block_n = config.block_m, config.block_n
     groups = k // group_size
-    per_split = triton.cdiv(groups, min(4, groups, triton.cdiv(
-        2 * device_sm_count(x.device), programs)))
+    per_split = triton.cdiv(groups, min(config.split_k, groups))
     splits = triton.cdiv(groups, per_split)
     # Split K: the slices' sums meet in fp32 (zeros from the caching allocator: graph-safe).
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if splits > 1 else \
@@ -118,7 +183,8 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     _int4_gemm_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
         x, words, scales_zeros, y, m, n, k, x.stride(0), words.stride(0), y.stride(0),
         per_split, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=splits > 1,
-        SHIFTED=x.element_size() == 2, num_warps=1 if small else 4, num_stages=1 if small else 3)
+        SHIFTED=x.element_size() == 2, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return y.to(x.dtype)
 
 

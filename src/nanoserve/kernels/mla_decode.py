@@ -5,8 +5,11 @@ rotated part, reads one shared KV "head" of width kv_lora_rank + qk_rope_head_di
 rows themselves, whose latent part are also the values. The split kernel reads each cached
 row once, as key (all of it) and value (its latent part), for a block of heads;
 ``decode_attention``'s merge joins the splits, and the value up-projection finishes each
-head. Prefill decompresses keys and values (``attention/mla_reference.py``)."""
+head. Prefill decompresses keys and values (``attention/mla_reference.py``). The split
+count and tiles are data: :func:`select` (``configs/mla_decode/``)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -15,12 +18,80 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import (LOG2E, device_sm_count, dot_precision, interpreted,
                                       online_softmax_step, programmatic_launch)
-from nanoserve.kernels.decode_attention import INTERPRETER_BLOCK_N, num_decode_splits
+from nanoserve.kernels.decode_attention import (INTERPRETER_BLOCK_N, bucket_key, most_splits,
+                                                num_decode_splits)
 from nanoserve.kernels.decode_kernels import _decode_reduce_kernel
+from nanoserve.kernels.tuning import load_table, memoised, tuned
 
-HEADS_PER_PROGRAM = 16  # tl.dot's least rows; more heads take more programs, each its block
-BLOCK_N = 32  # keys per tile: a [32, 512] latent tile, the [16, 512] float32 accumulator
-NUM_WARPS = 8
+
+class MlaDecodeConfig(NamedTuple):
+    """Launch options of the latent split kernel (:func:`latent_attention`)."""
+
+    num_splits: int | None = None  # slices of each context; None: num_decode_splits'
+    # A power of two, at least 16 (tl.dot's least rows); more heads take more programs.
+    heads_per_program: int = 16
+    block_n: int = 32  # keys a tile: a [32, 512] latent tile, the [16, 512] float32 accumulator
+    num_warps: int = 8
+    num_stages: int = 3  # Triton's default, which the launch had before it was tunable
+
+
+def heuristic_config(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int
+                     ) -> MlaDecodeConfig:
+    """The launch for heads nobody tuned: the defaults, split as decode attention splits a
+    KV head (here a block of heads: each program reads the whole context slice's rows)."""
+    config = MlaDecodeConfig()
+    head_blocks = triton.cdiv(num_heads, config.heads_per_program)
+    return config._replace(num_splits=num_decode_splits(num_seqs, head_blocks, max_seq_len,
+                                                        num_sms))
+
+
+def shape_key(num_heads: int, rank: int, rope: int) -> str:
+    """A tuning table's key: the heads (one rank's), the latent rank and the rope width. Its
+    buckets are decode attention's (``bucket_key``): batch by context."""
+    return f"{num_heads}x{rank}x{rope}"
+
+
+def from_table(table: dict, num_seqs: int, num_heads: int, rank: int, rope: int,
+               max_seq_len: int, num_sms: int) -> MlaDecodeConfig:
+    """:func:`select`'s rule over one tuning table (``{shape_key: {bucket_key: entry}}``); a
+    tuned split count is kept within what the context allows."""
+    config = tuned(table, shape_key(num_heads, rank, rope), bucket_key(num_seqs, max_seq_len),
+                   heuristic_config(num_seqs, num_heads, max_seq_len, num_sms))
+    return config._replace(num_splits=max(1, min(config.num_splits, most_splits(max_seq_len))))
+
+
+@memoised
+def select(num_seqs: int, num_heads: int, rank: int, rope: int, max_seq_len: int,
+           device: torch.device) -> MlaDecodeConfig:
+    """The split count and tiles of a latent decode launch of ``num_seqs`` sequences whose
+    longest context is at most ``max_seq_len``: the device's tuning file's entry for the
+    heads and bucket, else the heuristic's."""
+    sms = device_sm_count(device)
+    if interpreted(device):  # small tiles: a fast interpreter, short contexts span several
+        return heuristic_config(num_seqs, num_heads, max_seq_len, sms)._replace(
+            block_n=INTERPRETER_BLOCK_N, num_warps=1)
+    return from_table(load_table("mla_decode", device), num_seqs, num_heads, rank, rope,
+                      max_seq_len, sms)
+
+
+# Tiles worth timing: (heads_per_program, block_n, num_warps, num_stages). Wider key tiles
+# take fewer stages: a bf16 [64, 576] tile is 72 KB of shared memory a stage.
+CANDIDATE_TILES = ((16, 32, 8, 3), (16, 16, 4, 3), (16, 32, 4, 3), (16, 64, 8, 2),
+                   (32, 32, 8, 2), (32, 16, 8, 3))
+
+
+def candidates(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int
+               ) -> list[MlaDecodeConfig]:
+    """Launches worth timing for one bucket: the heuristic's, and its split count, halved and
+    doubled, by :data:`CANDIDATE_TILES` (blocks of 32 heads only where there are more than
+    16: each cached row is then read by half the programs)."""
+    base = heuristic_config(num_seqs, num_heads, max_seq_len, num_sms)
+    splits = sorted({max(1, min(base.num_splits * f // 2, most_splits(max_seq_len)))
+                     for f in (1, 2, 4)})
+    found = [base] + [MlaDecodeConfig(n, heads, block_n, warps, stages)
+                      for n in splits for heads, block_n, warps, stages in CANDIDATE_TILES
+                      if heads == 16 or num_heads > 16]
+    return list(dict.fromkeys(found))
 
 
 @triton.jit
@@ -171,12 +242,13 @@ def _mla_split_kernel(
 def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
-                     num_splits: int | None = None, seq_order: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     num_splits: int | None = None, seq_order: torch.Tensor | None = None,
+                     config: MlaDecodeConfig | None = None) -> torch.Tensor:
     """``[T, H, rank]`` (stored heads first): each head's absorbed query, ``q_latent`` ``[T, H,
     rank]`` and ``q_rope`` ``[T, H, rope]`` (any head and token strides), attending over the
     latent cache ``[blocks, block_size, 1, rank + rope]``, each row's first ``rank`` features
-    its value. Sequences and splits as ``decode_attention``'s; graph-capturable."""
+    its value. Sequences and splits as ``decode_attention``'s; graph-capturable. ``config``:
+    the launch (default: :func:`select`'s; ``num_splits`` overrides its split count)."""
     tokens, heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     num_seqs, block_size = seq_lens.shape[0], cache.shape[1]
@@ -190,11 +262,11 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     out = torch.empty((heads, tokens, rank), dtype=q_latent.dtype, device=device).transpose(0, 1)
     if num_seqs == 0:
         return out
-    block_h = HEADS_PER_PROGRAM
+    config = config or select(num_seqs, heads, rank, rope, max_seq_len, device)
+    block_h = config.heads_per_program
     head_blocks = triton.cdiv(heads, block_h)
-    if num_splits is None:
-        num_splits = num_decode_splits(num_seqs, head_blocks, max_seq_len,
-                                       device_sm_count(device))
+    num_splits = num_splits or config.num_splits or num_decode_splits(
+        num_seqs, head_blocks, max_seq_len, device_sm_count(device))
     part_lse = part_o = out  # typed placeholders with one split
     if num_splits > 1:
         part_lse = torch.empty((num_seqs, heads, num_splits), dtype=torch.float32,
@@ -202,7 +274,6 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
         part_o = torch.empty((num_seqs, heads, num_splits, rank), dtype=torch.float32,
                              device=device)
     pdl = programmatic_launch(device)
-    interpreter = interpreted(device)
     _mla_split_kernel[(num_seqs, head_blocks, num_splits)](
         q_latent, q_rope, cache, block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order, out, part_lse, part_o,
@@ -211,10 +282,10 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
         block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank),
         BLOCK_P=max(triton.next_power_of_2(rope), 16), BLOCK_H=block_h,
-        BLOCK_SIZE=block_size, BLOCK_N=INTERPRETER_BLOCK_N if interpreter else BLOCK_N,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         SPLIT=num_splits > 1, ORDERED=seq_order is not None,
         DOT_PRECISION=dot_precision(q_latent.dtype), PDL=pdl,
-        num_warps=1 if interpreter else NUM_WARPS, launch_pdl=pdl)
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, heads)](
             part_lse, part_o, query_start_loc, out, heads, out.stride(0), out.stride(1),
@@ -227,14 +298,16 @@ def mla_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torc
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          query_start_loc: torch.Tensor, max_seq_len: int, kv_b: torch.Tensor,
                          v_head_dim: int, scale: float, num_splits: int | None = None,
-                         seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                         seq_order: torch.Tensor | None = None,
+                         config: MlaDecodeConfig | None = None) -> torch.Tensor:
     """``[T, H, v_head_dim]``, as ``mla_reference.mla_decode``: ``q_nope`` ``[T, H, nope]``,
     ``q_rope`` ``[T, H, rope]`` (rotated), ``cache`` ``[blocks, block_size, 1, rank + rope]``,
-    ``kv_b`` ``[H * (nope + v_head_dim), rank]``; the rest as ``decode_attention``'s. The
+    ``kv_b`` ``[H * (nope + v_head_dim), rank]``; the rest as :func:`latent_attention`'s. The
     batched products run head-major: each takes strided views and gives a fresh tensor."""
     heads, nope = q_nope.shape[1], q_nope.shape[2]
     w = kv_b.view(heads, nope + v_head_dim, kv_b.shape[-1])
     q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope])  # [H, T, rank]
     out = latent_attention(q_latent.transpose(0, 1), q_rope, cache, block_tables, seq_lens,
-                           query_start_loc, max_seq_len, scale, num_splits, seq_order)
+                           query_start_loc, max_seq_len, scale, num_splits, seq_order,
+                           config)
     return torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)

@@ -11,15 +11,16 @@ import torch
 
 from nanoserve.config import ModelConfig
 from nanoserve.kernels import decode_attention as decode
-from nanoserve.kernels import fused_moe, fused_ops, prefill_attention, qk_norm_rope, sampling
+from nanoserve.kernels import (fp8_block_gemm, fused_moe, fused_ops, mla_decode,
+                               prefill_attention, qk_norm_rope, sampling)
 from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.tuning import BATCH_BUCKETS, bucket
 
 # Bytes the timed inputs span: several times any GPU's L2, so no candidate is timed from cache.
 STREAMED_BYTES = 512 << 20
 MAX_COPIES = 64
-OPS = ("decode_attention", "prefill_attention", "fused_moe", "rms_norm", "silu_and_mul",
-       "qk_norm_rope", "sampling")
+OPS = ("decode_attention", "mla_decode", "prefill_attention", "fused_moe", "rms_norm",
+       "silu_and_mul", "qk_norm_rope", "sampling", "fp8_block_gemm")
 # A prefill step's chunk: sequences of new tokens, no cached prefix (a long prompt's first).
 PREFILL_SEQS, PREFILL_TOKENS = 4, 2048
 # Tokens a MoE step may route: decode batches up to prefill chunks.
@@ -55,13 +56,17 @@ def best_launch(sweep: Sweep, timer: Timer, atol: float = 2e-2
 
 
 def op_sweeps(cfg: ModelConfig, tp: int, device: torch.device, ops: Sequence[str],
-              batches: Sequence[int], contexts: Sequence[int], fp8_cache: bool = False
+              batches: Sequence[int], contexts: Sequence[int], fp8_cache: bool = False,
+              fp8_block: tuple[int, int] | None = None
               ) -> Iterator[tuple[str, Iterator[Sweep]]]:
     """Each of ``ops`` (in :data:`OPS`' order) with the sweeps of ``cfg``'s shapes, built lazily
     (one bucket's inputs on the device at a time); decode attention over an fp8 cache with
-    ``fp8_cache``."""
+    ``fp8_cache``; the block-fp8 GEMM for weights of ``fp8_block`` scale blocks (none
+    without)."""
     builders = {"decode_attention": lambda: decode_sweeps(cfg, tp, device, batches, contexts,
                                                           fp8_cache),
+                "mla_decode": lambda: mla_sweeps(cfg, tp, device, batches, contexts),
+                "fp8_block_gemm": lambda: fp8_block_sweeps(cfg, tp, device, fp8_block),
                 "prefill_attention": lambda: prefill_sweeps(cfg, tp, device),
                 "fused_moe": lambda: moe_sweeps(cfg, tp, device),
                 "rms_norm": lambda: row_sweeps("rms_norm", cfg.hidden_size, device),
@@ -259,3 +264,62 @@ def sampling_sweeps(vocab_size: int, device: torch.device) -> Iterator[Sweep]:
             return sampling.sample_tokens(logits, temperature, seed, config=config)
 
         yield Sweep("sampling", str(vocab_size), str(batch), sampling.candidates(batch), run, 1)
+
+
+def mla_sweeps(cfg: ModelConfig, tp: int, device: torch.device, batches: Sequence[int],
+               contexts: Sequence[int]) -> Iterator[Sweep]:
+    """Latent attention's decode split kernel at each batch and context bucket."""
+    if cfg.mla is None:
+        return
+    heads, rank, rope = cfg.num_heads // tp, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
+    sms = device_sm_count(device)
+    for batch in batches:
+        for context in contexts:
+            if context > cfg.max_position_embeddings or batch * context > MAX_BATCH_TOKENS:
+                continue
+            blocks = math.ceil(context / BLOCK_SIZE)
+            copies = copies_for(batch * blocks * BLOCK_SIZE * (rank + rope) * 2)
+            cache = _randn(copies * batch * blocks, BLOCK_SIZE, 1, rank + rope, device=device)
+            tables = torch.randperm(cache.shape[0], device=device).to(torch.int32).view(
+                copies, batch, blocks)
+            q_latent = _randn(batch, heads, rank, device=device)
+            q_rope = _randn(batch, heads, rope, device=device)
+            lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+
+            def run(config: tuple, i: int, q_latent=q_latent, q_rope=q_rope, cache=cache,
+                    tables=tables, lens=lens, starts=starts, context=context) -> torch.Tensor:
+                return mla_decode.latent_attention(q_latent, q_rope, cache, tables[i], lens,
+                                                   starts, context, (rank + rope) ** -0.5,
+                                                   config=config)
+
+            yield Sweep("mla_decode", mla_decode.shape_key(heads, rank, rope),
+                        decode.bucket_key(batch, context),
+                        mla_decode.candidates(batch, heads, context, sms), run, copies)
+
+
+def fp8_block_sweeps(cfg: ModelConfig, tp: int, device: torch.device,
+                     block: tuple[int, int] | None) -> Iterator[Sweep]:
+    """The block-fp8 GEMM at each projection the model holds in fp8 and each row bucket (the
+    weights cycled through copies, as the GEMV's are)."""
+    from nanoserve.kernels.tune import projection_shapes
+
+    if block is None:
+        return
+    bn, bk = block
+    for n, k, _ in {(n, k, None) for n, k, _ in projection_shapes(cfg, tp).values()}:
+        if n % bn or k % bk:
+            continue
+        copies = copies_for(n * k)
+        weights = [_randn(n, k, device=device).to(torch.float8_e4m3fn) for _ in range(copies)]
+        w_scales = torch.rand(n // bn, k // bk, device=device) * 1e-2
+        for rows in fp8_block_gemm.ROW_BUCKETS:
+            q = _randn(rows, k, device=device).to(torch.float8_e4m3fn)
+            x_scales = torch.rand(rows, k // bk, device=device) * 1e-2
+
+            def run(config: tuple, i: int, q=q, x_scales=x_scales) -> torch.Tensor:
+                return fp8_block_gemm.fp8_block_linear(q, x_scales, weights[i], w_scales, block,
+                                                       torch.bfloat16, config=config)
+
+            yield Sweep("fp8_block_gemm", fp8_block_gemm.shape_key(n, k, block), str(rows),
+                        fp8_block_gemm.candidates(rows, n, block), run, copies)

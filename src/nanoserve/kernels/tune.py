@@ -147,6 +147,17 @@ def model_to_tune(model: str | Path, device: torch.device | None = None
             device or torch.device("cuda"))
 
 
+def fp8_weight_block(model: str | Path) -> tuple[int, int] | None:
+    """The scale blocks of ``model``'s block-fp8 weights, if it has such."""
+    from nanoserve.config import resolve_model_path
+    from nanoserve.layers.quantization.spec import parse_quantization_config
+    from nanoserve.models.loader import load_hf_config
+
+    quant = getattr(load_hf_config(resolve_model_path(str(model))), "quantization_config", None)
+    spec = None if quant is None else parse_quantization_config(quant)
+    return spec.weight_block if spec is not None and spec.fp8_scales == "block" else None
+
+
 def tune_projections(cfg: ModelConfig, device: torch.device, rows: tuple[int, ...], tp: int,
                      log: Callable[[str], None]) -> Path:
     """Tune every decode projection of ``cfg``; returns the file written."""
@@ -179,7 +190,7 @@ def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int =
     cfg, device = model_to_tune(model, device)
     paths = [tune_projections(cfg, device, rows, tp, log)] if "skinny_gemm" in ops else []
     for op, found in sweeps.op_sweeps(cfg, tp, device, ops, batches, contexts,
-                                      kv_cache_dtype == "fp8"):
+                                      kv_cache_dtype == "fp8", fp8_weight_block(model)):
         for sweep in found:  # each entry saved as it is found: a cut-off run keeps its part
             best, times = sweeps.best_launch(sweep, timer)
             path = save_entries(op, device_key(device), {sweep.shape: {

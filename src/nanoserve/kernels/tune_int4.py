@@ -1,24 +1,28 @@
-"""``nanoserve tune MODEL --int4``: the int4 GEMV's tiles for a model's decode projections.
+"""``nanoserve tune MODEL --int4``: the int4 kernels' tiles for a model's projections.
 
-As ``tune.py`` does for the bf16 GEMV: for each projection and row bucket it times the
-tensor-core kernel and every tiling whose output matches it, as CUDA graphs through enough
+As ``tune.py`` does for the bf16 GEMV: for each projection and decode row bucket it times the
+tensor-core kernel and every GEMV tiling whose output matches it, as CUDA graphs through enough
 copies of W that none is read from L2, and writes the fastest into
-``configs/int4_gemv/<device>.json`` (``"tensor_core"`` where that kernel wins). Group size 128
-(AWQ's and GPTQ's usual); the table is keyed by N x K alone.
+``configs/int4_gemv/<device>.json`` (``"tensor_core"`` where that kernel wins); then the
+tensor-core kernel's own candidates at 16-128 rows (``sweeps.Sweep``) into
+``configs/int4_gemm/``. Group size 128 (AWQ's and GPTQ's usual).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 
+from nanoserve.kernels import int4_gemm, sweeps
 from nanoserve.kernels.int4_gemm import TENSOR_CORE, int4_linear
 from nanoserve.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanoserve.kernels.skinny_gemm import ROW_BUCKETS, shape_key
+from nanoserve.config import ModelConfig
+from nanoserve.kernels.common import device_sm_count
 from nanoserve.kernels.tune import STREAMED_BYTES, _graph_us, model_to_tune, projection_shapes
 from nanoserve.kernels.tuning import device_key, save_entries
 
@@ -94,4 +98,29 @@ def tune_int4_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: 
             torch.cuda.empty_cache()
     path = save_entries("int4_gemv", device_key(device), entries)
     log(f"wrote {path}")
+    for sweep in gemm_sweeps(cfg, tp, device):
+        best, times = sweeps.best_launch(sweep, _graph_us, atol=5e-2)
+        save_entries("int4_gemm", device_key(device), {sweep.shape: {
+            sweep.bucket: best._asdict()}})
+        log(f"int4_gemm {sweep.shape} rows={sweep.bucket}: {best} {times[best]:.2f} us "
+            f"(heuristic {times.get(sweep.candidates[0], float('nan')):.2f} us)")
     return path
+
+
+def gemm_sweeps(cfg: ModelConfig, tp: int, device: torch.device,
+                dtype: torch.dtype = torch.bfloat16) -> Iterator[sweeps.Sweep]:
+    """The tensor-core kernel at each projection and the row buckets below cuBLAS's."""
+    sms = device_sm_count(device)
+    for n, k in {(n, k) for n, k, _ in projection_shapes(cfg, tp).values() if k % GROUP == 0}:
+        copies = max(2, min(MAX_COPIES, STREAMED_BYTES // (n * k // 2)))
+        packed, sz = int4_weights(n, k, copies, device, n + k)
+        for rows in int4_gemm.ROW_BUCKETS:
+            if rows >= int4_gemm.DEQUANT_ROWS:
+                continue
+            x = torch.randn(rows, k, device=device).to(dtype)
+
+            def run(config: tuple, i: int, x=x) -> torch.Tensor:
+                return int4_gemm.int4_gemm(x, packed[i], sz[i].to(dtype), GROUP, config)
+
+            yield sweeps.Sweep("int4_gemm", int4_gemm.shape_key(n, k, GROUP), str(rows),
+                               int4_gemm.candidates(rows, n, k, GROUP, sms), run, copies)

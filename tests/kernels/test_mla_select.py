@@ -1,0 +1,110 @@
+"""MLA decode's launch choice (tuning table, else the heuristic) and the latent split kernel
+under launches other than the default, on the CPU interpreter."""
+import os
+
+# Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.attention.mla_reference import mla_decode  # noqa: E402
+from nanoserve.kernels import mla_decode as mla  # noqa: E402
+from nanoserve.kernels.decode_attention import most_splits  # noqa: E402
+from nanoserve.kernels.mla_decode import (MlaDecodeConfig, candidates,  # noqa: E402
+                                          from_table, heuristic_config, mla_decode_attention)
+
+SHAPE = "16x512x64"  # DeepSeek-V2-Lite: 16 heads, latent 512, rope 64
+SMS = 132
+
+
+def test_untuned_shapes_launch_as_before_tables():
+    """Without an entry: the constants the kernel had (16 heads a program, 32 keys a tile, 8
+    warps, Triton's 3 stages) and num_decode_splits' count for blocks of 16 heads."""
+    for seqs, heads, context, splits in [(1, 16, 2048, 32), (64, 128, 8192, 4),
+                                         (256, 16, 512, 8), (8, 16, 40, 1)]:
+        want = MlaDecodeConfig(splits, 16, 32, 8, 3)
+        assert heuristic_config(seqs, heads, context, SMS) == want
+        assert from_table({}, seqs, heads, 512, 64, context, SMS) == want
+    assert mla.select(4, 16, 24, 8, 100, torch.device("cpu")) == MlaDecodeConfig(
+        heuristic_config(4, 16, 100, 4).num_splits, 16, 16, 1, 3)  # the interpreter's tiles
+
+
+def test_an_entry_applies_to_its_shape_and_bucket_only():
+    entry = MlaDecodeConfig(4, 32, 64, 8, 2)
+    table = {SHAPE: {"8x2048": entry._asdict()}}
+    assert from_table(table, 8, 16, 512, 64, 2048, SMS) == entry
+    assert from_table(table, 5, 16, 512, 64, 600, SMS) == entry  # same batch and context bucket
+    assert from_table(table, 9, 16, 512, 64, 2048, SMS) == heuristic_config(9, 16, 2048, SMS)
+    assert from_table(table, 8, 16, 512, 64, 4096, SMS) == heuristic_config(8, 16, 4096, SMS)
+    assert from_table(table, 8, 32, 512, 64, 2048, SMS) == heuristic_config(8, 32, 2048, SMS)
+    partial = {SHAPE: {"8x2048": {"block_n": 16}}}
+    assert from_table(partial, 8, 16, 512, 64, 2048, SMS) \
+        == heuristic_config(8, 16, 2048, SMS)._replace(block_n=16)
+    with pytest.raises(ValueError, match="block_h"):
+        from_table({SHAPE: {"8x2048": {"block_h": 32}}}, 8, 16, 512, 64, 2048, SMS)
+
+
+def test_a_tuned_split_count_stays_within_the_context():
+    table = {SHAPE: {"1x512": {"num_splits": 64}}}
+    assert from_table(table, 1, 16, 512, 64, 300, SMS).num_splits == most_splits(300) == 4
+
+
+def test_select_reads_the_mla_decode_table(monkeypatch):
+    tables = {"mla_decode": {SHAPE: {"1x512": {"num_warps": 4}}}}
+    monkeypatch.setattr(mla, "load_table", lambda op, device: tables[op])
+    monkeypatch.setattr(mla, "device_sm_count", lambda device: SMS)
+    cuda = torch.device("cuda")  # only a key here: select reads the table patched in
+    assert mla.select(1, 16, 512, 64, 512, cuda) \
+        == heuristic_config(1, 16, 512, SMS)._replace(num_warps=4)
+
+
+@pytest.mark.parametrize("seqs,heads,context", [(1, 16, 8192), (64, 128, 2048), (4, 16, 64)])
+def test_candidates_are_few_distinct_and_hold_the_heuristic(seqs, heads, context):
+    found = candidates(seqs, heads, context, SMS)
+    assert 4 <= len(found) <= 20 and len(set(found)) == len(found)
+    assert found[0] == heuristic_config(seqs, heads, context, SMS)
+    for c in found:
+        assert c.heads_per_program in (16, 32) and 1 <= c.num_splits <= most_splits(context)
+        assert c.heads_per_program == 16 or heads > 16
+
+
+def _decode_case(heads: int, seq_lens: list[int], rank: int = 24, rope: int = 8,
+                 nope: int = 8, v_dim: int = 6, block: int = 4):
+    """A paged latent cache (rows in scattered blocks, the rest garbage) and one query a
+    sequence: the kernel's arguments before the config, and the reference's output."""
+    gen = torch.Generator().manual_seed(heads)
+    blocks_per_seq = -(-max(seq_lens) // block)
+    tables = torch.randperm(len(seq_lens) * blocks_per_seq, generator=gen).view(
+        len(seq_lens), blocks_per_seq).to(torch.int32)
+    cache = torch.randn(tables.numel(), block, 1, rank + rope, generator=gen)
+    b = len(seq_lens)
+    meta = AttentionMetadata(torch.arange(b + 1, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.full((b,), -1, dtype=torch.int64), tables, 1, max(seq_lens))
+    q_nope = torch.randn(b, heads, nope, generator=gen)
+    q_rope = torch.randn(b, heads, rope, generator=gen)
+    kv_b = torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.3
+    args = (q_nope, q_rope, cache, tables, meta.seq_lens, meta.query_start_loc, max(seq_lens),
+            kv_b, v_dim, 0.2)
+    return args, mla_decode(q_nope, q_rope, cache, meta, kv_b, v_dim, 0.2)
+
+
+@pytest.mark.parametrize("heads,config", [
+    (20, MlaDecodeConfig(3, 32, 16, 8, 2)),  # a 32-head block over 20 heads, uneven splits
+    (20, MlaDecodeConfig(None, 16, 32, 4, 3)),  # two blocks, the last partly empty; own split
+    (4, MlaDecodeConfig(1, 16, 64, 8, 2)),  # no split: one tile spans whole contexts
+])
+def test_latent_decode_matches_reference_under_candidates(heads, config):
+    args, want = _decode_case(heads, [5, 13, 1, 9])
+    torch.testing.assert_close(mla_decode_attention(*args, config=config), want,
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_num_splits_overrides_the_configs():
+    args, want = _decode_case(4, [7, 12])
+    got = mla_decode_attention(*args, num_splits=2, config=MlaDecodeConfig(1, block_n=16))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
