@@ -113,6 +113,17 @@ def smollm2_path() -> Path:
         pytest.skip(str(exc))
 
 
+@pytest.fixture(autouse=True)
+def fresh_selects():
+    """Each test starts and ends with no tuning table read and no launch remembered (kernels'
+    selects are memoised), so a test that patches an op's table sees its own patch."""
+    from nanoserve.kernels import tuning
+
+    tuning.clear_caches()
+    yield
+    tuning.clear_caches()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Captured output as valid UTF-8: tests feed lone surrogates to the server, whose logs
