@@ -88,13 +88,13 @@ def test_tuning_an_unknown_op_names_the_tunable_ones(qwen3_config, capsys):
 @pytest.fixture
 def small_sweeps(monkeypatch):
     """The sweeps' buckets and sizes cut to what the interpreter runs in seconds."""
-    from nanoserve.kernels import fused_ops, sweeps
+    from nanoserve.kernels import attention_sweeps, fused_ops, sweeps
 
     monkeypatch.setattr(fused_ops, "ROW_BUCKETS", (1, 4))
     monkeypatch.setattr(sweeps, "BATCH_BUCKETS", (1, 4))
     monkeypatch.setattr(sweeps, "MOE_TOKENS", (2, 8))
-    monkeypatch.setattr(sweeps, "PREFILL_SEQS", 2)
-    monkeypatch.setattr(sweeps, "PREFILL_TOKENS", 48)
+    monkeypatch.setattr(attention_sweeps, "PREFILL_SEQS", 2)
+    monkeypatch.setattr(attention_sweeps, "PREFILL_TOKENS", 48)
 
 
 def test_every_op_is_tuned_at_the_models_shapes(qwen3_config, tmp_path, monkeypatch,

@@ -2,14 +2,14 @@
 
 For the decode projections' GEMV (each row bucket) it times cuBLAS and every tiling whose output
 matches, fusions included, as CUDA graphs through enough copies of W that none is read from L2;
-for the other ops (``sweeps.py``) every candidate launch of ``candidates`` whose output matches
-the heuristic's. The fastest go into ``configs/<op>/<device>.json``, which each op's ``select``
-reads.
+for the other ops (``sweeps.py``, ``attention_sweeps.py``) each of the op's ``candidates``
+whose output matches the heuristic's. The fastest go into ``configs/<op>/<device>.json``, which
+each op's ``select`` reads.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 import triton
 
 from nanoserve.config import ModelConfig
+from nanoserve.kernels import attention_sweeps as attention
 from nanoserve.kernels import skinny_gemm, sweeps
 from nanoserve.kernels.skinny_gemm import CUBLAS, ROW_BUCKETS, SkinnyConfig
 from nanoserve.kernels.tuning import device_key, save_entries
@@ -24,7 +25,8 @@ from nanoserve.kernels.tuning import device_key, save_entries
 # Bytes of W a timing graph walks through: several times any GPU's L2.
 STREAMED_BYTES = sweeps.STREAMED_BYTES
 MAX_COPIES = sweeps.MAX_COPIES
-OPS = ("skinny_gemm",) + sweeps.OPS
+OPS = ("skinny_gemm", "decode_attention", "mla_decode", "prefill_attention", "fused_moe",
+       "rms_norm", "silu_and_mul", "qk_norm_rope", "sampling", "fp8_block_gemm")
 # Decode attention's buckets timed by default: a graph's batch sizes up to 256, its context caps.
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 2048, 8192, 32768)
@@ -134,6 +136,31 @@ def tune_projection(rows: int, n: int, k: int, fusions: dict, device: torch.devi
     return min(times, key=times.get), times
 
 
+def op_sweeps(cfg: ModelConfig, tp: int, device: torch.device, ops: Sequence[str],
+              batches: Sequence[int], contexts: Sequence[int], fp8_cache: bool = False,
+              fp8_block: tuple[int, int] | None = None
+              ) -> Iterator[tuple[str, Iterator[sweeps.Sweep]]]:
+    """Each of ``ops`` but the GEMV (in :data:`OPS`' order) with the sweeps of ``cfg``'s
+    shapes, built lazily (one bucket's inputs on the device at a time); decode attention over
+    an fp8 cache with ``fp8_cache``; the block-fp8 GEMM for weights of ``fp8_block`` scale
+    blocks (none without)."""
+    builders = {
+        "decode_attention": lambda: attention.decode_sweeps(cfg, tp, device, batches, contexts,
+                                                            fp8_cache),
+        "mla_decode": lambda: attention.mla_sweeps(cfg, tp, device, batches, contexts),
+        "prefill_attention": lambda: attention.prefill_sweeps(cfg, tp, device),
+        "qk_norm_rope": lambda: attention.qk_norm_rope_sweeps(cfg, tp, device),
+        "fused_moe": lambda: sweeps.moe_sweeps(cfg, tp, device),
+        "rms_norm": lambda: sweeps.row_sweeps("rms_norm", cfg.hidden_size, device),
+        "silu_and_mul": lambda: sweeps.row_sweeps("silu_and_mul", cfg.intermediate_size // tp,
+                                                  device),
+        "sampling": lambda: sweeps.sampling_sweeps(cfg.vocab_size, device),
+        "fp8_block_gemm": lambda: sweeps.fp8_block_sweeps(cfg, tp, device, fp8_block)}
+    for op in OPS[1:]:
+        if op in ops:
+            yield op, builders[op]()
+
+
 def model_to_tune(model: str | Path, device: torch.device | None = None
                   ) -> tuple[ModelConfig, torch.device]:
     """``model``'s config and the device to tune on (a GPU: an error without one, unless a
@@ -189,7 +216,7 @@ def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int =
         raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
     cfg, device = model_to_tune(model, device)
     paths = [tune_projections(cfg, device, rows, tp, log)] if "skinny_gemm" in ops else []
-    for op, found in sweeps.op_sweeps(cfg, tp, device, ops, batches, contexts,
+    for op, found in op_sweeps(cfg, tp, device, ops, batches, contexts,
                                       kv_cache_dtype == "fp8", fp8_weight_block(model)):
         for sweep in found:  # each entry saved as it is found: a cut-off run keeps its part
             best, times = sweeps.best_launch(sweep, timer)
