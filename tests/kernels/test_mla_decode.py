@@ -15,18 +15,26 @@ from nanoserve.attention.mla_reference import (mla_decode, mla_prefill,  # noqa:
                                                rope_and_norm, store_latent)
 from nanoserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from nanoserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from nanoserve.kernels.mla_decode import mla_decode_attention, rope_store_latent  # noqa: E402
+from nanoserve.kernels.mla_decode import (MlaDecodeConfig, mla_decode_attention,  # noqa: E402
+                                          rope_store_latent)
 from nanoserve.layers.norm import RMSNorm  # noqa: E402
 from nanoserve.layers.rotary import rope_cos_sin  # noqa: E402
 
 GARBAGE = 1e3  # cache rows no sequence owns: a kernel reading them lands far off
 
 
-@pytest.mark.parametrize("num_splits,column_major", [(1, False), (3, False), (3, True)])
-def test_mla_decode_kernel_matches_reference(num_splits, column_major):
+@pytest.mark.parametrize("num_splits,column_major,heads,config", [
+    (1, False, 4, None), (3, False, 4, None), (3, True, 4, None),
+    # launches other than select's, as the tuner tries them
+    (None, False, 20, MlaDecodeConfig(3, 32, 16, 8, 2)),  # 32-head blocks over 20 heads
+    (None, False, 20, MlaDecodeConfig(None, 16, 32, 4, 3)),  # the last head block part empty
+    (None, False, 4, MlaDecodeConfig(1, 16, 64, 8, 2)),  # one tile spans whole contexts
+    (2, False, 4, MlaDecodeConfig(1, block_n=16)),  # num_splits overrides the config's
+])
+def test_mla_decode_kernel_matches_reference(num_splits, column_major, heads, config):
     """Row-major block tables (a step's) and column-major ones (the decode graphs' arena)."""
     gen = torch.Generator().manual_seed(0)
-    heads, nope, rope, rank, v_dim, block = 4, 8, 8, 24, 6, 4
+    nope, rope, rank, v_dim, block = 8, 8, 24, 6, 4
     seq_lens = [5, 13, 1, 9]
     tables = torch.tensor([[2, 7, 0, 0], [1, 4, 5, 8], [3, 0, 0, 0], [6, 9, 10, 0]],
                           dtype=torch.int32)
@@ -47,7 +55,7 @@ def test_mla_decode_kernel_matches_reference(num_splits, column_major):
     kv_b = torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.3
     got = mla_decode_attention(q_nope, q_rope, cache, tables, meta.seq_lens,
                                meta.query_start_loc, max(seq_lens), kv_b, v_dim, 0.2,
-                               num_splits=num_splits)
+                               num_splits=num_splits, config=config)
     want = mla_decode(q_nope, q_rope, cache, meta, kv_b, v_dim, 0.2)
     assert got.shape == (b, heads, v_dim)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -1,5 +1,5 @@
-"""MLA decode's launch choice (tuning table, else the heuristic) and the latent split kernel
-under launches other than the default, on the CPU interpreter."""
+"""MLA decode's launch choice: a tuning table's entry, else the heuristic (the kernel under
+other launches: test_mla_decode.py)."""
 import os
 
 # Must precede any triton import: the kernels then run on CPU tensors through the interpreter.
@@ -10,12 +10,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
-from nanoserve.attention.mla_reference import mla_decode  # noqa: E402
 from nanoserve.kernels import mla_decode as mla  # noqa: E402
 from nanoserve.kernels.decode_attention import most_splits  # noqa: E402
 from nanoserve.kernels.mla_decode import (MlaDecodeConfig, candidates,  # noqa: E402
-                                          from_table, heuristic_config, mla_decode_attention)
+                                          from_table, heuristic_config)
 
 SHAPE = "16x512x64"  # DeepSeek-V2-Lite: 16 heads, latent 512, rope 64
 SMS = 132
@@ -70,41 +68,3 @@ def test_candidates_are_few_distinct_and_hold_the_heuristic(seqs, heads, context
     for c in found:
         assert c.heads_per_program in (16, 32) and 1 <= c.num_splits <= most_splits(context)
         assert c.heads_per_program == 16 or heads > 16
-
-
-def _decode_case(heads: int, seq_lens: list[int], rank: int = 24, rope: int = 8,
-                 nope: int = 8, v_dim: int = 6, block: int = 4):
-    """A paged latent cache (rows in scattered blocks, the rest garbage) and one query a
-    sequence: the kernel's arguments before the config, and the reference's output."""
-    gen = torch.Generator().manual_seed(heads)
-    blocks_per_seq = -(-max(seq_lens) // block)
-    tables = torch.randperm(len(seq_lens) * blocks_per_seq, generator=gen).view(
-        len(seq_lens), blocks_per_seq).to(torch.int32)
-    cache = torch.randn(tables.numel(), block, 1, rank + rope, generator=gen)
-    b = len(seq_lens)
-    meta = AttentionMetadata(torch.arange(b + 1, dtype=torch.int32),
-                             torch.tensor(seq_lens, dtype=torch.int32),
-                             torch.full((b,), -1, dtype=torch.int64), tables, 1, max(seq_lens))
-    q_nope = torch.randn(b, heads, nope, generator=gen)
-    q_rope = torch.randn(b, heads, rope, generator=gen)
-    kv_b = torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.3
-    args = (q_nope, q_rope, cache, tables, meta.seq_lens, meta.query_start_loc, max(seq_lens),
-            kv_b, v_dim, 0.2)
-    return args, mla_decode(q_nope, q_rope, cache, meta, kv_b, v_dim, 0.2)
-
-
-@pytest.mark.parametrize("heads,config", [
-    (20, MlaDecodeConfig(3, 32, 16, 8, 2)),  # a 32-head block over 20 heads, uneven splits
-    (20, MlaDecodeConfig(None, 16, 32, 4, 3)),  # two blocks, the last partly empty; own split
-    (4, MlaDecodeConfig(1, 16, 64, 8, 2)),  # no split: one tile spans whole contexts
-])
-def test_latent_decode_matches_reference_under_candidates(heads, config):
-    args, want = _decode_case(heads, [5, 13, 1, 9])
-    torch.testing.assert_close(mla_decode_attention(*args, config=config), want,
-                               atol=2e-5, rtol=1e-4)
-
-
-def test_num_splits_overrides_the_configs():
-    args, want = _decode_case(4, [7, 12])
-    got = mla_decode_attention(*args, num_splits=2, config=MlaDecodeConfig(1, block_n=16))
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
