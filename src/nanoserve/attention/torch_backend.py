@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.attention.torch_plan import AttentionPlan, GroupPlan, plan_attention
+from nanoserve.attention.torch_plan import AttentionPlan, GroupPlan, cast, plan_attention
 
 if TYPE_CHECKING:
     from nanoserve.layers.norm import RMSNorm
@@ -45,8 +45,8 @@ class TorchAttentionBackend:
         if valid is not None:
             k, v = k[valid], v[valid]
         num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k.to(k_cache.dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.to(v_cache.dtype)
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = cast(k, k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = cast(v, v_cache.dtype)
 
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -128,7 +128,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
     start, mask = group.visibility(window)
     k_pad, v_pad = group.keys(k_cache, start, acc), group.keys(v_cache, start, acc)
-    qh = group.queries(q).to(acc).transpose(1, 2)  # [B, H, max_q, D]
+    qh = cast(group.queries(q), acc).transpose(1, 2)  # [B, H, max_q, D]
     if softcap <= 0 and sinks is None:
         out = F.scaled_dot_product_attention(qh, k_pad, v_pad,
                                              attn_mask=None if mask is None else mask[:, None],
@@ -154,4 +154,4 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out = out.view(batch, num_heads, max_q, v_pad.shape[-1])
     if group.empty_context:  # a zero-length sequence has no keys: its output is zero
         out = out.nan_to_num(0.0)
-    return group.packed(out.transpose(1, 2)).to(q.dtype)
+    return cast(group.packed(out.transpose(1, 2)), q.dtype)

@@ -70,12 +70,12 @@ class GroupPlan:
         if self.blocks is None:
             count = -(-self.max_kv // block_size)
             rows = cache[self.first_block:self.first_block + count].flatten(0, 1)
-            return rows[start:self.max_kv].to(dtype).unsqueeze(0).transpose(1, 2)
+            return cast(rows[start:self.max_kv], dtype).unsqueeze(0).transpose(1, 2)
         # Into a given tensor: PyTorch's CPU index_select is several times faster with out=.
         pages = cache.new_empty((len(self.blocks),) + cache.shape[1:])
         torch.index_select(cache, 0, self.blocks, out=pages)
         pages = pages.view(self.batch, -1, num_kv_heads, cache.shape[-1])  # MLA: v narrower
-        return pages[:, :self.max_kv].to(dtype).transpose(1, 2)
+        return cast(pages[:, :self.max_kv], dtype).transpose(1, 2)
 
     def packed(self, out: torch.Tensor) -> torch.Tensor:
         """``[B, max_q, H, D]`` outputs -> the real queries', packed ``[tokens, H, D]``."""
@@ -102,6 +102,12 @@ class AttentionPlan:
         if key not in self._rope:
             self._rope[key] = (cos_sin, positions, rope_rows(cos_sin, positions))
         return self._rope[key][2]
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; itself where it is already (``Tensor.to`` costs a dispatch even so,
+    and a decode step runs a few hundred of these)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def like_sequences(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:

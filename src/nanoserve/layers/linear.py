@@ -57,7 +57,9 @@ def quantized_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None, 
                      activate: bool = False, residual: torch.Tensor | None = None
                      ) -> torch.Tensor:
     """:func:`unfused_linear` through a packed quantized matrix (``packed.matmul``)."""
-    out = packed.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+    # A decode step's x is [tokens, K] already: reshapes cost more than a small product here.
+    out = packed.matmul(x) if x.dim() == 2 else \
+        packed.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
     if bias is not None:
         out = out + bias
     if activate:
