@@ -11,7 +11,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from nanoserve.kernels import mla_decode as mla  # noqa: E402
-from nanoserve.kernels.decode_attention import most_splits  # noqa: E402
+from nanoserve.kernels.decode_attention import MAX_SPLITS, clamped_splits  # noqa: E402
 from nanoserve.kernels.mla_decode import (MlaDecodeConfig, candidates,  # noqa: E402
                                           from_table, heuristic_config)
 
@@ -48,7 +48,8 @@ def test_an_entry_applies_to_its_shape_and_bucket_only():
 
 def test_a_tuned_split_count_stays_within_the_context():
     table = {SHAPE: {"1x512": {"num_splits": 64}}}
-    assert from_table(table, 1, 16, 512, 64, 300, SMS).num_splits == most_splits(300) == 4
+    most = clamped_splits(MAX_SPLITS, 300)
+    assert from_table(table, 1, 16, 512, 64, 300, SMS).num_splits == most == 4
 
 
 def test_select_reads_the_mla_decode_table(monkeypatch):
@@ -66,5 +67,6 @@ def test_candidates_are_few_distinct_and_hold_the_heuristic(seqs, heads, context
     assert 4 <= len(found) <= 20 and len(set(found)) == len(found)
     assert found[0] == heuristic_config(seqs, heads, context, SMS)
     for c in found:
-        assert c.heads_per_program in (16, 32) and 1 <= c.num_splits <= most_splits(context)
+        assert c.heads_per_program in (16, 32)
+        assert 1 <= c.num_splits <= clamped_splits(MAX_SPLITS, context)
         assert c.heads_per_program == 16 or heads > 16

@@ -20,6 +20,15 @@ PREFILL_SEQS, PREFILL_TOKENS = 4, 2048
 MAX_BATCH_TOKENS = 1 << 21
 
 
+def _decode_buckets(cfg: ModelConfig, batches: Sequence[int], contexts: Sequence[int]
+                    ) -> Iterator[tuple[int, int, int]]:
+    """(batch, context, cache blocks a sequence) of each decode bucket the model can reach."""
+    for batch in batches:
+        for context in contexts:
+            if context <= cfg.max_position_embeddings and batch * context <= MAX_BATCH_TOKENS:
+                yield batch, context, math.ceil(context / BLOCK_SIZE)
+
+
 def decode_sweeps(cfg: ModelConfig, tp: int, device: torch.device, batches: Sequence[int],
                   contexts: Sequence[int], fp8: bool = False,
                   dtype: torch.dtype = torch.bfloat16) -> Iterator[Sweep]:
@@ -28,39 +37,37 @@ def decode_sweeps(cfg: ModelConfig, tp: int, device: torch.device, batches: Sequ
     with ``fp8``."""
     if cfg.mla:
         return  # latent attention has its own kernel (mla_sweeps)
-    heads, kv_heads = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
-    head_dim, sms = cfg.head_dim, device_sm_count(device)
+    heads, kv_heads, head_dim = heads_of(cfg, tp)
+    sms = device_sm_count(device)
     gen = torch.Generator(device=device).manual_seed(0)
-    for batch in batches:
-        for context in contexts:
-            if context > cfg.max_position_embeddings or batch * context > MAX_BATCH_TOKENS:
-                continue
-            blocks = math.ceil(context / BLOCK_SIZE)
-            kv_bytes = 2 * batch * blocks * BLOCK_SIZE * kv_heads * head_dim * (1 if fp8 else 2)
-            copies = copies_for(kv_bytes)
-            shape = (copies * batch * blocks, BLOCK_SIZE, kv_heads, head_dim)
-            k_cache, v_cache = (torch.randn(shape, generator=gen, device=device, dtype=dtype)
-                                .to(torch.float8_e4m3fn if fp8 else dtype) for _ in range(2))
-            order = torch.randperm(shape[0], generator=gen, device=device).to(torch.int32)
-            tables = order.view(copies, batch, blocks)
-            q = torch.randn(batch, heads, head_dim, generator=gen, device=device, dtype=dtype)
-            lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-            starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
-            finishing = (False, True) if batch <= decode.LATENCY_MAX_SEQS else (False,)
-            for new_tokens in finishing:
-                new = (_new_tokens(q, kv_heads, tables, context, cfg.qk_norm, gen) if new_tokens
-                       else None)
+    for batch, context, blocks in _decode_buckets(cfg, batches, contexts):
+        kv_bytes = 2 * batch * blocks * BLOCK_SIZE * kv_heads * head_dim * (1 if fp8 else 2)
+        copies = copies_for(kv_bytes)
+        shape = (copies * batch * blocks, BLOCK_SIZE, kv_heads, head_dim)
+        k_cache, v_cache = (torch.randn(shape, generator=gen, device=device, dtype=dtype)
+                            .to(torch.float8_e4m3fn if fp8 else dtype) for _ in range(2))
+        order = torch.randperm(shape[0], generator=gen, device=device).to(torch.int32)
+        tables = order.view(copies, batch, blocks)
+        q = torch.randn(batch, heads, head_dim, generator=gen, device=device, dtype=dtype)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        finishing = (False, True) if batch <= decode.LATENCY_MAX_SEQS else (False,)
+        for new_tokens in finishing:
+            new = (_new_tokens(q, kv_heads, tables, context, cfg.qk_norm, gen) if new_tokens
+                   else None)
 
-                def run(config: decode.DecodeTuning, i: int, new=new) -> torch.Tensor:
-                    return decode.decode_attention(
-                        q, k_cache, v_cache, tables[i], lens, starts, context, head_dim ** -0.5,
-                        tuning=config, new_tokens=new if new is None else new(i))
+            def run(config: decode.DecodeTuning, i: int, new=new, q=q, k_cache=k_cache,
+                    v_cache=v_cache, tables=tables, lens=lens, starts=starts,
+                    context=context) -> torch.Tensor:
+                return decode.decode_attention(
+                    q, k_cache, v_cache, tables[i], lens, starts, context, head_dim ** -0.5,
+                    tuning=config, new_tokens=new if new is None else new(i))
 
-                yield Sweep("decode_attention",
-                            decode.shape_key(heads, kv_heads, head_dim, fp8, new_tokens),
-                            decode.bucket_key(batch, context),
-                            decode.candidates(batch, kv_heads, context, fp8, new_tokens, sms),
-                            run, copies)
+            yield Sweep("decode_attention",
+                        decode.shape_key(heads, kv_heads, head_dim, fp8, new_tokens),
+                        decode.bucket_key(batch, context),
+                        decode.candidates(batch, kv_heads, context, fp8, new_tokens, sms),
+                        run, copies)
 
 
 def _new_tokens(q: torch.Tensor, kv_heads: int, tables: torch.Tensor, context: int,
@@ -88,29 +95,25 @@ def mla_sweeps(cfg: ModelConfig, tp: int, device: torch.device, batches: Sequenc
         return
     heads, rank, rope = cfg.num_heads // tp, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
     sms = device_sm_count(device)
-    for batch in batches:
-        for context in contexts:
-            if context > cfg.max_position_embeddings or batch * context > MAX_BATCH_TOKENS:
-                continue
-            blocks = math.ceil(context / BLOCK_SIZE)
-            copies = copies_for(batch * blocks * BLOCK_SIZE * (rank + rope) * 2)
-            cache = randn(copies * batch * blocks, BLOCK_SIZE, 1, rank + rope, device=device)
-            tables = torch.randperm(cache.shape[0], device=device).to(torch.int32).view(
-                copies, batch, blocks)
-            q_latent = randn(batch, heads, rank, device=device)
-            q_rope = randn(batch, heads, rope, device=device)
-            lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-            starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    for batch, context, blocks in _decode_buckets(cfg, batches, contexts):
+        copies = copies_for(batch * blocks * BLOCK_SIZE * (rank + rope) * 2)
+        cache = randn(copies * batch * blocks, BLOCK_SIZE, 1, rank + rope, device=device)
+        tables = torch.randperm(cache.shape[0], device=device).to(torch.int32).view(
+            copies, batch, blocks)
+        q_latent = randn(batch, heads, rank, device=device)
+        q_rope = randn(batch, heads, rope, device=device)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
-            def run(config: tuple, i: int, q_latent=q_latent, q_rope=q_rope, cache=cache,
-                    tables=tables, lens=lens, starts=starts, context=context) -> torch.Tensor:
-                return mla_decode.latent_attention(q_latent, q_rope, cache, tables[i], lens,
-                                                   starts, context, (rank + rope) ** -0.5,
-                                                   config=config)
+        def run(config: tuple, i: int, q_latent=q_latent, q_rope=q_rope, cache=cache,
+                tables=tables, lens=lens, starts=starts, context=context) -> torch.Tensor:
+            return mla_decode.latent_attention(q_latent, q_rope, cache, tables[i], lens,
+                                               starts, context, (rank + rope) ** -0.5,
+                                               config=config)
 
-            yield Sweep("mla_decode", mla_decode.shape_key(heads, rank, rope),
-                        decode.bucket_key(batch, context),
-                        mla_decode.candidates(batch, heads, context, sms), run, copies)
+        yield Sweep("mla_decode", mla_decode.shape_key(heads, rank, rope),
+                    decode.bucket_key(batch, context),
+                    mla_decode.candidates(batch, heads, context, sms), run, copies)
 
 
 def prefill_sweeps(cfg: ModelConfig, tp: int, device: torch.device) -> Iterator[Sweep]:
@@ -150,9 +153,9 @@ def qk_norm_rope_sweeps(cfg: ModelConfig, tp: int, device: torch.device) -> Iter
     heads, kv_heads, head_dim = heads_of(cfg, tp)
     norms = (torch.ones(head_dim, device=device, dtype=torch.bfloat16),) * 2 + (1e-6,) \
         if cfg.qk_norm else ()
+    cos_sin = rope_cos_sin(head_dim, 4096, 1e6, None).to(device)
     for tokens in fused_ops.ROW_BUCKETS:
         positions = torch.randint(0, 4096, (tokens,), device=device)
-        cos_sin = rope_cos_sin(head_dim, 4096, 1e6, None).to(device)
         q = randn(tokens, heads, head_dim, device=device)
         k, v = (randn(tokens, kv_heads, head_dim, device=device) for _ in range(2))
         cache = (tokens + BLOCK_SIZE - 1) // BLOCK_SIZE, BLOCK_SIZE, kv_heads, head_dim

@@ -63,6 +63,7 @@ FP8_DECODE_TUNING = DecodeTuning(num_warps=2)
 # (runner/cuda_graph.py), the last for any longer context.
 CONTEXT_BUCKETS = (512, 2048, 8192, 32768, 131072)
 
+
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """How many context splits a decode launch uses, from host-side ints only: up to
     ``LATENCY_MAX_SEQS`` sequences, ``PROGRAMS_PER_SM`` programs per SM; larger batches below
@@ -112,8 +113,15 @@ def bucket_key(num_seqs: int, max_seq_len: int) -> str:
     return f"{bucket(num_seqs, BATCH_BUCKETS)}x{bucket(max_seq_len, CONTEXT_BUCKETS)}"
 
 
-def most_splits(max_seq_len: int) -> int:
-    return max(1, min(max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+def clamped_splits(num_splits: int, max_seq_len: int) -> int:
+    """``num_splits`` (a tuned count) within what ``max_seq_len`` allows: no slice under
+    ``MIN_TOKENS_PER_SPLIT`` keys, at most ``MAX_SPLITS``."""
+    return max(1, min(num_splits, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+
+
+def split_choices(num_splits: int, max_seq_len: int) -> list[int]:
+    """Split counts worth timing beside the heuristic's ``num_splits``: it, half, double."""
+    return sorted({clamped_splits(num_splits * f // 2, max_seq_len) for f in (1, 2, 4)})
 
 
 def from_table(table: dict, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -124,7 +132,7 @@ def from_table(table: dict, num_seqs: int, num_heads: int, num_kv_heads: int, he
                    bucket_key(num_seqs, max_seq_len),
                    heuristic_config(num_seqs, num_kv_heads, max_seq_len, fp8, new_tokens,
                                     num_sms))
-    return config._replace(num_splits=max(1, min(config.num_splits, most_splits(max_seq_len))))
+    return config._replace(num_splits=clamped_splits(config.num_splits, max_seq_len))
 
 
 @memoised
@@ -142,10 +150,9 @@ def candidates(num_seqs: int, num_kv_heads: int, max_seq_len: int, fp8: bool,
     """Launches worth timing for one bucket: the heuristic's, and its split count, halved and
     doubled, with key tiles of 32 or 64 over 2 or 4 warps, pipelined or not."""
     base = heuristic_config(num_seqs, num_kv_heads, max_seq_len, fp8, new_tokens, num_sms)
-    splits = sorted({max(1, min(base.num_splits * f // 2, most_splits(max_seq_len)))
-                     for f in (1, 2, 4)})
     found = [base] + [base._replace(num_splits=n, block_n=b, num_warps=w, num_stages=stages)
-                      for n in splits for b in (32, 64) for w in (2, 4) for stages in (1, 3)]
+                      for n in split_choices(base.num_splits, max_seq_len)
+                      for b in (32, 64) for w in (2, 4) for stages in (1, 3)]
     return list(dict.fromkeys(found))
 
 

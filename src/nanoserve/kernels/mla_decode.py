@@ -18,8 +18,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoserve.kernels.common import (LOG2E, device_sm_count, dot_precision, interpreted,
                                       online_softmax_step, programmatic_launch)
-from nanoserve.kernels.decode_attention import (INTERPRETER_BLOCK_N, bucket_key, most_splits,
-                                                num_decode_splits)
+from nanoserve.kernels.decode_attention import (INTERPRETER_BLOCK_N, bucket_key, clamped_splits,
+                                                num_decode_splits, split_choices)
 from nanoserve.kernels.decode_kernels import _decode_reduce_kernel
 from nanoserve.kernels.tuning import load_table, memoised, tuned
 
@@ -57,7 +57,7 @@ def from_table(table: dict, num_seqs: int, num_heads: int, rank: int, rope: int,
     tuned split count is kept within what the context allows."""
     config = tuned(table, shape_key(num_heads, rank, rope), bucket_key(num_seqs, max_seq_len),
                    heuristic_config(num_seqs, num_heads, max_seq_len, num_sms))
-    return config._replace(num_splits=max(1, min(config.num_splits, most_splits(max_seq_len))))
+    return config._replace(num_splits=clamped_splits(config.num_splits, max_seq_len))
 
 
 @memoised
@@ -86,10 +86,9 @@ def candidates(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int
     doubled, by :data:`CANDIDATE_TILES` (blocks of 32 heads only where there are more than
     16: each cached row is then read by half the programs)."""
     base = heuristic_config(num_seqs, num_heads, max_seq_len, num_sms)
-    splits = sorted({max(1, min(base.num_splits * f // 2, most_splits(max_seq_len)))
-                     for f in (1, 2, 4)})
     found = [base] + [MlaDecodeConfig(n, heads, block_n, warps, stages)
-                      for n in splits for heads, block_n, warps, stages in CANDIDATE_TILES
+                      for n in split_choices(base.num_splits, max_seq_len)
+                      for heads, block_n, warps, stages in CANDIDATE_TILES
                       if heads == 16 or num_heads > 16]
     return list(dict.fromkeys(found))
 

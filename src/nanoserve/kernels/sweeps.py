@@ -128,7 +128,7 @@ def fp8_block_sweeps(cfg: ModelConfig, tp: int, device: torch.device,
     if block is None:
         return
     bn, bk = block
-    for n, k, _ in {(n, k, None) for n, k, _ in projection_shapes(cfg, tp).values()}:
+    for n, k in {(n, k) for n, k, _ in projection_shapes(cfg, tp).values()}:
         if n % bn or k % bk:
             continue
         copies = copies_for(n * k)
@@ -138,7 +138,8 @@ def fp8_block_sweeps(cfg: ModelConfig, tp: int, device: torch.device,
             q = randn(rows, k, device=device).to(torch.float8_e4m3fn)
             x_scales = torch.rand(rows, k // bk, device=device) * 1e-2
 
-            def run(config: tuple, i: int, q=q, x_scales=x_scales) -> torch.Tensor:
+            def run(config: tuple, i: int, q=q, x_scales=x_scales, weights=weights,
+                    w_scales=w_scales) -> torch.Tensor:
                 return fp8_block_gemm.fp8_block_linear(q, x_scales, weights[i], w_scales, block,
                                                        torch.bfloat16, config=config)
 

@@ -9,7 +9,7 @@ each op's ``select`` reads.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +156,9 @@ def op_sweeps(cfg: ModelConfig, tp: int, device: torch.device, ops: Sequence[str
                                                   device),
         "sampling": lambda: sweeps.sampling_sweeps(cfg.vocab_size, device),
         "fp8_block_gemm": lambda: sweeps.fp8_block_sweeps(cfg, tp, device, fp8_block)}
-    for op in OPS[1:]:
+    for op, build in builders.items():
         if op in ops:
-            yield op, builders[op]()
+            yield op, build()
 
 
 def model_to_tune(model: str | Path, device: torch.device | None = None
@@ -216,15 +216,24 @@ def tune_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: int =
         raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
     cfg, device = model_to_tune(model, device)
     paths = [tune_projections(cfg, device, rows, tp, log)] if "skinny_gemm" in ops else []
-    for op, found in op_sweeps(cfg, tp, device, ops, batches, contexts,
-                                      kv_cache_dtype == "fp8", fp8_weight_block(model)):
-        for sweep in found:  # each entry saved as it is found: a cut-off run keeps its part
-            best, times = sweeps.best_launch(sweep, timer)
-            path = save_entries(op, device_key(device), {sweep.shape: {
-                sweep.bucket: best._asdict()}})
-            paths += [path] if path not in paths else []
-            log(f"{op} {sweep.shape} {sweep.bucket}: {best} {times[best]:.2f} us (heuristic "
-                f"{times.get(sweep.candidates[0], float('nan')):.2f} us, {len(times)} timed)")
+    for _, found in op_sweeps(cfg, tp, device, ops, batches, contexts, kv_cache_dtype == "fp8",
+                              fp8_weight_block(model)):
+        paths += [p for p in save_fastest(found, device, timer, log) if p not in paths]
     for path in paths:
         log(f"wrote {path}")
+    return paths
+
+
+def save_fastest(found: Iterable[sweeps.Sweep], device: torch.device, timer: sweeps.Timer,
+                 log: Callable[[str], None], atol: float = 2e-2) -> list[Path]:
+    """Time each sweep's candidates and save its fastest into its op's table at once (a run
+    cut off keeps what it found); returns the files written."""
+    paths: list[Path] = []
+    for sweep in found:
+        best, times = sweeps.best_launch(sweep, timer, atol)
+        path = save_entries(sweep.op, device_key(device), {sweep.shape: {
+            sweep.bucket: best._asdict()}})
+        paths += [path] if path not in paths else []
+        log(f"{sweep.op} {sweep.shape} {sweep.bucket}: {best} {times[best]:.2f} us (heuristic "
+            f"{times.get(sweep.candidates[0], float('nan')):.2f} us, {len(times)} timed)")
     return paths

@@ -23,7 +23,8 @@ from nanoserve.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanoserve.kernels.skinny_gemm import ROW_BUCKETS, shape_key
 from nanoserve.config import ModelConfig
 from nanoserve.kernels.common import device_sm_count
-from nanoserve.kernels.tune import STREAMED_BYTES, _graph_us, model_to_tune, projection_shapes
+from nanoserve.kernels.tune import (STREAMED_BYTES, _graph_us, model_to_tune, projection_shapes,
+                                    save_fastest)
 from nanoserve.kernels.tuning import device_key, save_entries
 
 GROUP = 128
@@ -98,12 +99,7 @@ def tune_int4_model(model: str | Path, rows: tuple[int, ...] = ROW_BUCKETS, tp: 
             torch.cuda.empty_cache()
     path = save_entries("int4_gemv", device_key(device), entries)
     log(f"wrote {path}")
-    for sweep in gemm_sweeps(cfg, tp, device):
-        best, times = sweeps.best_launch(sweep, _graph_us, atol=5e-2)
-        save_entries("int4_gemm", device_key(device), {sweep.shape: {
-            sweep.bucket: best._asdict()}})
-        log(f"int4_gemm {sweep.shape} rows={sweep.bucket}: {best} {times[best]:.2f} us "
-            f"(heuristic {times.get(sweep.candidates[0], float('nan')):.2f} us)")
+    save_fastest(gemm_sweeps(cfg, tp, device), device, _graph_us, log, atol=5e-2)
     return path
 
 
@@ -114,13 +110,14 @@ def gemm_sweeps(cfg: ModelConfig, tp: int, device: torch.device,
     for n, k in {(n, k) for n, k, _ in projection_shapes(cfg, tp).values() if k % GROUP == 0}:
         copies = max(2, min(MAX_COPIES, STREAMED_BYTES // (n * k // 2)))
         packed, sz = int4_weights(n, k, copies, device, n + k)
+        sz = [s.to(dtype) for s in sz]
         for rows in int4_gemm.ROW_BUCKETS:
             if rows >= int4_gemm.DEQUANT_ROWS:
                 continue
             x = torch.randn(rows, k, device=device).to(dtype)
 
-            def run(config: tuple, i: int, x=x) -> torch.Tensor:
-                return int4_gemm.int4_gemm(x, packed[i], sz[i].to(dtype), GROUP, config)
+            def run(config: tuple, i: int, x=x, packed=packed, sz=sz) -> torch.Tensor:
+                return int4_gemm.int4_gemm(x, packed[i], sz[i], GROUP, config)
 
             yield sweeps.Sweep("int4_gemm", int4_gemm.shape_key(n, k, GROUP), str(rows),
                                int4_gemm.candidates(rows, n, k, GROUP, sms), run, copies)

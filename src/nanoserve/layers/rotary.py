@@ -142,9 +142,9 @@ def _rotate(x: torch.Tensor, rows: RopeRows) -> torch.Tensor:
         return torch.cat([_rotate(x[..., :rot], rows), x[..., rot:]], dim=-1)
     # [x1 * cos - x2 * sin, x2 * cos + x1 * sin] in float32, as transformers rounds it: adding
     # x2 * -sin is subtracting x2 * sin, bit for bit.
-    xf = x if x.dtype == torch.float32 else x.float()  # a cast to the same dtype still costs
+    xf = x.float()
     out = xf * cos + xf.roll(rot // 2, -1) * sin
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)  # .to costs a dispatch even so
 
 
 def share_rotaries(attentions: list[nn.Module]) -> None:
