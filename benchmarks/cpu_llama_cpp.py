@@ -103,7 +103,9 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, count, concurrency in (("single", 4, 1), ("batch", args.num_prompts, None)):
                 for engine, url in urls.items():
-                    summary = measure(url, jobs(count, random.Random(0), 100, 128), concurrency)
+                    # Fresh prompts each round (the same for both engines): none is cached.
+                    prompts = jobs(count, random.Random(round_), 100, 128)
+                    summary = measure(url, prompts, concurrency)
                     print(json.dumps({"engine": engine, "workload": name, "round": round_,
                                       **summary}), flush=True)
                     kept = best.get((engine, name))
