@@ -77,6 +77,7 @@ async function send(text) {
   controller = new AbortController();
   setBusy(true);
   let content = "", reasoning = "", tokens = 0, first = null, last = null;
+  const sent = performance.now();
   try {
     const response = await fetch("v1/chat/completions", {
       method: "POST", headers: headers(), signal: controller.signal,
@@ -124,8 +125,11 @@ async function send(text) {
     controller = null;
     setBusy(false);
     if (content) history.push({ role: "assistant", content });
-    if (first !== null && last > first && tokens > 1) {
-      $("speed").textContent = ((tokens - 1) / ((last - first) / 1000)).toFixed(1) + " tok/s";
+    // Decode speed between the first and last delta; when the stream arrived in one read
+    // (no span between them), the whole reply's rate from the moment it was asked for.
+    if (first !== null && tokens > 1) {
+      const rate = last > first ? (tokens - 1) / (last - first) : tokens / (last - sent);
+      if (Number.isFinite(rate)) $("speed").textContent = (rate * 1000).toFixed(1) + " tok/s";
     }
     view.div.dataset.done = "true";
   }
