@@ -275,9 +275,10 @@ class FakeEngine:
     """
 
     def __init__(self, num_blocks: int, max_num_seqs: int = 8, budget: int = 32,
-                 prefix_caching: bool = True, overlap: bool = False):
+                 prefix_caching: bool = True, overlap: bool = False,
+                 windows: tuple[int, ...] = (0,)):
         self.bm = BlockManager(num_blocks, BS, prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, windows)
         self.overlap = overlap
         self.in_flight: list = []
         self.finished: list[Request] = []
@@ -303,17 +304,18 @@ class FakeEngine:
         for c in out.chunks:
             self.sched.advance(c)
             req = c.request
-            for i, block_id in enumerate(req.block_table[:req.num_registered_blocks]):
-                block = self.bm.blocks[block_id]  # hashed: the request's known tokens there
-                assert block.hash is None or block.tokens == array(
-                    "I", req.token_ids[i * BS:(i + 1) * BS]).tobytes()
+            for window, table in zip(self.sched.windows, req.block_tables):
+                for i in range(req.num_slid_blocks if window else 0, req.num_registered_blocks):
+                    block = self.bm.blocks[table[i]]  # hashed: the request's known tokens there
+                    assert block.hash is None or block.tokens == array(
+                        "I", req.token_ids[i * BS:(i + 1) * BS]).tobytes()
         previous, self.in_flight = self.in_flight, [c for c in out.chunks if c.samples]
         self._land(previous)
         if not self.overlap:
             self._land(self.in_flight)
             self.in_flight = []
-        _assert_consistent(self.bm, [r.block_table for r in self.sched.running]
-                           + [r.block_table for r in self.sched.waiting])
+        _assert_consistent(self.bm, [held for r in self.sched.running + list(self.sched.waiting)
+                                     for held in self.sched.held_blocks(r)])
         return out
 
     def _land(self, chunks) -> None:
@@ -457,3 +459,71 @@ def test_random_stream_leaks_no_blocks(seed, prefix_caching, overlap):
     assert all(r.num_output_tokens == r.max_tokens for r in eng.finished)
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
     assert all(b.ref_count == 0 for b in eng.bm.blocks)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("windows", [(0, 5), (0, 9, 9), (6,)])
+def test_cache_groups_hold_what_their_windows_read(seed, prefix_caching, windows):
+    """A request has a table per cache group, all as long; a full group holds every block of
+    the sequence, a sliding one at most its window's (with a step's and the last registered
+    block), and nothing leaks, under preemption, prefix hits and overlapped steps."""
+    rng = random.Random(seed)
+    eng = FakeEngine(num_blocks=rng.randint(10, 20), max_num_seqs=rng.randint(2, 4),
+                     budget=rng.randint(4, 12), prefix_caching=prefix_caching,
+                     overlap=bool(seed % 2), windows=windows)
+    shared = [rng.randrange(500) for _ in range(16)]
+    schedule = eng.sched.schedule
+    held_most = 0
+
+    def watched():
+        nonlocal held_most
+        out = schedule()
+        for c in out.chunks:
+            req = c.request
+            assert len(req.block_tables) == len(windows)
+            assert len({len(t) for t in req.block_tables}) == 1
+            for window, held in zip(windows, eng.sched.held_blocks(req)):
+                if window:
+                    held_most = max(held_most, len(held))
+                else:
+                    assert len(held) == len(req.block_tables[0])
+        return out
+
+    eng.sched.schedule = watched
+    total = 0
+    for i in range(40):
+        if rng.random() < 0.5:
+            prompt = shared[:rng.randint(0, 16)] + [rng.randrange(500)
+                                                     for _ in range(rng.randint(1, 20))]
+            max_tokens = rng.randint(1, 12)
+            if eng.sched.max_blocks_held(len(prompt) + max_tokens) <= eng.bm.num_blocks:
+                eng.add(_req(f"r{i}", prompt, max_tokens))
+                total += 1
+        if eng.sched.has_unfinished() or eng.in_flight:
+            eng.step()
+    eng.run()
+    assert len(eng.finished) == total
+    window = max(windows)
+    assert held_most <= eng.bm.blocks_needed(window + eng.sched.max_num_batched_tokens) + 2
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+def test_groups_match_prefixes_of_their_own():
+    """A block cached for one group is no hit for another; a prefix counts as cached only as
+    far as every group has it where its next query reads."""
+    bm = BlockManager(32, BS)
+    seq = list(range(21))  # 5 full blocks before the last token
+    full, sliding = bm.allocate(5), bm.allocate(5)
+    bm.register_full_blocks(full, seq, 20, 0, group=0)
+    assert bm.match_groups(seq, (0, 6)) == (0, [(0, []), (0, [])])  # group 1 has nothing
+    bm.register_full_blocks(sliding, seq, 20, 0, group=1)
+    assert bm.match_groups(seq, (0, 6)) == (5, [(0, full), (3, sliding[3:])])
+    assert bm.match_prefix(seq) == full
+    bm.allocate(bm.num_free_blocks)
+    bm.free_blocks(full[4:])
+    bm.allocate(1)  # evicts the full group's last block: the prefix ends before it
+    assert bm.match_groups(seq, (0, 6)) == (4, [(0, full[:4]), (2, sliding[2:4])])
+    bm.free_blocks(sliding[3:4])
+    bm.allocate(1)  # a block the sliding group reads at 4 blocks: the prefix ends sooner
+    assert bm.match_groups(seq, (0, 6)) == (3, [(0, full[:3]), (1, sliding[1:3])])

@@ -69,6 +69,40 @@ def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
     assert (arena.int64[region.sources][n:] == 0).all()
 
 
+@pytest.mark.parametrize("num_groups", [2, 3])
+def test_staged_step_reads_as_the_eager_inputs_of_every_cache_group(num_groups):
+    """Chunks carrying a table per cache group (back to back): each group's view of the
+    region (tables strided through the shared columns, slots) reads as the eager metadata's
+    view of that group, padding included."""
+    num_seqs, bs = 3, 4
+    chunks, last_rows = decode_step(7, num_seqs)
+    rng = random.Random(num_groups)
+    for c in chunks:  # later groups' tables: other blocks, as many
+        n = len(c.block_table)
+        c.block_table = c.block_table + [rng.randrange(100, 200)
+                                         for _ in range(n * (num_groups - 1))]
+    arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"),
+                       num_groups=num_groups)
+    last_samples = torch.arange(8) * 3
+    arena.samples.copy_(last_samples)
+    rows = decode_rows(chunks, BLOCK_SIZE, last_rows, num_groups)
+    region = arena.stage(bs, rows, None, -1)
+    _, _, meta, _ = prepare_inputs(chunks, BLOCK_SIZE, torch.device("cpu"), last_samples,
+                                   last_rows, num_groups=num_groups)
+    width = rows.tables.shape[1] // num_groups
+    assert len(meta.groups) == len(region.group_tables) == num_groups
+    for g in range(num_groups):
+        view = meta.group(g)
+        assert torch.equal(region.group_tables[g][:num_seqs, :width], view.block_tables)
+        assert torch.equal(region.group_slots[g][:num_seqs], view.slot_mapping)
+        assert (region.group_slots[g][num_seqs:] == -1).all()
+        assert (region.group_tables[g][num_seqs:, 0] == 0).all()
+        assert view.block_tables.tolist() != meta.group((g + 1) % num_groups).block_tables.tolist()
+        for c, table in zip(chunks, view.block_tables.tolist()):
+            n = len(c.block_table) // num_groups
+            assert table[:n] == c.block_table[g * n:(g + 1) * n]
+
+
 def test_rows_go_longest_first_and_ties_keep_batch_order():
     lengths = [5, 9, 5, 12, 9, 5]
     chunks = [SequenceChunk(f"r{i}", [7], n - 1, [i], True, SamplingParams(), [], [], [])

@@ -38,6 +38,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Layers that slide and layers that do not share one block table: a sliding layer keeps
+    # every block of its sequence, as a full one does (attention/cache_spec.py).
+    disable_hybrid_kv_cache_manager: bool = False
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     seed: int = 0
@@ -163,11 +166,9 @@ class ModelConfig:
         return self.sliding_window if self.is_sliding(layer) else 0
 
     @property
-    def uniform_window(self) -> int:
-        """The window when every layer slides (its cache can then drop what all slid past)."""
-        if self.num_layers and all(self.is_sliding(i) for i in range(self.num_layers)):
-            return self.sliding_window
-        return 0
+    def layer_windows(self) -> list[int]:
+        """Every layer's sliding window (0: full attention)."""
+        return [self.window_of(i) for i in range(self.num_layers)]
 
     def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
         """Layer ``layer``'s RoPE (theta, scaling)."""

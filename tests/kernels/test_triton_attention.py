@@ -668,3 +668,35 @@ def test_backend_launches_the_tuned_split_count(monkeypatch):
     assert launched[0]["tuning"].num_splits == 3 and launched[0]["new_tokens"] is not None
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float16])
     torch.testing.assert_close(k_cache, expected_caches[0], **TOLERANCE[torch.float16])
+
+
+def test_hybrid_cache_engine_on_the_triton_backend_gives_the_torch_backends_tokens(
+        tokenizer_dir, tmp_path, monkeypatch):
+    """A tiny Gemma 3 with a table per group of layers (three sliding, one full): its kernels
+    read each group's tables and slots, strided views of one step's upload, and give the
+    PyTorch backend's tokens; prompts longer than the window and than a prefill chunk."""
+    import random
+
+    from test_hybrid_cache import save_gemma3
+
+    import nanoserve.runner.model_runner as model_runner
+    from nanoserve import LLM, SamplingParams
+
+    path = save_gemma3(tmp_path, tokenizer_dir)
+    rng = random.Random(0)
+    prompts = [[rng.randint(1, 60) for _ in range(n)] for n in (5, 40, 23, 9)]
+
+    def greedy() -> list[list[int]]:
+        llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=4, block_size=4,
+                  max_num_batched_tokens=32)
+        try:
+            assert llm.engine.scheduler.num_groups == 4
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
+                                                        ignore_eos=True), use_tqdm=False)
+        finally:
+            llm.close()
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = greedy()
+    monkeypatch.setattr(model_runner, "select_backend", lambda device: TritonAttentionBackend())
+    assert greedy() == want

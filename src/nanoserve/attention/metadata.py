@@ -1,9 +1,10 @@
 """Per-step attention metadata: the one object every attention layer reads during a forward."""
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +12,9 @@ import torch
 @dataclass
 class AttentionMetadata:
     """A forward pass's batch: every sequence's new tokens back to back (``T`` in all), sequence
-    ``i``'s after its cached ones, its keys read through ``block_tables[i]``."""
+    ``i``'s after its cached ones, its keys read through ``block_tables[i]``. Where the cache
+    has several groups (attention/cache_spec.py), ``group(g)`` is the view of group ``g``'s
+    layers: its block tables and slots; the rest is shared."""
 
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative new-token counts
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
@@ -26,6 +29,18 @@ class AttentionMetadata:
     # Decode-only rows that are consecutive tokens of one sequence (a verify step's): a row's
     # keys include the rows' before it, so each row's K/V is stored before any row attends.
     rows_share_sequences: bool = False
+    groups: tuple[AttentionMetadata, ...] = field(default=(), repr=False)
+
+    def with_groups(self, block_tables: Sequence[torch.Tensor],
+                    slot_mappings: Sequence[torch.Tensor]) -> AttentionMetadata:
+        """This batch with a view per cache group (group 0's tables and slots its own)."""
+        groups = tuple(dataclasses.replace(self, block_tables=tables, slot_mapping=slots)
+                       for tables, slots in zip(block_tables, slot_mappings))
+        return dataclasses.replace(groups[0], groups=groups)
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata that cache group ``index``'s layers read."""
+        return self.groups[index] if self.groups else self
 
     @property
     def num_seqs(self) -> int:

@@ -20,14 +20,17 @@ class TorchAttentionBackend:
     The batch's layout is worked out once per forward (``torch_plan.py``), at its first layer."""
 
     def __init__(self) -> None:
-        self._plan: tuple[AttentionMetadata, int, AttentionPlan] | None = None
+        # The latest layouts: a forward has one per cache group's metadata.
+        self._plans: list[tuple[AttentionMetadata, int, AttentionPlan]] = []
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> AttentionPlan:
         """``meta``'s layout, made at the first layer that reads it (metadata is not changed
         during a forward)."""
-        if self._plan is None or self._plan[0] is not meta or self._plan[1] != block_size:
-            self._plan = (meta, block_size, plan_attention(meta, block_size))
-        return self._plan[2]
+        for known, size, plan in self._plans:
+            if known is meta and size == block_size:
+                return plan
+        self._plans = self._plans[-15:] + [(meta, block_size, plan_attention(meta, block_size))]
+        return self._plans[-1][2]
 
     def prefill_tile(self, num_heads: int, num_kv_heads: int, head_dim: int,
                      device: torch.device) -> int:

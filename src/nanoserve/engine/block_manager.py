@@ -65,34 +65,52 @@ class BlockManager:
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Cached blocks holding a prefix of ``token_ids``, leaving at least one to compute."""
-        matched: list[int] = []
-        for block_id in self._cached_chain(token_ids):
-            if block_id is None:
-                break
-            matched.append(block_id)
-        return matched
+        return self.match_groups(token_ids, (0,))[1][0][1]
 
     def match_window(self, token_ids: list[int], window: int) -> tuple[int, list[int]]:
         """For a model whose every layer sees the last ``window`` positions: the longest
         prefix whose blocks inside the next query's window, and at least its last block
         (whose hash the next block's chains on), are cached, as (blocks before them, which
         need not be, and the cached blocks)."""
-        found = list(self._cached_chain(token_ids))
-        run = 0  # cached blocks in a row, ending at block end - 1
-        best = (0, [])
-        for end, block_id in enumerate(found, 1):
-            run = run + 1 if block_id is not None else 0
-            first = min(end - 1, max(0, end * self.block_size - window + 1) // self.block_size)
-            if run >= end - first:
-                best = (first, found[first:end])
-        return best
+        return self.match_groups(token_ids, (window,))[1][0]
 
-    def _cached_chain(self, token_ids: list[int]) -> Iterator[int | None]:
-        """Per full block of ``token_ids`` but the last token's, its cached block's id (None
-        where not cached: an unknown hash or a collision)."""
+    def match_groups(self, token_ids: list[int], windows: tuple[int, ...]
+                     ) -> tuple[int, list[tuple[int, list[int]]]]:
+        """The longest prefix of ``token_ids`` (in blocks, leaving at least one token to
+        compute) that every cache group has cached where it reads: a full group (window 0) all
+        its blocks, a sliding group those inside the next query's window and the last one;
+        with, per group, (blocks before its cached ones, which need not be, its cached ones)."""
+        chains = [self._cached_chain(token_ids, group) for group in range(len(windows))]
+        found: list[list[int | None]] = [[] for _ in windows]
+        runs = [0] * len(windows)  # per group: cached blocks in a row, ending at block end - 1
+        best = 0
+        for end, ids in enumerate(zip(*chains), 1):
+            fits = True
+            for group, (window, block_id) in enumerate(zip(windows, ids)):
+                found[group].append(block_id)
+                runs[group] = runs[group] + 1 if block_id is not None else 0
+                fits = fits and runs[group] >= end - self.first_read(end, window)
+            if fits:
+                best = end
+            elif not all(windows[g] for g in range(len(windows)) if runs[g] < end):
+                break  # a full group missed a block: no longer prefix can fit
+        firsts = [self.first_read(best, w) if best else 0 for w in windows]
+        return best, [(first, blocks[first:best]) for first, blocks in zip(firsts, found)]
+
+    def first_read(self, num_blocks: int, window: int) -> int:
+        """The first of a prefix's ``num_blocks`` blocks that its next query's ``window`` (0:
+        all) reads, or, past all, its last block."""
+        if not window:
+            return 0
+        return min(num_blocks - 1, max(0, num_blocks * self.block_size - window + 1)
+                   // self.block_size)
+
+    def _cached_chain(self, token_ids: list[int], group: int = 0) -> Iterator[int | None]:
+        """Per full block of ``token_ids`` but the last token's, its cached block's id in cache
+        group ``group`` (None where not cached: an unknown hash or a collision)."""
         if not self.enable_prefix_caching:
             return
-        parent: int | None = None
+        parent: int | None = group or None  # each group's chain has a seed of its own
         usable = (len(token_ids) - 1) // self.block_size
         for tokens in packed_blocks(token_ids, 0, usable, self.block_size):
             h = hash_block(parent, tokens)
@@ -159,12 +177,14 @@ class BlockManager:
                 self.free[block_id] = None
 
     def register_full_blocks(self, block_table: list[int], token_ids: list[int],
-                             num_computed: int, num_registered: int) -> int:
-        """Hash every newly full, computed block of a sequence; returns how many are registered."""
+                             num_computed: int, num_registered: int, group: int = 0) -> int:
+        """Hash every newly full, computed block of a sequence's table of cache group
+        ``group``; returns how many are registered."""
         if not self.enable_prefix_caching:
             return num_registered
         num_full = num_computed // self.block_size
-        parent = self.blocks[block_table[num_registered - 1]].hash if num_registered else None
+        parent = self.blocks[block_table[num_registered - 1]].hash if num_registered \
+            else group or None
         for i, tokens in enumerate(packed_blocks(token_ids, num_registered, num_full,
                                                  self.block_size), num_registered):
             h = hash_block(parent, tokens)

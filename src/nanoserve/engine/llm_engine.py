@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nanoserve.attention.cache_spec import cache_groups
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.fault_hunt import FaultHunt
@@ -86,8 +87,10 @@ class LLMEngine:
         self.max_model_len = max_model_len(config, model_config)
         self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        groups = cache_groups(model_config.layer_windows,
+                              not config.disable_hybrid_kv_cache_manager)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, model_config.uniform_window)
+                                   config.max_num_batched_tokens, groups.windows)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.aborted: list[Request] = []

@@ -53,9 +53,10 @@ class Request:
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     num_cached_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # One block table per cache group (attention/cache_spec.py), all as long.
+    block_tables: list[list[int]] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
-    num_slid_blocks: int = 0  # leading blocks freed: the sliding window is past them
+    num_slid_blocks: int = 0  # sliding groups' leading blocks freed: the window is past them
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     output_text: str = ""
@@ -84,6 +85,13 @@ class Request:
         preempted request computes its prompt again)."""
         assert self.prompt_logprobs is not None and first <= len(self.prompt_logprobs)
         self.prompt_logprobs.extend(entries[len(self.prompt_logprobs) - first:])
+
+    @property
+    def block_table(self) -> list[int]:
+        """The cache groups' block tables back to back: what a step's chunk carries."""
+        if len(self.block_tables) == 1:
+            return self.block_tables[0]
+        return [block for table in self.block_tables for block in table]
 
     @property
     def num_tokens(self) -> int:

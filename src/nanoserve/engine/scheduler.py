@@ -41,17 +41,22 @@ class Scheduler:
 
     Running requests go first, oldest first; when blocks run out the newest is preempted (to
     be recomputed later). Waiting requests are admitted in FIFO order while blocks and the
-    budget last, reusing cached prefix blocks. With ``sliding_window`` (every layer sees only
-    that many positions), blocks all of whose keys every later query is past go back to the
-    free list; their ids stay in the table as placeholders, which no kernel reads.
+    budget last, reusing cached prefix blocks. A request has a block table per cache group
+    (``windows``, one per group: its layers' sliding window, 0 for full attention); all grow
+    alike, and in a sliding group the blocks all of whose keys every later query is past go
+    back to the free list; their ids stay in the table as placeholders, which no kernel reads.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, sliding_window: int = 0):
+                 max_num_batched_tokens: int, windows: tuple[int, ...] = (0,)):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.sliding_window = sliding_window
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        if len(set(self.windows) - {0}) > 1:
+            raise ValueError(f"cache groups slide by one window at most, got {self.windows}")
+        self.sliding_window = max(self.windows)  # the sliding groups' (0: none slides)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -80,14 +85,15 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             self._slide(req)
-            need = self.bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
+            need = self.bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_tables[0])
             if need > 0:  # most decode steps fit in the last block: skip the allocator
-                while not self.bm.can_allocate(need) and self.running[-1] is not req:
+                while not self.bm.can_allocate(need * self.num_groups) \
+                        and self.running[-1] is not req:
                     out.preempted.append(self._preempt(self.running.pop()))
-                if not self.bm.can_allocate(need):
+                if not self.bm.can_allocate(need * self.num_groups):
                     out.preempted.append(self._preempt(self.running.pop()))
                     break
-                req.block_table += self.bm.allocate(need)
+                self._grow(req, need)
             drafts = self._drafts(req, n, budget - n)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(drafts),
                                              drafts))
@@ -106,20 +112,22 @@ class Scheduler:
                 if not leader.finished and leader.num_computed_tokens < leader.num_prompt_tokens:
                     break
                 req.prefix_leader = None
-            skipped, hits = self._match(req)
-            computed = (skipped + len(hits)) * self.bm.block_size
+            num_cached, matches = self._match(req)
+            computed = num_cached * self.bm.block_size
             n = min(req.num_tokens - computed, budget)
-            need = self.bm.blocks_needed(computed + n) - skipped - len(hits)
-            if not self.bm.can_allocate(need + self.bm.num_idle(hits)):
+            need = self.bm.blocks_needed(computed + n) - num_cached
+            hits = [block for _, found in matches for block in found]
+            if not self.bm.can_allocate(need * self.num_groups + self.bm.num_idle(hits)):
                 break
             self.waiting.remove(req)  # the first, unless a fault hunt skipped some
             if req.prompt_logprobs is None:
                 self.bm.count_prefix_lookup(req.num_tokens, computed)
             self.bm.take_cached(hits)
-            req.block_table = [0] * skipped + hits + self.bm.allocate(need)
-            req.num_slid_blocks = skipped
+            req.block_tables = [[0] * skipped + found + self.bm.allocate(need)
+                                for skipped, found in matches]
+            req.num_slid_blocks = max(skipped for skipped, _ in matches)
             req.num_computed_tokens = computed
-            req.num_registered_blocks = skipped + len(hits)
+            req.num_registered_blocks = num_cached
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
                 req.num_cached_tokens = computed
@@ -130,32 +138,41 @@ class Scheduler:
             budget -= n + len(drafts)
         return out
 
-    def _match(self, req: Request) -> tuple[int, list[int]]:
-        """Cached blocks to start ``req`` from, after ``skipped`` ones the window is past."""
+    def _match(self, req: Request) -> tuple[int, list[tuple[int, list[int]]]]:
+        """The cached blocks to start ``req`` from, and per group (blocks before its cached
+        ones that its window is past, its cached ones)."""
         if req.prompt_logprobs is not None:  # they need every prompt position's hidden state
-            return 0, []
-        if self.sliding_window:
-            return self.bm.match_window(req.token_ids, self.sliding_window)
-        return 0, self.bm.match_prefix(req.token_ids)
+            return 0, [(0, []) for _ in self.windows]
+        return self.bm.match_groups(req.token_ids, self.windows)
 
     def max_blocks_held(self, num_tokens: int) -> int:
-        """The most blocks a request of ``num_tokens`` tokens holds at once: all of them, or
-        with a window, its window's, a step's tokens' and the last registered block."""
+        """The most blocks a request of ``num_tokens`` tokens holds at once: per group all of
+        them, or with a window, its window's, a step's tokens' and the last registered block."""
         blocks = self.bm.blocks_needed(num_tokens)
-        if not self.sliding_window:
-            return blocks
-        return min(blocks, self.bm.blocks_needed(self.sliding_window
+        held = min(blocks, self.bm.blocks_needed(self.sliding_window
                                                  + self.max_num_batched_tokens) + 2)
+        return sum(held if window else blocks for window in self.windows)
+
+    def held_blocks(self, req: Request) -> list[list[int]]:
+        """Per group, the blocks of its table that the request holds (not slid past)."""
+        return [table[req.num_slid_blocks if window else 0:]
+                for window, table in zip(self.windows, req.block_tables)]
+
+    def _grow(self, req: Request, need: int) -> None:
+        for table in req.block_tables:
+            table += self.bm.allocate(need)
 
     def _slide(self, req: Request) -> None:
-        """Free the request's blocks wholly before the window of its next query."""
+        """Free the sliding groups' blocks wholly before the window of the next query."""
         if not self.sliding_window:
             return
         end = (req.num_computed_tokens - self.sliding_window + 1) // self.bm.block_size
         if self.bm.enable_prefix_caching:  # the next block's hash chains on the last one's
             end = min(end, req.num_registered_blocks - 1)
         if end > req.num_slid_blocks:
-            self.bm.free_blocks(req.block_table[req.num_slid_blocks:end])
+            for window, table in zip(self.windows, req.block_tables):
+                if window:
+                    self.bm.free_blocks(table[req.num_slid_blocks:end])
             req.num_slid_blocks = end
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
@@ -166,11 +183,12 @@ class Scheduler:
         if (self.proposer is None or budget <= 0 or req.num_pending_tokens
                 or end != req.num_tokens):
             return []
-        room = (len(req.block_table) + self.bm.num_free_blocks) * self.bm.block_size - end
+        length = len(req.block_tables[0])
+        room = (length + self.bm.num_free_blocks // self.num_groups) * self.bm.block_size - end
         drafts = self.proposer(req)[:max(0, min(budget, room))]
-        need = self.bm.blocks_needed(end + len(drafts)) - len(req.block_table)
+        need = self.bm.blocks_needed(end + len(drafts)) - length
         if need > 0:
-            req.block_table += self.bm.allocate(need)
+            self._grow(req, need)
         return drafts
 
     def rollback(self, req: Request, num_computed: int) -> None:
@@ -178,9 +196,10 @@ class Scheduler:
         do not); blocks that only rejected proposals used go back to the free list."""
         req.num_computed_tokens = num_computed
         keep = self.bm.blocks_needed(num_computed + 1)  # room for the next token's K/V
-        if len(req.block_table) > keep:
-            self.bm.free_blocks(req.block_table[keep:])
-            del req.block_table[keep:]
+        for table in req.block_tables:
+            if len(table) > keep:
+                self.bm.free_blocks(table[keep:])
+                del table[keep:]
 
     def advance(self, chunk: ScheduledChunk) -> None:
         """Count the chunk's K/V as computed (once its step runs) and its sampled token as
@@ -197,8 +216,11 @@ class Scheduler:
         """Hash the request's newly full, computed blocks whose token ids are all known."""
         known = min(req.num_computed_tokens, len(req.token_ids))
         if known // self.bm.block_size > req.num_registered_blocks:
-            req.num_registered_blocks = self.bm.register_full_blocks(
-                req.block_table, req.token_ids, known, req.num_registered_blocks)
+            registered = req.num_registered_blocks
+            for group, table in enumerate(req.block_tables):
+                registered = self.bm.register_full_blocks(
+                    table, req.token_ids, known, req.num_registered_blocks, group)
+            req.num_registered_blocks = registered
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's blocks, wherever it is queued."""
@@ -217,8 +239,9 @@ class Scheduler:
         return req
 
     def _release(self, req: Request) -> None:
-        self.bm.free_blocks(req.block_table[req.num_slid_blocks:])
-        req.block_table = []
+        for held in self.held_blocks(req):
+            self.bm.free_blocks(held)
+        req.block_tables = []
         req.num_slid_blocks = 0
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0

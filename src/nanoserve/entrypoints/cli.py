@@ -26,6 +26,8 @@ ENGINE_HELP = {
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (= fp8_e4m3, one byte per value)",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use",
     "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",
+    "disable_hybrid_kv_cache_manager": "one block table for sliding-window and full layers "
+                                       "alike (sliding layers then keep their whole sequence)",
     "tensor_parallel_size": "split every layer across this many ranks (GPUs or CPU processes)",
     "enforce_eager": "never capture CUDA graphs",
     "seed": "the engine's random seed",

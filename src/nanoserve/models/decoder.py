@@ -67,6 +67,7 @@ class Attention(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.cache_group = 0  # whose block tables this layer reads (set by the model runner)
 
     @property
     def cache_spec(self) -> CacheSpec:
@@ -88,10 +89,10 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(residual, norm=norm).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))
-        out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache,
-                                     get_attention_metadata(), self.rotary, self.scale,
-                                     self.q_norm, self.k_norm, window=self.window,
-                                     softcap=self.softcap, sinks=self.sinks)
+        meta = get_attention_metadata().group(self.cache_group)
+        out = self.backend.attention(positions, q, k, v, self.k_cache, self.v_cache, meta,
+                                     self.rotary, self.scale, self.q_norm, self.k_norm,
+                                     window=self.window, softcap=self.softcap, sinks=self.sinks)
         if post_norm is not None:
             return _add_post_normed(residual, self.o_proj(out.reshape(-1, q_size)), post_norm)
         return self.o_proj(out.reshape(-1, q_size), residual=residual)

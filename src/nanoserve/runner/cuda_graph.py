@@ -63,13 +63,13 @@ class DecodeGraphs:
 
     def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, max_seq_len: int,
                  device: torch.device, sample: bool = False, max_samples: int = 0,
-                 rows_share_sequences: bool = False):
+                 rows_share_sequences: bool = False, num_groups: int = 1):
         self.model = model
         self.sample = sample
         self.rows_share_sequences = rows_share_sequences
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        self.arena = GraphArena(self.sizes, max_blocks, max_samples, device)
+        self.arena = GraphArena(self.sizes, max_blocks, max_samples, device, num_groups)
         self.samples = self.arena.samples
         self.query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         if sample:  # one buffer for every size's logits (a pool keeps live outputs)
@@ -83,9 +83,11 @@ class DecodeGraphs:
         self._capture()
 
     @staticmethod
-    def arena_bytes(max_batch: int, max_blocks: int, max_samples: int) -> int:
+    def arena_bytes(max_batch: int, max_blocks: int, max_samples: int, num_groups: int = 1
+                    ) -> int:
         """Bytes of the input arena that graphs for batches up to ``max_batch`` keep."""
-        return GraphArena.layout(capture_sizes(max_batch), max_blocks, max_samples)[1]
+        return GraphArena.layout(capture_sizes(max_batch), max_blocks, max_samples,
+                                 num_groups)[1]
 
     def _forward(self, bs: int, cap: int) -> DecodeOutput:
         region = self.arena.regions[bs]
@@ -93,6 +95,8 @@ class DecodeGraphs:
                                  region.tables, max_query_len=1, max_seq_len=cap,
                                  seq_order=region.order,
                                  rows_share_sequences=self.rows_share_sequences)
+        if region.num_groups > 1:
+            meta = meta.with_groups(region.group_tables, region.group_slots)
         with attention_metadata(meta):
             hidden = self.model(region.sources, region.positions, self.arena.int64)
         if not self.sample:

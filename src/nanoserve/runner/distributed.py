@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.attention.backend import select_backend
+from nanoserve.attention.cache_spec import cache_groups
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import tensor_parallel_group
 from nanoserve.models.registry import build_model
@@ -128,7 +129,9 @@ class TensorParallelExecutor:
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
                                     wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        blocks_per_seq = -(-max_model_len(config, model_config) // config.block_size)
+        blocks_per_seq = -(-max_model_len(config, model_config) // config.block_size) \
+            * cache_groups(model_config.layer_windows,
+                           not config.disable_hybrid_kv_cache_manager).num_groups
         self.channel = SharedMemoryStepChannel(
             ctx, self.size - 1, packed_step_bound(config.max_num_seqs,
                                                   config.max_num_batched_tokens, blocks_per_seq),

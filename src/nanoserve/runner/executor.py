@@ -38,6 +38,7 @@ def make_draft_executor(config: EngineConfig, target, path: Path, model_config: 
     threads = getattr(target, "runner", target).config.cpu_threads
     draft = dataclasses.replace(
         config, model=str(path), speculative_config=None, num_kv_blocks=target.num_kv_blocks,
+        disable_hybrid_kv_cache_manager=True,  # the proposer keeps one table a sequence
         kv_cache_memory=None, tensor_parallel_size=1,
         cpu_threads=None if threads is None else per_rank_threads(
             threads, config.tensor_parallel_size))

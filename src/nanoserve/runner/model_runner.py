@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoserve.attention.backend import select_backend
+from nanoserve.attention.cache_spec import cache_groups
 from nanoserve.attention.metadata import AttentionMetadata, attention_metadata
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.layers.parallel_state import get_tp_group
@@ -59,6 +60,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len(config, model_config)
         self.blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.cache_groups = cache_groups(model_config.layer_windows,
+                                         not config.disable_hybrid_kv_cache_manager)
+        self.num_groups = self.cache_groups.num_groups
         spec = config.speculative_config
         # The largest decode graph's batch; a verify step has a row per proposal too.
         rows_per_seq = 1 if spec is None else 1 + spec.num_speculative_tokens
@@ -109,9 +113,11 @@ class ModelRunner:
         with phase("sized the KV cache", logger):
             self.num_kv_blocks = self._decide_num_blocks()
             self._allocate_kv_cache()
-        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s)", self.num_kv_blocks,
-                    self.block_size, self.num_kv_blocks * self._bytes_per_block() / 2**20,
-                    str(self.kv_cache_dtype).replace("torch.", ""))
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s), %d group(s) of layers "
+                    "(windows %s)", self.num_kv_blocks, self.block_size,
+                    self.num_kv_blocks * self._bytes_per_block() / 2**20,
+                    str(self.kv_cache_dtype).replace("torch.", ""), self.num_groups,
+                    list(self.cache_groups.windows))
         # An embedding model pools its prompts' hidden states and never samples.
         self.pooler = HiddenStatePooler(config.pooling_type or "last") \
             if config.task == "embed" else None
@@ -122,7 +128,8 @@ class ModelRunner:
                        logger):
                 self.graphs = DecodeGraphs(self.model, self.graph_batch, self.blocks_per_seq,
                                            self.max_model_len, self.device, sample=tp.size == 1,
-                                           max_samples=config.max_num_seqs)
+                                           max_samples=config.max_num_seqs,
+                                           num_groups=self.num_groups)
         self.verify_graphs: DecodeGraphs | None = None
         if self.graphs is not None and spec is not None:
             from nanoserve.kernels.decode_attention import LATENCY_MAX_SEQS
@@ -132,7 +139,7 @@ class ModelRunner:
             self.verify_graphs = DecodeGraphs(
                 self.model, min(LATENCY_MAX_SEQS, self.graph_batch), self.blocks_per_seq,
                 self.max_model_len, self.device, sample=tp.size == 1,
-                rows_share_sequences=True)
+                rows_share_sequences=True, num_groups=self.num_groups)
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -150,9 +157,10 @@ class ModelRunner:
                                     self.dtype, self.device)
 
     def _bytes_per_block(self) -> int:
+        """A block id's bytes: a block of each slot (cache group 0's layers fill every one)."""
         itemsize = self.kv_cache_dtype.itemsize
-        return sum(layer.cache_spec.bytes_per_block(self.block_size, itemsize)
-                   for layer in self.attention)
+        return sum(self.attention[i].cache_spec.bytes_per_block(self.block_size, itemsize)
+                   for i in self.cache_groups.layers[0])
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks:
@@ -164,7 +172,8 @@ class ModelRunner:
             block_bytes += (2 * self.block_size * draft.num_kv_heads * draft.head_dim
                             * draft.num_layers * self.kv_cache_dtype.itemsize)
         # Never more than every admitted sequence could fill at full length.
-        num = min(budget // block_bytes, self.config.max_num_seqs * self.blocks_per_seq)
+        num = min(budget // block_bytes,
+                  self.config.max_num_seqs * self.blocks_per_seq * self.num_groups)
         if num < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
                              f"{block_bytes} bytes")
@@ -199,7 +208,7 @@ class ModelRunner:
         if self.config.enforce_eager:
             return 0
         arena = DecodeGraphs.arena_bytes(self.graph_batch, self.blocks_per_seq,
-                                         self.config.max_num_seqs)
+                                         self.config.max_num_seqs, self.num_groups)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run(decode=True)
@@ -207,11 +216,15 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         num_blocks = self.num_kv_blocks if num_blocks is None else num_blocks
-        for layer in self.attention:  # each layer's own spec: what it stores per token
-            spec = layer.cache_spec
-            layer.k_cache = self._zeros(spec.shape(num_blocks, self.block_size))
-            layer.v_cache = self._zeros(layer.k_cache.shape) if spec.separate_values \
-                else layer.k_cache
+        groups = self.cache_groups.layers
+        for slot, first in enumerate(groups[0]):  # the slot's layers all store as its first
+            spec = self.attention[first].cache_spec
+            k_cache = self._zeros(spec.shape(num_blocks, self.block_size))
+            v_cache = self._zeros(k_cache.shape) if spec.separate_values else k_cache
+            for group, layers in enumerate(groups):
+                if slot < len(layers):
+                    layer = self.attention[layers[slot]]
+                    layer.k_cache, layer.v_cache, layer.cache_group = k_cache, v_cache, group
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -241,7 +254,7 @@ class ModelRunner:
     def _prepare(self, chunks: list[SequenceChunk], dummy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         return prepare_inputs(chunks, self.block_size, self.device, self.last_samples,
-                              self.last_sample_rows, dummy, self.prefill_tile)
+                              self.last_sample_rows, dummy, self.prefill_tile, self.num_groups)
 
     def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
         if chunk.params.seed is None:
@@ -313,7 +326,8 @@ class ModelRunner:
         graphs = self._verify_graphs(step.chunks)
         logits = last = None
         if graphs is not None:
-            hidden, logits, _, _ = graphs.run(verify_rows(step.chunks, self.block_size))
+            hidden, logits, _, _ = graphs.run(verify_rows(step.chunks, self.block_size,
+                                                           self.num_groups))
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
             with attention_metadata(meta):
@@ -403,7 +417,7 @@ class ModelRunner:
         samples where it ran them, and the sampling tensors where it needs the general sampler.
         With ``grammar`` no row is sampled in the graph (the bitmask comes later); the rows'
         temperatures come back instead where the fused sampler serves them."""
-        rows = decode_rows(chunks, self.block_size, self.last_sample_rows)
+        rows = decode_rows(chunks, self.block_size, self.last_sample_rows, self.num_groups)
         fed = (rows.sample_rows >= 0).any()
         if fed and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
             # The previous step sampled outside the graphs: its tokens join the arena.

@@ -14,12 +14,14 @@ from nanoserve.runner.packed_copy import packed_to_device
 
 def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device,
                    last_samples: torch.Tensor | None, last_sample_rows: dict[str, int],
-                   dummy: bool = False, prefill_tile: int = 0
+                   dummy: bool = False, prefill_tile: int = 0, num_groups: int = 1
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
     """Token ids, positions, attention metadata and the rows to sample (None: every row), on
     ``device``. A PENDING_TOKEN gets row ``last_sample_rows[request_id]`` of ``last_samples``.
     ``dummy`` (memory profiling) stores nothing and reads through block 0. With ``prefill_tile``
-    (0: none) steps that are not decode-only carry the prefill kernel's work list."""
+    (0: none) steps that are not decode-only carry the prefill kernel's work list. A chunk's
+    ``block_table`` holds ``num_groups`` cache groups' tables back to back; the metadata then
+    has a view per group (``AttentionMetadata.group``)."""
     ids: list[int] = []
     positions: list[int] | np.ndarray = []
     q_lens, seq_lens, last = [], [], []
@@ -35,18 +37,19 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         if c.token_ids[-1] == PENDING_TOKEN:
             pending_at.append(len(ids) - 1)
             pending_rows.append(last_sample_rows[c.request_id])
-    width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks)
-    tables = padded_block_tables(chunks, width)
+    width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks, num_groups)
+    tables = padded_block_tables(chunks, width, num_groups)
     decode_only = max(q_lens) == 1
     # Cache slots are found on the host: device ops would cost more to launch than numpy takes.
     order = longest_first(seq_lens) if decode_only else []  # decode takes the longest first
     if dummy:
-        slots = np.full(len(ids), -1, dtype=np.int64)
+        slots = np.full(len(ids) * num_groups, -1, dtype=np.int64)
     elif decode_only:
-        slots = [first_token_slot(c, block_size) for c in chunks]
+        slots = [first_token_slot(c, block_size, g, num_groups)
+                 for g in range(num_groups) for c in chunks]
     else:
         positions = np.asarray(positions, dtype=np.int64)  # converted once, for both uses
-        slots = token_slots(tables, width, q_lens, positions, block_size)
+        slots = token_slots(tables, width, q_lens, positions, block_size, num_groups)
     with_work = prefill_tile > 0 and not decode_only
     work = prefill_work(q_lens, seq_lens, prefill_tile) if with_work else np.zeros((2, 0), np.int32)
     sample_all = len(last) == len(ids)  # every token ends its chunk and samples: all rows
@@ -61,39 +64,54 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     elif pending_at:
         ids_t[pending_at_t] = last_samples[pending_rows_t]
     meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens_t,
-                             slot_mapping=slots_t, block_tables=tables_t.view(len(chunks), width),
+                             slot_mapping=slots_t[:len(ids)],
+                             block_tables=tables_t.view(len(chunks), num_groups, width)[:, 0],
                              max_query_len=max(q_lens), max_seq_len=max(seq_lens),
                              seq_order=order_t if decode_only else None,
                              prefill_work=work_t.view(2, -1) if with_work else None)
+    if num_groups > 1:
+        meta = meta.with_groups(tables_t.view(len(chunks), num_groups, width).unbind(1),
+                                slots_t.view(num_groups, len(ids)).unbind(0))
     return ids_t, pos, meta, None if sample_all else last_t
 
 
-def table_width(chunks: list[SequenceChunk]) -> int:
-    """Columns of a step's block table: the longest chunk's block count (at least 1)."""
-    return max(1, max(len(c.block_table) for c in chunks))
+def table_width(chunks: list[SequenceChunk], num_groups: int = 1) -> int:
+    """Columns of a step's block table (per cache group): the longest chunk's block count (at
+    least 1)."""
+    return max(1, max(len(c.block_table) for c in chunks) // num_groups)
 
 
-def padded_block_tables(chunks: list[SequenceChunk], width: int) -> list[int]:
-    """Every chunk's block table padded with block 0 to ``width`` blocks, back to back."""
+def padded_block_tables(chunks: list[SequenceChunk], width: int, num_groups: int = 1
+                        ) -> list[int]:
+    """Every chunk's block table (each of its ``num_groups`` tables) padded with block 0 to
+    ``width`` blocks, back to back."""
     tables: list[int] = []
     for c in chunks:
-        tables += c.block_table
-        tables += [0] * (width - len(c.block_table))
+        n = len(c.block_table) // num_groups
+        for g in range(num_groups):
+            tables += c.block_table[g * n:(g + 1) * n] if num_groups > 1 else c.block_table
+            tables += [0] * (width - n)
     return tables
 
 
 def token_slots(tables: list[int], width: int, q_lens: list[int], positions: np.ndarray,
-                block_size: int) -> np.ndarray:
-    """Every token's cache slot, chunk after chunk: the block its position falls in, from its
-    chunk's row of the padded ``tables`` (``width`` blocks a row), and the offset there."""
-    rows = np.repeat(np.arange(len(q_lens), dtype=np.int64) * width, q_lens)
-    blocks = np.asarray(tables, dtype=np.int64)[rows + positions // block_size]
-    return blocks * block_size + positions % block_size
+                block_size: int, num_groups: int = 1) -> np.ndarray:
+    """Every token's cache slot, chunk after chunk (per cache group, group after group): the
+    block its position falls in, from its chunk's row of the padded ``tables`` (``width``
+    blocks a group's row), and the offset there."""
+    rows = np.repeat(np.arange(len(q_lens), dtype=np.int64) * width * num_groups, q_lens)
+    table = np.asarray(tables, dtype=np.int64)
+    offsets = positions % block_size
+    return np.concatenate([table[rows + g * width + positions // block_size] * block_size
+                           + offsets for g in range(num_groups)])
 
 
-def first_token_slot(chunk: SequenceChunk, block_size: int) -> int:
-    """The cache slot of the chunk's first token (a decode chunk's only one)."""
-    return chunk.block_table[chunk.start // block_size] * block_size + chunk.start % block_size
+def first_token_slot(chunk: SequenceChunk, block_size: int, group: int = 0,
+                     num_groups: int = 1) -> int:
+    """The cache slot of the chunk's first token (a decode chunk's only one) in cache group
+    ``group``'s table."""
+    at = group * (len(chunk.block_table) // num_groups) + chunk.start // block_size
+    return chunk.block_table[at] * block_size + chunk.start % block_size
 
 
 def longest_first(seq_lens: list[int]) -> list[int]:
