@@ -69,38 +69,37 @@ def test_staged_step_reads_as_the_eager_inputs(num_seqs, seed):
     assert (arena.int64[region.sources][n:] == 0).all()
 
 
-@pytest.mark.parametrize("num_groups", [2, 3])
-def test_staged_step_reads_as_the_eager_inputs_of_every_cache_group(num_groups):
-    """Chunks carrying a table per cache group (back to back): each group's view of the
-    region (tables strided through the shared columns, slots) reads as the eager metadata's
-    view of that group, padding included."""
-    num_seqs, bs = 3, 4
+@pytest.mark.parametrize("windows", [(0, 5), (0, 5, 5)])
+def test_staged_step_reads_as_the_eager_inputs_of_every_cache_group(windows):
+    """Chunks carrying a table per cache group: each group's view of the region (tables
+    strided through the shared columns, slots) reads as the eager metadata's view of that
+    group, padding included; a sliding group's blocks before the window read as block 0."""
+    num_seqs, bs, num_groups = 3, 4, len(windows)
     chunks, last_rows = decode_step(7, num_seqs)
     rng = random.Random(num_groups)
     for c in chunks:  # later groups' tables: other blocks, as many
-        n = len(c.block_table)
-        c.block_table = c.block_table + [rng.randrange(100, 200)
-                                         for _ in range(n * (num_groups - 1))]
+        c.more_tables = [[rng.randrange(100, 200) for _ in c.block_table] for _ in windows[1:]]
     arena = GraphArena(SIZES, MAX_BLOCKS, max_samples=8, device=torch.device("cpu"),
                        num_groups=num_groups)
     last_samples = torch.arange(8) * 3
     arena.samples.copy_(last_samples)
-    rows = decode_rows(chunks, BLOCK_SIZE, last_rows, num_groups)
+    rows = decode_rows(chunks, BLOCK_SIZE, last_rows, windows)
     region = arena.stage(bs, rows, None, -1)
     _, _, meta, _ = prepare_inputs(chunks, BLOCK_SIZE, torch.device("cpu"), last_samples,
-                                   last_rows, num_groups=num_groups)
+                                   last_rows, windows=windows)
     width = rows.tables.shape[1] // num_groups
     assert len(meta.groups) == len(region.group_tables) == num_groups
-    for g in range(num_groups):
+    for g, window in enumerate(windows):
         view = meta.group(g)
         assert torch.equal(region.group_tables[g][:num_seqs, :width], view.block_tables)
         assert torch.equal(region.group_slots[g][:num_seqs], view.slot_mapping)
         assert (region.group_slots[g][num_seqs:] == -1).all()
         assert (region.group_tables[g][num_seqs:, 0] == 0).all()
-        assert view.block_tables.tolist() != meta.group((g + 1) % num_groups).block_tables.tolist()
-        for c, table in zip(chunks, view.block_tables.tolist()):
-            n = len(c.block_table) // num_groups
-            assert table[:n] == c.block_table[g * n:(g + 1) * n]
+        for c, table, slot in zip(chunks, view.block_tables.tolist(), view.slot_mapping):
+            own = c.more_tables[g - 1] if g else c.block_table
+            first = max(0, c.start - window + 1) // BLOCK_SIZE if window else 0
+            assert table[:len(own)] == [0] * first + own[first:]
+            assert slot == own[c.start // BLOCK_SIZE] * BLOCK_SIZE + c.start % BLOCK_SIZE
 
 
 def test_rows_go_longest_first_and_ties_keep_batch_order():

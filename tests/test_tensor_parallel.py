@@ -203,6 +203,12 @@ def test_step_packing_round_trips():
                 c.num_draft_tokens)
 
     assert [fields(c) for c in back] == [fields(c) for c in chunks]
+    # with three cache groups: each chunk carries a table per group, all as long
+    for i, c in enumerate(chunks):
+        c.more_tables = [[b + 100 * g for b in c.block_table] for g in (1, 2)]
+    back = unpack_step(pack_step(StepInput(chunks)).tolist()).chunks
+    assert [fields(c) + (c.more_tables,) for c in back] == \
+        [fields(c) + (c.more_tables,) for c in chunks]
 
 
 def test_prompt_logprobs_at_two_ranks(tiny_llama):

@@ -493,7 +493,7 @@ class LLMEngine:
                 banned_token_ids=banned,
                 prompt_logprob_rows=0 if req.prompt_logprobs is None
                 else req.prompt_logprob_rows(c.start, c.num_tokens),
-                num_draft_tokens=len(c.draft_token_ids)))
+                num_draft_tokens=len(c.draft_token_ids), more_tables=req.block_tables[1:]))
         finished, self.finished_ids = self.finished_ids, []
         grammar_rows = [i for i, c in enumerate(c for c in chunks if c.samples)
                         if c.request.params.structured_outputs is not None]

@@ -88,10 +88,8 @@ class Request:
 
     @property
     def block_table(self) -> list[int]:
-        """The cache groups' block tables back to back: what a step's chunk carries."""
-        if len(self.block_tables) == 1:
-            return self.block_tables[0]
-        return [block for table in self.block_tables for block in table]
+        """The first cache group's block table (the only one, unless layers slide apart)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

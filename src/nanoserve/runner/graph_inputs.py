@@ -15,7 +15,7 @@ import torch
 
 from nanoserve.runner.inputs import PENDING_TOKEN, SequenceChunk
 from nanoserve.runner.packed_copy import TENSOR_ALIGNMENT, TORCH_DTYPES
-from nanoserve.runner.step_inputs import (first_token_slot, longest_first, padded_block_tables,
+from nanoserve.runner.step_inputs import (block_table_array, first_token_slot, longest_first,
                                           table_width, token_slots)
 
 
@@ -38,10 +38,11 @@ class DecodeRows(NamedTuple):
 
 
 def decode_rows(chunks: list[SequenceChunk], block_size: int,
-                last_sample_rows: dict[str, int], num_groups: int = 1) -> DecodeRows:
-    """The rows of a decode step whose chunks are one token each (their block tables those of
-    ``num_groups`` cache groups, back to back)."""
-    width = table_width(chunks, num_groups)
+                last_sample_rows: dict[str, int], windows: tuple[int, ...] = (0,)
+                ) -> DecodeRows:
+    """The rows of a decode step whose chunks are one token each, with a block table per
+    cache group (``windows``: each group's sliding window)."""
+    width = table_width(chunks)
     token_ids = [c.token_ids[0] for c in chunks]
     starts = [c.start for c in chunks]
     seq_lens = [s + 1 for s in starts]
@@ -50,22 +51,20 @@ def decode_rows(chunks: list[SequenceChunk], block_size: int,
         sample_rows=np.array([last_sample_rows[c.request_id] if t == PENDING_TOKEN else -1
                               for c, t in zip(chunks, token_ids)], dtype=np.int64),
         positions=np.array(starts, dtype=np.int64),
-        slots=np.array([first_token_slot(c, block_size, g, num_groups)
-                        for g in range(num_groups) for c in chunks], dtype=np.int64),
+        slots=np.array([first_token_slot(c, block_size, g)
+                        for g in range(len(windows)) for c in chunks], dtype=np.int64),
         seq_lens=np.array(seq_lens, dtype=np.int32),
         order=np.array(longest_first(seq_lens), dtype=np.int32),
-        tables=np.array(padded_block_tables(chunks, width, num_groups),
-                        dtype=np.int32).reshape(len(chunks), num_groups * width),
+        tables=block_table_array(chunks, width, block_size, windows).reshape(len(chunks), -1),
     )
 
 
-def verify_rows(chunks: list[SequenceChunk], block_size: int, num_groups: int = 1
-                ) -> DecodeRows:
+def verify_rows(chunks: list[SequenceChunk], block_size: int,
+                windows: tuple[int, ...] = (0,)) -> DecodeRows:
     """A verify step as decode rows: every token of every chunk (its last known token, then
     its proposals) a row of its own, whose keys are its sequence's up to and including it, so
     a row attends to the new tokens before it as causal attention would. Tokens are known."""
-    width = table_width(chunks, num_groups)
-    tables = padded_block_tables(chunks, width, num_groups)
+    tables = block_table_array(chunks, table_width(chunks), block_size, windows)
     q_lens = [len(c.token_ids) for c in chunks]
     positions = np.concatenate([np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64)
                                 for c in chunks])
@@ -74,10 +73,10 @@ def verify_rows(chunks: list[SequenceChunk], block_size: int, num_groups: int = 
         token_ids=np.concatenate([c.token_ids for c in chunks]).astype(np.int64),
         sample_rows=np.full(len(positions), -1, dtype=np.int64),
         positions=positions,
-        slots=token_slots(tables, width, q_lens, positions, block_size, num_groups),
+        slots=token_slots(tables, q_lens, positions, block_size),
         seq_lens=seq_lens,
         order=np.array(longest_first(seq_lens.tolist()), dtype=np.int32),
-        tables=np.array(tables, dtype=np.int32).reshape(len(chunks), -1).repeat(q_lens, axis=0),
+        tables=tables.reshape(len(chunks), -1).repeat(q_lens, axis=0),
     )
 
 

@@ -24,7 +24,7 @@ class SequenceChunk:
     request_id: str
     token_ids: list[int]
     start: int  # position of token_ids[0] in the sequence
-    block_table: list[int]
+    block_table: list[int]  # its first cache group's
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -36,6 +36,8 @@ class SequenceChunk:
     # The last ones of token_ids are proposals to verify: the step samples at each of them
     # and at the token before them (speculative decoding).
     num_draft_tokens: int = 0
+    # With several cache groups, block_table is the first's and these the others' (as long).
+    more_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -254,7 +254,8 @@ class ModelRunner:
     def _prepare(self, chunks: list[SequenceChunk], dummy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         return prepare_inputs(chunks, self.block_size, self.device, self.last_samples,
-                              self.last_sample_rows, dummy, self.prefill_tile, self.num_groups)
+                              self.last_sample_rows, dummy, self.prefill_tile,
+                              self.cache_groups.windows)
 
     def _generator(self, chunk: SequenceChunk) -> torch.Generator | None:
         if chunk.params.seed is None:
@@ -327,7 +328,7 @@ class ModelRunner:
         logits = last = None
         if graphs is not None:
             hidden, logits, _, _ = graphs.run(verify_rows(step.chunks, self.block_size,
-                                                           self.num_groups))
+                                                           self.cache_groups.windows))
         else:
             ids, positions, meta, last = self._prepare(step.chunks)
             with attention_metadata(meta):
@@ -417,7 +418,8 @@ class ModelRunner:
         samples where it ran them, and the sampling tensors where it needs the general sampler.
         With ``grammar`` no row is sampled in the graph (the bitmask comes later); the rows'
         temperatures come back instead where the fused sampler serves them."""
-        rows = decode_rows(chunks, self.block_size, self.last_sample_rows, self.num_groups)
+        rows = decode_rows(chunks, self.block_size, self.last_sample_rows,
+                           self.cache_groups.windows)
         fed = (rows.sample_rows >= 0).any()
         if fed and self.last_samples.data_ptr() != self.graphs.samples.data_ptr():
             # The previous step sampled outside the graphs: its tokens join the arena.

@@ -1,6 +1,7 @@
 """Carries each step from rank 0 to the tensor-parallel workers (shared memory to spawned ones,
 gloo broadcasts under torchrun): what shapes the forward, as one flat int64 array, ``[num_chunks,
-(num_tokens, start, sample, num_blocks, prompt_logprob_rows, num_draft_tokens) per chunk, token ids, blocks]``.
+num_cache_groups, (num_tokens, start, sample, num_blocks, prompt_logprob_rows, num_draft_tokens)
+per chunk, token ids, blocks (each chunk's table per group)]``.
 """
 from __future__ import annotations
 
@@ -22,37 +23,39 @@ _POLL_S = 0.1  # how often rank 0, waiting on its workers, checks whether one ha
 
 def pack_step(step: StepInput) -> np.ndarray:
     chunks = step.chunks
-    head = [len(chunks)]
+    head = [len(chunks), 1 + len(chunks[0].more_tables) if chunks else 1]
     for c in chunks:
         head += (len(c.token_ids), c.start, int(c.sample), len(c.block_table),
                  c.prompt_logprob_rows, c.num_draft_tokens)
     body = itertools.chain(head, *(c.token_ids for c in chunks),
-                           *(c.block_table for c in chunks))
+                           *(t for c in chunks for t in (c.block_table, *c.more_tables)))
     return np.fromiter(body, dtype=np.int64)
 
 
 def packed_step_bound(max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int
                       ) -> int:
     """The most int64 words a packed step can take under these scheduler limits."""
-    return 1 + _FIELDS * max_num_seqs + max_num_batched_tokens + max_num_seqs * max_blocks_per_seq
+    return 2 + _FIELDS * max_num_seqs + max_num_batched_tokens + max_num_seqs * max_blocks_per_seq
 
 
 def unpack_step(values: list[int]) -> StepInput:
     """The step a worker runs: the forward's inputs, with no sampling state (params None)."""
-    num_chunks = values[0]
-    heads = values[1:1 + _FIELDS * num_chunks]
-    token_at = 1 + _FIELDS * num_chunks
+    num_chunks, num_groups = values[0], values[1]
+    heads = values[2:2 + _FIELDS * num_chunks]
+    token_at = 2 + _FIELDS * num_chunks
     block_at = token_at + sum(heads[0::_FIELDS])
     chunks = []
     for i in range(num_chunks):
         (num_tokens, start, sample, num_blocks, prompt_rows,
          num_drafts) = heads[_FIELDS * i:_FIELDS * (i + 1)]
+        tables = [values[block_at + g * num_blocks:block_at + (g + 1) * num_blocks]
+                  for g in range(num_groups)]
         chunks.append(SequenceChunk(
             str(i), values[token_at:token_at + num_tokens], start,
-            values[block_at:block_at + num_blocks], bool(sample), None, [], [], [],
-            prompt_rows, num_drafts))
+            tables[0], bool(sample), None, [], [], [],
+            prompt_rows, num_drafts, tables[1:]))
         token_at += num_tokens
-        block_at += num_blocks
+        block_at += num_groups * num_blocks
     return StepInput(chunks)
 
 

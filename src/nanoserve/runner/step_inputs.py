@@ -14,14 +14,14 @@ from nanoserve.runner.packed_copy import packed_to_device
 
 def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device,
                    last_samples: torch.Tensor | None, last_sample_rows: dict[str, int],
-                   dummy: bool = False, prefill_tile: int = 0, num_groups: int = 1
+                   dummy: bool = False, prefill_tile: int = 0, windows: tuple[int, ...] = (0,)
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
     """Token ids, positions, attention metadata and the rows to sample (None: every row), on
     ``device``. A PENDING_TOKEN gets row ``last_sample_rows[request_id]`` of ``last_samples``.
     ``dummy`` (memory profiling) stores nothing and reads through block 0. With ``prefill_tile``
-    (0: none) steps that are not decode-only carry the prefill kernel's work list. A chunk's
-    ``block_table`` holds ``num_groups`` cache groups' tables back to back; the metadata then
-    has a view per group (``AttentionMetadata.group``)."""
+    (0: none) steps that are not decode-only carry the prefill kernel's work list. A chunk has
+    a table per cache group (``windows``: each group's sliding window); with several the
+    metadata has a view per group (``AttentionMetadata.group``)."""
     ids: list[int] = []
     positions: list[int] | np.ndarray = []
     q_lens, seq_lens, last = [], [], []
@@ -37,19 +37,19 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
         if c.token_ids[-1] == PENDING_TOKEN:
             pending_at.append(len(ids) - 1)
             pending_rows.append(last_sample_rows[c.request_id])
-    width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks, num_groups)
-    tables = padded_block_tables(chunks, width, num_groups)
+    num_groups = len(windows)
+    width = -(-max(seq_lens) // block_size) if dummy else table_width(chunks)
+    tables = block_table_array(chunks, width, block_size, windows)
     decode_only = max(q_lens) == 1
     # Cache slots are found on the host: device ops would cost more to launch than numpy takes.
     order = longest_first(seq_lens) if decode_only else []  # decode takes the longest first
     if dummy:
         slots = np.full(len(ids) * num_groups, -1, dtype=np.int64)
     elif decode_only:
-        slots = [first_token_slot(c, block_size, g, num_groups)
-                 for g in range(num_groups) for c in chunks]
+        slots = [first_token_slot(c, block_size, g) for g in range(num_groups) for c in chunks]
     else:
         positions = np.asarray(positions, dtype=np.int64)  # converted once, for both uses
-        slots = token_slots(tables, width, q_lens, positions, block_size, num_groups)
+        slots = token_slots(tables, q_lens, positions, block_size)
     with_work = prefill_tile > 0 and not decode_only
     work = prefill_work(q_lens, seq_lens, prefill_tile) if with_work else np.zeros((2, 0), np.int32)
     sample_all = len(last) == len(ids)  # every token ends its chunk and samples: all rows
@@ -58,7 +58,8 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
      seq_lens_t, tables_t, order_t, work_t) = packed_to_device(
         [(v, np.int64) for v in (ids, positions, [] if sample_all else last,
                                  pending_at, pending_rows, slots)]
-        + [(v, np.int32) for v in (starts, seq_lens, tables, order, work.ravel())], device)
+        + [(v, np.int32) for v in (starts, seq_lens, tables.ravel(), order, work.ravel())],
+        device)
     if pending_at == pending_rows == list(range(len(ids))):
         ids_t = last_samples[:len(ids)]  # each token is the previous step's sample, in order
     elif pending_at:
@@ -75,43 +76,60 @@ def prepare_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.d
     return ids_t, pos, meta, None if sample_all else last_t
 
 
-def table_width(chunks: list[SequenceChunk], num_groups: int = 1) -> int:
-    """Columns of a step's block table (per cache group): the longest chunk's block count (at
-    least 1)."""
-    return max(1, max(len(c.block_table) for c in chunks) // num_groups)
+def table_width(chunks: list[SequenceChunk]) -> int:
+    """Columns of a step's block tables: the longest chunk's block count (at least 1); a
+    chunk's tables, one per cache group, are all as long."""
+    return max(1, max(len(c.block_table) for c in chunks))
 
 
-def padded_block_tables(chunks: list[SequenceChunk], width: int, num_groups: int = 1
-                        ) -> list[int]:
-    """Every chunk's block table (each of its ``num_groups`` tables) padded with block 0 to
-    ``width`` blocks, back to back."""
-    tables: list[int] = []
+def group_tables(chunk: SequenceChunk) -> list[list[int]]:
+    """The chunk's block table of each cache group."""
+    return [chunk.block_table, *chunk.more_tables]
+
+
+def block_table_array(chunks: list[SequenceChunk], width: int, block_size: int,
+                      windows: tuple[int, ...] = (0,)) -> np.ndarray:
+    """[chunks, groups, width] int32: each chunk's table per cache group, padded with block 0.
+    In a sliding group the blocks before the window of the chunk's first query stay 0 too: no
+    kernel reads them (most are freed placeholders), and a long sequence has many."""
+    window = max(windows)  # the sliding groups' (one window: see Scheduler)
+    slides = [bool(w) for w in windows]
+    # The blocks read go into one list (memory copies), to numpy in one conversion, and into
+    # place in one scatter: per-row numpy writes would cost a call each.
+    values: list[int] = []
+    firsts = []
     for c in chunks:
-        n = len(c.block_table) // num_groups
-        for g in range(num_groups):
-            tables += c.block_table[g * n:(g + 1) * n] if num_groups > 1 else c.block_table
-            tables += [0] * (width - n)
-    return tables
+        first = max(0, c.start - window + 1) // block_size if window else 0
+        firsts.append(first)
+        for sliding, table in zip(slides, group_tables(c)):
+            values += table[first:] if sliding and first else table
+    blocks = np.fromiter(values, dtype=np.int32, count=len(values))
+    if len(values) == len(chunks) * len(windows) * width:  # every run whole: nothing to place
+        return blocks.reshape(len(chunks), len(windows), width)
+    out = np.zeros((len(chunks), len(windows), width), dtype=np.int32)
+    skipped = np.outer(firsts, slides)  # [chunks, groups]: blocks left out before each run
+    lengths = (np.array([len(c.block_table) for c in chunks])[:, None] - skipped).ravel()
+    starts = np.arange(out.size, step=width) + skipped.ravel()
+    at = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(len(values))
+    out.reshape(-1)[at] = blocks
+    return out
 
 
-def token_slots(tables: list[int], width: int, q_lens: list[int], positions: np.ndarray,
-                block_size: int, num_groups: int = 1) -> np.ndarray:
-    """Every token's cache slot, chunk after chunk (per cache group, group after group): the
-    block its position falls in, from its chunk's row of the padded ``tables`` (``width``
-    blocks a group's row), and the offset there."""
-    rows = np.repeat(np.arange(len(q_lens), dtype=np.int64) * width * num_groups, q_lens)
-    table = np.asarray(tables, dtype=np.int64)
-    offsets = positions % block_size
-    return np.concatenate([table[rows + g * width + positions // block_size] * block_size
-                           + offsets for g in range(num_groups)])
+def token_slots(tables: np.ndarray, q_lens: list[int], positions: np.ndarray,
+                block_size: int) -> np.ndarray:
+    """Every token's cache slot per cache group (group after group, chunk after chunk within):
+    the block its position falls in, from its chunk's row of ``tables`` ([chunks, groups,
+    width]), and the offset there."""
+    rows = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
+    blocks = tables[rows, :, positions // block_size].astype(np.int64)  # [tokens, groups]
+    return (blocks.T * block_size + positions % block_size).ravel()
 
 
-def first_token_slot(chunk: SequenceChunk, block_size: int, group: int = 0,
-                     num_groups: int = 1) -> int:
+def first_token_slot(chunk: SequenceChunk, block_size: int, group: int = 0) -> int:
     """The cache slot of the chunk's first token (a decode chunk's only one) in cache group
     ``group``'s table."""
-    at = group * (len(chunk.block_table) // num_groups) + chunk.start // block_size
-    return chunk.block_table[at] * block_size + chunk.start % block_size
+    table = chunk.more_tables[group - 1] if group else chunk.block_table
+    return table[chunk.start // block_size] * block_size + chunk.start % block_size
 
 
 def longest_first(seq_lens: list[int]) -> list[int]:
