@@ -255,10 +255,11 @@ def test_rope_tables_equal_transformers_rotary_embedding(family, rope, positions
                                atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["phi3", "gpt-oss"], indirect=True)
+@pytest.mark.parametrize("case", ARCHS, indirect=True)
 def test_two_ranks_match_one(case):
     """Tensor parallelism (gloo) over the new layers: Phi-3's fused tensors sliced per rank,
-    GPT-OSS's sinks split by heads and its biases added once; the top-5 rule at a near tie."""
+    GPT-OSS's sinks split by heads and its biases added once, Mixtral's experts, Gemma's
+    cache groups on each rank; the top-5 rule at a near tie."""
     from test_tensor_parallel import assert_same_greedy
     from test_tensor_parallel import generate as tp_generate
 
