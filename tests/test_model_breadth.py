@@ -60,7 +60,6 @@ def _config(arch: str, vocab_size: int, eos_id: int):
 
 
 ARCHS = ["mistral", "mixtral", "gemma2", "gemma3", "phi3", "gpt-oss"]
-WINDOWED = ["mistral", "gemma2"]  # also run under preemption, chunked prefill and prefix hits
 
 
 def build(arch: str, out_dir: Path, tokenizer_dir: Path) -> Path:
@@ -110,7 +109,7 @@ def test_greedy_outputs_match_transformers(case):
         llm.close()
 
 
-@pytest.mark.parametrize("case", WINDOWED, indirect=True)
+@pytest.mark.parametrize("case", ARCHS, indirect=True)
 def test_sliding_window_under_preemption_chunking_and_prefix_hits(case):
     """One small engine: chunked prefills (7-token budget), preemption (12 blocks of 8), then
     the same prompts again, their full blocks now prefix-cache hits."""
