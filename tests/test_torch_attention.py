@@ -70,6 +70,21 @@ def test_matches_attention_per_sequence(seq_lens, q_lens, consecutive, window, s
     torch.testing.assert_close(got, naive(q, k_cache, v_cache, meta, 0.3, window, softcap))
 
 
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_blocks_before_every_window_are_not_read(consecutive):
+    """Gathered or in place, keys wholly before each query's window are skipped: blocks the
+    scheduler freed (placeholders, here NaN) never reach the output."""
+    q, k_cache, v_cache, meta = batch([30, 25, 29], [1, 2, 1], consecutive, seed=5)
+    window = 6
+    want = naive(q, k_cache, v_cache, meta, 0.3, window)
+    first = (min(n - q_len for n, q_len in ((30, 1), (25, 2), (29, 1))) + 1 - window) // BLOCK
+    for row in meta.block_tables:
+        k_cache[row[:first].long()] = float("nan")
+        v_cache[row[:first].long()] = float("nan")
+    got = paged_attention_reference(q, k_cache, v_cache, meta, 0.3, window)
+    torch.testing.assert_close(got, want)
+
+
 def test_plan_reads_one_sequence_in_place_and_drops_full_masks():
     q, k_cache, v_cache, meta = batch([13], [1], consecutive=True)
     (group,) = plan_attention(meta, BLOCK).groups

@@ -31,9 +31,10 @@ class GroupPlan:
     q_index: torch.Tensor | None  # [B, max_q]: each padded query's token (with no q_span)
     q_valid: torch.Tensor | None  # [B, max_q] bool: real queries (None: all of them)
     tokens: torch.Tensor | None  # its tokens in packed order (None: the step's, all of them)
-    blocks: torch.Tensor | None  # [B * blocks] cache blocks to gather (None: in place)
+    blocks: torch.Tensor | None  # [B, blocks] cache blocks to gather (None: in place)
     first_block: int  # with blocks None: the run of blocks holding the sequence's keys
     empty_context: bool  # a sequence without keys (its output is zero)
+    block_size: int
     _visible: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
     @property
@@ -45,8 +46,10 @@ class GroupPlan:
         None when each sees every key read): causal, within ``window`` (> 0)."""
         if window not in self._visible:
             start = 0
-            if self.blocks is None and window > 0:  # in place: skip keys out of every window
-                start = max(0, int(self.seq_lens[0] - self.q_lens[0]) + 1 - window)
+            if window > 0:  # skip the keys out of every query's window (gathered: whole blocks)
+                start = max(0, int((self.seq_lens - self.q_lens).min()) + 1 - window)
+                if self.blocks is not None:
+                    start -= start % self.block_size
             device = self.q_lens.device
             kv_pos = torch.arange(start, self.max_kv, device=device)
             q_pos = torch.arange(self.max_q, device=device)
@@ -71,11 +74,12 @@ class GroupPlan:
             count = -(-self.max_kv // block_size)
             rows = cache[self.first_block:self.first_block + count].flatten(0, 1)
             return cast(rows[start:self.max_kv], dtype).unsqueeze(0).transpose(1, 2)
+        blocks = self.blocks[:, start // block_size:].reshape(-1)  # start: a block's first
         # Into a given tensor: PyTorch's CPU index_select is several times faster with out=.
-        pages = cache.new_empty((len(self.blocks),) + cache.shape[1:])
-        torch.index_select(cache, 0, self.blocks, out=pages)
+        pages = cache.new_empty((len(blocks),) + cache.shape[1:])
+        torch.index_select(cache, 0, blocks, out=pages)
         pages = pages.view(self.batch, -1, num_kv_heads, cache.shape[-1])  # MLA: v narrower
-        return cast(pages[:, :self.max_kv], dtype).transpose(1, 2)
+        return cast(pages[:, :self.max_kv - start], dtype).transpose(1, 2)
 
     def packed(self, out: torch.Tensor) -> torch.Tensor:
         """``[B, max_q, H, D]`` outputs -> the real queries', packed ``[tokens, H, D]``."""
@@ -158,6 +162,5 @@ def _group(meta: AttentionMetadata, rows: list[int], starts: list[int], q_lens: 
     first = int(table[0, 0]) if count else 0
     in_place = len(rows) == 1 and table[0].tolist() == list(range(first, first + count))
     return GroupPlan(q_lens_t, meta.seq_lens[index].long(), max_q, max_kv, span, q_index,
-                     q_valid, torch.tensor(tokens, device=device),
-                     None if in_place else table.reshape(-1), first,
-                     min(seq_lens[r] for r in rows) == 0)
+                     q_valid, torch.tensor(tokens, device=device), None if in_place else table,
+                     first, min(seq_lens[r] for r in rows) == 0, block_size)
