@@ -56,3 +56,25 @@ def fp8_rounding_cache(config):
 
     cache.update = rounded_update
     return cache
+
+
+def greedy_on_both_backends(path, prompts: list[list[int]], max_tokens: int, monkeypatch,
+                            **engine_args) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of one engine configuration on the PyTorch attention backend, then on the
+    Triton one (its kernels as the caller runs them: interpreted on the CPU)."""
+    import nanoserve.runner.model_runner as model_runner
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    def greedy() -> list[list[int]]:
+        llm = LLM(str(path), device="cpu", dtype="float32", **engine_args)
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                        ignore_eos=True), use_tqdm=False)
+        finally:
+            llm.close()
+        return [o.outputs[0].token_ids for o in outs]
+
+    torch_tokens = greedy()
+    monkeypatch.setattr(model_runner, "select_backend", lambda device: TritonAttentionBackend())
+    return torch_tokens, greedy()

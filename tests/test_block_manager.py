@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Callable
 
 import pytest
 
@@ -435,6 +436,23 @@ def test_aborting_waiting_and_running_requests_frees_their_blocks():
     assert eng.bm.num_free_blocks == 8 and all(b.ref_count == 0 for b in eng.bm.blocks)
 
 
+def _random_arrivals(eng: FakeEngine, rng: random.Random,
+                     arrival: Callable[[int], Request | None]) -> int:
+    """Forty rounds, each adding ``arrival(i)`` half the time (None: none comes) and stepping
+    while work is left, then the rest run out; returns how many were added."""
+    total = 0
+    for i in range(40):
+        if rng.random() < 0.5:
+            req = arrival(i)
+            if req is not None:
+                eng.add(req)
+                total += 1
+        if eng.sched.has_unfinished() or eng.in_flight:
+            eng.step()
+    eng.run()
+    return total
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("overlap", [False, True])
@@ -443,18 +461,15 @@ def test_random_stream_leaks_no_blocks(seed, prefix_caching, overlap):
     eng = FakeEngine(num_blocks=rng.randint(8, 20), max_num_seqs=rng.randint(1, 6),
                      budget=rng.randint(4, 40), prefix_caching=prefix_caching, overlap=overlap)
     shared = [rng.randrange(500) for _ in range(12)]
-    total = 0
-    for i in range(40):
-        if rng.random() < 0.5:  # arrivals interleaved with steps
-            plen = rng.randint(1, 20)
-            prompt = (shared[:rng.randint(0, 12)] + [rng.randrange(500) for _ in range(plen)])
-            prompt = prompt[:eng.bm.num_blocks * BS - 8] or [1]
-            max_tokens = rng.randint(1, min(8, eng.bm.num_blocks * BS - len(prompt)))
-            eng.add(_req(f"r{i}", prompt, max_tokens))
-            total += 1
-        if eng.sched.has_unfinished() or eng.in_flight:
-            eng.step()
-    eng.run()
+
+    def arrival(i: int) -> Request:
+        plen = rng.randint(1, 20)
+        prompt = (shared[:rng.randint(0, 12)] + [rng.randrange(500) for _ in range(plen)])
+        prompt = prompt[:eng.bm.num_blocks * BS - 8] or [1]
+        max_tokens = rng.randint(1, min(8, eng.bm.num_blocks * BS - len(prompt)))
+        return _req(f"r{i}", prompt, max_tokens)
+
+    total = _random_arrivals(eng, rng, arrival)
     assert len(eng.finished) == total
     assert all(r.num_output_tokens == r.max_tokens for r in eng.finished)
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
@@ -491,18 +506,15 @@ def test_cache_groups_hold_what_their_windows_read(seed, prefix_caching, windows
         return out
 
     eng.sched.schedule = watched
-    total = 0
-    for i in range(40):
-        if rng.random() < 0.5:
-            prompt = shared[:rng.randint(0, 16)] + [rng.randrange(500)
-                                                     for _ in range(rng.randint(1, 20))]
-            max_tokens = rng.randint(1, 12)
-            if eng.sched.max_blocks_held(len(prompt) + max_tokens) <= eng.bm.num_blocks:
-                eng.add(_req(f"r{i}", prompt, max_tokens))
-                total += 1
-        if eng.sched.has_unfinished() or eng.in_flight:
-            eng.step()
-    eng.run()
+
+    def arrival(i: int) -> Request | None:
+        prompt = shared[:rng.randint(0, 16)] + [rng.randrange(500)
+                                                 for _ in range(rng.randint(1, 20))]
+        max_tokens = rng.randint(1, 12)
+        fits = eng.sched.max_blocks_held(len(prompt) + max_tokens) <= eng.bm.num_blocks
+        return _req(f"r{i}", prompt, max_tokens) if fits else None
+
+    total = _random_arrivals(eng, rng, arrival)
     assert len(eng.finished) == total
     window = max(windows)
     assert held_most <= eng.bm.blocks_needed(window + eng.sched.max_num_batched_tokens) + 2

@@ -137,12 +137,10 @@ def test_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tokenizer_
     prefill chunk, four sequences decoding together in the kernels' longest-first order."""
     import random
 
+    from reference import greedy_on_both_backends
     from test_deepseek_v2 import CASES, hf_config
     from test_model_breadth import save_random
     from transformers import AutoTokenizer
-
-    import nanoserve.runner.model_runner as model_runner
-    from nanoserve import LLM, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     path = save_random(hf_config(len(tok), tok.eos_token_id, **CASES["plain-q"]), tmp_path,
@@ -150,16 +148,6 @@ def test_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tokenizer_
     rng = random.Random(0)
     prompts = [[rng.randint(1, 60) for _ in range(n)] for n in (5, 70, 150, 33)]
 
-    def greedy() -> list[list[int]]:
-        llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=4,
-                  max_num_batched_tokens=64)
-        try:
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
-                                                        ignore_eos=True), use_tqdm=False)
-        finally:
-            llm.close()
-        return [o.outputs[0].token_ids for o in outs]
-
-    want = greedy()
-    monkeypatch.setattr(model_runner, "select_backend", lambda device: TritonAttentionBackend())
-    assert greedy() == want
+    want, got = greedy_on_both_backends(path, prompts, 12, monkeypatch, max_num_seqs=4,
+                                        max_num_batched_tokens=64)
+    assert got == want

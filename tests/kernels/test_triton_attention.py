@@ -679,24 +679,17 @@ def test_hybrid_cache_engine_on_the_triton_backend_gives_the_torch_backends_toke
 
     from test_hybrid_cache import save_gemma3
 
-    import nanoserve.runner.model_runner as model_runner
-    from nanoserve import LLM, SamplingParams
+    from reference import greedy_on_both_backends
+    from transformers import AutoConfig
+
+    from nanoserve.attention.cache_spec import cache_groups
+    from nanoserve.config import ModelConfig
 
     path = save_gemma3(tmp_path, tokenizer_dir)
+    windows = ModelConfig.from_hf(AutoConfig.from_pretrained(path)).layer_windows
+    assert cache_groups(windows).num_groups == 4
     rng = random.Random(0)
     prompts = [[rng.randint(1, 60) for _ in range(n)] for n in (5, 40, 23, 9)]
-
-    def greedy() -> list[list[int]]:
-        llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=4, block_size=4,
-                  max_num_batched_tokens=32)
-        try:
-            assert llm.engine.scheduler.num_groups == 4
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
-                                                        ignore_eos=True), use_tqdm=False)
-        finally:
-            llm.close()
-        return [o.outputs[0].token_ids for o in outs]
-
-    want = greedy()
-    monkeypatch.setattr(model_runner, "select_backend", lambda device: TritonAttentionBackend())
-    assert greedy() == want
+    want, got = greedy_on_both_backends(path, prompts, 10, monkeypatch, max_num_seqs=4,
+                                        block_size=4, max_num_batched_tokens=32)
+    assert got == want
