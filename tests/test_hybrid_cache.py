@@ -144,3 +144,15 @@ def test_speculative_decoding_rolls_back_every_group(gemma3, method):
     assert stats.num_draft_tokens > 0
     if method == "ngram":  # some were rejected (the draft, the target itself, never is)
         assert stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_layers_that_cache_differently_are_refused_a_shared_tensor(gemma3, monkeypatch):
+    """A slot's tensor serves a layer of every group: layers whose caches differ in shape
+    cannot share one, and the error names the way out."""
+    from nanoserve.attention.cache_spec import CacheSpec
+    from nanoserve.models.decoder import Attention
+
+    monkeypatch.setattr(Attention, "cache_spec", property(
+        lambda self: CacheSpec(self.num_kv_heads, self.head_dim * (2 if self.window else 1))))
+    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager=True"):
+        LLM(str(gemma3[0]), device="cpu", dtype="float32")

@@ -106,6 +106,9 @@ class ModelRunner:
         # it is rank 0's own sampling work, and tensor-parallel peers are still in step.
         self.collectives_done = False
         self.attention = [layer.self_attn for layer in self.model.model.layers]
+        if self.num_groups > 1 and len({layer.cache_spec for layer in self.attention}) > 1:
+            raise ValueError("cache groups share block tensors, so their layers must cache "
+                             "alike; these differ: pass disable_hybrid_kv_cache_manager=True")
         attn = self.attention[0]
         self.prefill_tile = self.backend.prefill_tile(attn.num_heads, attn.num_kv_heads,
                                                       attn.head_dim, self.device)
