@@ -116,11 +116,12 @@ class ModelRunner:
         with phase("sized the KV cache", logger):
             self.num_kv_blocks = self._decide_num_blocks()
             self._allocate_kv_cache()
-        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s), %d group(s) of layers "
-                    "(windows %s)", self.num_kv_blocks, self.block_size,
-                    self.num_kv_blocks * self._bytes_per_block() / 2**20,
-                    str(self.kv_cache_dtype).replace("torch.", ""), self.num_groups,
-                    list(self.cache_groups.windows))
+        groups = self.cache_groups
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s)%s", self.num_kv_blocks,
+                    self.block_size, self.num_kv_blocks * self._bytes_per_block() / 2**20,
+                    str(self.kv_cache_dtype).replace("torch.", ""),
+                    f", {groups.num_groups} tables of {groups.num_slots} layers (windows "
+                    f"{list(groups.windows)})" if groups.num_groups > 1 else "")
         # An embedding model pools its prompts' hidden states and never samples.
         self.pooler = HiddenStatePooler(config.pooling_type or "last") \
             if config.task == "embed" else None
