@@ -52,6 +52,19 @@ def test_bench_latency_profiles_each_step_on_request(tmp_path):
     assert "calls/step" in proc.stderr and "aten::" in proc.stderr
 
 
+def test_bench_latency_sizes_the_cache_for_every_cache_group(tmp_path):
+    """A model with six cache groups (five sliding layers, one full) at a context past its
+    window: the benchmark's one-sequence cache holds a block a group per position."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanoserve.entrypoints.cli", "bench", "latency",
+         "--device", "cpu", "--shapes", "tiny-gemma3", "--contexts", "2048", "--new-tokens",
+         "4", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.splitlines()[-1])
+    assert record["context"] == 2048 and record["ttft_ms"] > 0
+
+
 def test_bench_serve_against_a_server_plots_its_latencies(fake, tmp_path, capsys):  # noqa: F811
     from nanoserve.bench.serve import main
     from nanoserve.entrypoints.server import build_app

@@ -29,7 +29,9 @@ from nanoserve.bench.floor import DEFAULT_CEILINGS, latency_floor, measure_ceili
 from nanoserve.bench.shapes import DENSE, SHAPES, config_of, make_model_dir, tokenizer_kind
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig
+from nanoserve.attention.cache_spec import cache_groups
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.models.loader import load_hf_config
 
 
 def time_generate(llm: LLM, prompt: list[int], new_tokens: int, repeats: int, device: str,
@@ -89,11 +91,13 @@ def step_graph_ms(llm: LLM, context: int, replays: int = 200) -> dict:
         return {"step_graph_ms": None, "step_graph_error": repr(exc)[:200]}
 
 
-def engine_args(args: argparse.Namespace) -> dict:
+def engine_args(args: argparse.Namespace, model_dir: Path) -> dict:
     """Engine arguments for one shape: the cache and graphs sized for one short-lived sequence
     at the largest context, so that start-up stays short."""
     longest = max(args.contexts) + args.new_tokens + 16
-    blocks_per_seq = -(-longest // EngineConfig.block_size)  # at the engine's default size
+    windows = ModelConfig.from_hf(load_hf_config(model_dir)).layer_windows
+    # At the engine's default block size, in every cache group (a block per group of layers).
+    blocks_per_seq = -(-longest // EngineConfig.block_size) * cache_groups(windows).num_groups
     extra = {}
     if args.kv_cache_dtype != "auto":
         extra["kv_cache_dtype"] = args.kv_cache_dtype
@@ -113,7 +117,7 @@ def run_shape(name: str, args: argparse.Namespace, ceilings, env: dict, tmp: Pat
     shape = config_of(name, args.layers)
     model_dir = make_model_dir(name, tmp / name, num_hidden_layers=args.layers)
     t0 = time.perf_counter()
-    llm = LLM(str(model_dir), **engine_args(args))
+    llm = LLM(str(model_dir), **engine_args(args, model_dir))
     load_s = time.perf_counter() - t0
     kv_bytes = 1 if args.kv_cache_dtype.startswith("fp8") else 2
     vocab = min(shape["vocab_size"], 10000)

@@ -185,6 +185,7 @@ for _name, _like in (("tiny-qwen2", "qwen2.5-0.5b"), ("tiny-llama", "llama-3.2-1
                      ("tiny-phi3", "phi-3-mini-4k"), ("tiny-mixtral", "mixtral-8x7b"),
                      ("tiny-gpt-oss", "gpt-oss-20b")):
     SHAPES[_name] = shrunk(SHAPES[_like])
+SHAPES["tiny-gemma3"] = shrunk(SHAPES["gemma-3-1b"], layers=6)  # 5 sliding : 1 full
 
 # Qwen3's real tokenizer (scripts/fetch_qwen3_tokenizer.sh, run in a checkout: relative to the
 # working directory); ignored by git, so a device call has it only where the call carries
