@@ -9,7 +9,9 @@ and one engine step (each sequence's chunk of new tokens and the keys they atten
   keys * bytes per value, once per sequence and step) and the new tokens' K/V written;
 - FLOPs: 2 * matrix parameters a token touches * tokens (the LM head only for tokens that
   sample), plus attention's 4 * heads * head_dim * keys per token and layer (QK^T and PV);
-  norms, biases, RoPE, activations and sampling are left out (well under 1%);
+  norms, biases, RoPE, activations and sampling are left out (well under 1%); a sliding
+  layer reads and attends only its window's keys (each layer's window as the engine reads the
+  config);
 - floor = max(bytes / copy bandwidth, FLOPs / matmul peak); the bytes-only floor is
   bytes / bandwidth. A sequence of steps sums each step's floor (steps run one after another).
 
@@ -99,6 +101,7 @@ class Sizes:
     kv_per_token: int  # K and V values one token stores, all layers
     attention_heads: int
     head_dim: int
+    windows: tuple[int, ...]  # each layer's sliding window (0: every key)
 
 
 def sizes(shape: dict) -> Sizes:
@@ -117,7 +120,39 @@ def sizes(shape: dict) -> Sizes:
         embedding=shape["vocab_size"] * h, lm_head=shape["vocab_size"] * h,
         num_dense_layers=layers - num_moe, num_moe_layers=num_moe,
         experts=shape.get("num_experts", 0), top_k=shape.get("num_experts_per_tok", 0),
-        kv_per_token=layers * 2 * kv, attention_heads=shape["num_attention_heads"], head_dim=d)
+        kv_per_token=layers * 2 * kv, attention_heads=shape["num_attention_heads"], head_dim=d,
+        windows=layer_windows(json.dumps(shape, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=64)
+def layer_windows(shape_json: str) -> tuple[int, ...]:
+    """Each layer's sliding window in a shape (as JSON: a cache key) as the engine reads its
+    config: transformers fills in the layer types, ``ModelConfig`` keeps the honoured ones."""
+    shape = json.loads(shape_json)
+    if not shape.get("sliding_window") or "model_type" not in shape:
+        return (0,) * shape["num_hidden_layers"]
+    from transformers import AutoConfig
+
+    from nanoserve.config import ModelConfig
+
+    fields = {k: v for k, v in shape.items() if k != "model_type"}
+    return tuple(ModelConfig.from_hf(AutoConfig.for_model(shape["model_type"], **fields))
+                 .layer_windows)
+
+
+def keys_read(start: int, num_tokens: int, window: int) -> int:
+    """Keys a chunk of ``num_tokens`` from ``start`` reads once: all, or its windows' span."""
+    end = start + num_tokens
+    return min(end, window + num_tokens - 1) if window else end
+
+
+def keys_attended(start: int, num_tokens: int, window: int) -> int:
+    """Keys the chunk's tokens attend, summed: position p sees min(p + 1, window) keys."""
+    first, last = start + 1, start + num_tokens  # p + 1 over the chunk
+    if not window or last <= window:
+        return (first + last) * num_tokens // 2
+    below = max(0, window - first + 1)  # tokens still inside their first window's reach
+    return (first + first + below - 1) * below // 2 + window * (num_tokens - below)
 
 
 def experts_touched(shape: dict, num_tokens: int) -> float:
@@ -190,9 +225,12 @@ def step_floor(shape: dict, chunks: Sequence[tuple[int, int, bool]],
     s = sizes(shape)
     tokens = sum(n for _, n, _ in chunks)
     sampled = sum(1 for _, _, samples in chunks if samples)
-    keys = sum(start + n for start, n, _ in chunks)
-    # Keys attended summed over the step's tokens: sum over chunks of n * start + n (n + 1) / 2.
-    attended = sum(n * start + n * (n + 1) // 2 for start, n, _ in chunks)
+    layers_by_window = {w: s.windows.count(w) for w in set(s.windows)}
+    # Per layer (summed over layers): keys read once per chunk, keys attended per token.
+    keys = sum(count * keys_read(start, n, w) for w, count in layers_by_window.items()
+               for start, n, _ in chunks)
+    attended = sum(count * keys_attended(start, n, w) for w, count in layers_by_window.items()
+                   for start, n, _ in chunks)
     touched = experts_touched(shape, tokens)
     weights = (s.layers * s.attention + s.num_dense_layers * s.dense_mlp
                + s.num_moe_layers * (s.router + touched * s.expert) + s.small
@@ -200,10 +238,10 @@ def step_floor(shape: dict, chunks: Sequence[tuple[int, int, bool]],
     per_token = (s.layers * s.attention + s.num_dense_layers * s.dense_mlp
                  + s.num_moe_layers * (s.router + s.top_k * s.expert))
     flops = (2 * per_token * tokens + 2 * s.lm_head * sampled
-             + 4 * s.attention_heads * s.head_dim * s.layers * attended)
+             + 4 * s.attention_heads * s.head_dim * attended)
     floor = Floor(steps=1, tokens=tokens, sampled=sampled,
                   weight_bytes=weights * weight_bytes / num_gpus,
-                  kv_read_bytes=keys * s.kv_per_token * kv_bytes / num_gpus,
+                  kv_read_bytes=keys * s.kv_per_token // s.layers * kv_bytes / num_gpus,
                   kv_write_bytes=tokens * s.kv_per_token * kv_bytes / num_gpus,
                   flops=flops / num_gpus)
     floor.bytes_seconds = floor.bytes / bandwidth
@@ -390,7 +428,7 @@ CHECK_SHAPE = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidde
 
 
 def self_check() -> None:
-    """The arithmetic against numbers counted by hand for CHECK_SHAPE (movable into tests/)."""
+    """The arithmetic against numbers counted by hand for CHECK_SHAPE (tests/test_floor.py)."""
     shape = CHECK_SHAPE
     # q = 4 * 16 = 64, kv = 2 * 16 = 32 features. A layer: qkv 64 * (64 + 2 * 32) = 8192,
     # o 64 * 64 = 4096, gate/up/down 3 * 64 * 128 = 24576: 36864 a layer, 73728 for two.
@@ -444,6 +482,17 @@ def self_check() -> None:
     assert m.weight_bytes == 2 * (2 * (12288 + 512 + 2 * 6144) + 384 + 64 + 64000), m
     # Tensor parallelism halves each GPU's share.
     assert decode_step_floor(shape, [10, 20], 1e9, 1e9, num_gpus=2).bytes == f.bytes / 2
+    # Sliding windows of 8 keys on one of the two layers (Gemma 2's alternation): decoding
+    # at 20 keys reads 8 there, 20 on the other; a 5-token chunk from 6 attends 7 + 8 * 4.
+    windowed = {**shape, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    assert sizes(windowed).windows == (8, 0)
+    assert decode_step_floor(windowed, [20], 1e9, 1e9).kv_read_bytes == (8 + 20) * 128
+    chunk = step_floor(windowed, [(6, 5, True)], 1e9, 1e9)
+    assert chunk.kv_read_bytes == (min(11, 8 + 4) + 11) * 128
+    assert chunk.flops - p.flops == 2 * 73728 * 0 + 4 * 4 * 16 * (
+        (7 + 8 * 4) + (7 + 8 + 9 + 10 + 11) - 2 * 15)
+    assert keys_attended(0, 5, 3) == 1 + 2 + 3 + 3 + 3 and keys_attended(10, 2, 3) == 6
     print("floor.py self-check passed", file=sys.stderr)
 
 
