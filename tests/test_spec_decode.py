@@ -129,6 +129,26 @@ def test_ngram_proposer_matches_brute_force_lookup():
     assert hits > 100
 
 
+def test_a_growing_history_is_proposed_from_as_a_fresh_copy_would_be():
+    """The kept int64 copy of a sequence's tokens takes only the new ones each step (one, a
+    verify's several, a prompt's hundreds) and proposes as the whole history would."""
+    config = EngineConfig(speculative_config=NGRAM).speculative_config
+    spec = SpecDecoder(config, max_model_len=10_000)
+    gen = np.random.default_rng(1)
+    req = Request("r", None, gen.integers(0, 6, size=3).tolist(),
+                  SamplingParams(temperature=0.0, max_tokens=5000), 5000, frozenset())
+    proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    hits = 0
+    for grow in [1, 1, 4, 300, 1, 2, 1000, 1, 3]:
+        req.token_ids += gen.integers(0, 6, size=grow).tolist()
+        got = spec.propose(req)
+        assert np.array_equal(req.spec_state.known_tokens(req.token_ids), req.token_ids)
+        assert got == proposer.propose(np.asarray(req.token_ids, dtype=np.int64),
+                                       req.spec_state.k)
+        hits += bool(got)
+    assert hits >= 6
+
+
 def test_rejected_proposals_shrink_then_pause_then_come_back():
     """A sequence whose proposals are always rejected proposes ever less often, so it runs
     almost only plain decodes; once they are accepted again, proposals grow back to k."""

@@ -34,6 +34,22 @@ class SpecState:
     pause: int = 0
     draft: Any = None  # spec_draft.DraftState
     proposals: list[int] = field(default_factory=list)
+    # The known token ids as int64 (the first num_history of it), for n-gram lookup: only
+    # the tokens new since the last step are converted, not the whole history each step.
+    history: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    num_history: int = 0
+
+    def known_tokens(self, token_ids: list[int]) -> np.ndarray:
+        """``token_ids`` (which only ever grows) as int64, from the kept copy."""
+        n = len(token_ids)
+        if n > len(self.history):  # doubling: appends cost amortised O(1)
+            grown = np.empty(max(n, 2 * len(self.history)), dtype=np.int64)
+            grown[:self.num_history] = self.history[:self.num_history]
+            self.history = grown
+        if n > self.num_history:
+            self.history[self.num_history:n] = token_ids[self.num_history:]
+            self.num_history = n
+        return self.history[:n]
 
 
 @dataclass
@@ -136,7 +152,7 @@ class SpecDecoder:
         k = self._budget(req)
         if k < 1:
             return []
-        return self.ngram.propose(np.asarray(req.token_ids, dtype=np.int64), k)
+        return self.ngram.propose(req.spec_state.known_tokens(req.token_ids), k)
 
     def release(self, req: Request) -> None:
         """A request finished: its draft cache blocks go back."""
