@@ -26,7 +26,7 @@ def test_groups_split_layers_by_window_into_equal_runs():
     assert sorted(i for layers in groups.layers for i in layers) == list(range(26))
     for g, layers in enumerate(groups.layers):
         assert all(windows[i] == groups.windows[g] for i in layers)
-        assert [groups.place(i) for i in layers] == [(g, s) for s in range(len(layers))]
+        assert len(layers) <= groups.num_slots
     assert cache_groups([0] * 4).layers == ((0, 1, 2, 3),)
     assert cache_groups([8] * 3).windows == (8,)
     assert cache_groups(windows, hybrid=False).windows == (0,)  # every block kept

@@ -44,13 +44,6 @@ class CacheGroups:
     def num_slots(self) -> int:
         return max(len(layers) for layers in self.layers)
 
-    def place(self, layer: int) -> tuple[int, int]:
-        """(group, slot) of ``layer``."""
-        for group, layers in enumerate(self.layers):
-            if layer in layers:
-                return group, layers.index(layer)
-        raise ValueError(f"layer {layer} is in no cache group")
-
 
 def cache_groups(layer_windows: list[int], hybrid: bool = True) -> CacheGroups:
     """Groups for layers with these windows: one for all when they agree (or ``hybrid`` is

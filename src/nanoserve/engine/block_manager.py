@@ -92,7 +92,7 @@ class BlockManager:
                 fits = fits and runs[group] >= end - self.first_read(end, window)
             if fits:
                 best = end
-            elif not all(windows[g] for g in range(len(windows)) if runs[g] < end):
+            elif any(not window and run < end for window, run in zip(windows, runs)):
                 break  # a full group missed a block: no longer prefix can fit
         firsts = [self.first_read(best, w) if best else 0 for w in windows]
         return best, [(first, blocks[first:best]) for first, blocks in zip(firsts, found)]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nanoserve.attention.cache_spec import cache_groups
+from nanoserve.attention.cache_spec import CacheGroups
 from nanoserve.config import EngineConfig, ModelConfig, max_model_len
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.fault_hunt import FaultHunt
@@ -42,6 +42,7 @@ class Executor(Protocol):
     """Runs model steps on some device(s); the engine only sees this."""
 
     num_kv_blocks: int
+    cache_groups: CacheGroups  # the layers sharing each block table (one table per group)
     stopped: bool  # True once it can run no more steps (closed, or broken for good)
     # Takes PENDING_TOKEN inputs, reading them from the previous step's samples on the device.
     feeds_pending_tokens: bool
@@ -87,10 +88,9 @@ class LLMEngine:
         self.max_model_len = max_model_len(config, model_config)
         self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        groups = cache_groups(model_config.layer_windows,
-                              not config.disable_hybrid_kv_cache_manager)
+        # The runner's cache groups: a block table per group, as it laid the cache out.
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, groups.windows)
+                                   config.max_num_batched_tokens, executor.cache_groups.windows)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.aborted: list[Request] = []

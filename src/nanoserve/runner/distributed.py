@@ -105,6 +105,7 @@ class TensorParallelExecutor:
             lambda: build_runner(config, model_config, path, 0, self.size, self.device,
                                  draft_model_config))
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.cache_groups = self.runner.cache_groups
 
     def _join_torchrun(self, config: EngineConfig, model_config: ModelConfig, path: Path) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
